@@ -1,0 +1,230 @@
+"""PTX instructions as Numba intrinsics (inline asm). Import through `common.ptx`, never directly.
+
+Every function here has a pure-Python stand-in of the same name and meaning in
+`common/_ptx_sim.py`; `common/ptx.py` picks one set. The docstrings of the stand-ins give the
+lane-level semantics (which lane ends up holding which element); tests check each intrinsic on the
+GPU against the stand-in's answer.
+
+Conventions:
+- Shared-memory operands are passed as (1-D shared array, element offset); the intrinsic turns them
+  into a 32-bit shared address. Global operands as (2-D array, row, col).
+- Instructions that touch memory are emitted `volatile` (LLVM side effects) so that they are never
+  moved across a barrier or each other; pure arithmetic (mma, cvt, ex2) is left free to schedule.
+"""
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.cuda.extending import intrinsic
+
+_f32 = ir.FloatType()
+_i32 = ir.IntType(32)
+_i64 = ir.IntType(64)
+
+
+def _asm(builder, ret, operands, text, constraints, side_effect=False):
+    """Emit one inline-asm statement; `ret` is an llvmlite type or a list of them (a struct)."""
+    if isinstance(ret, list):
+        ret = ir.LiteralStructType(ret)
+    fnty = ir.FunctionType(ret, [op.type for op in operands])
+    return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), operands)
+
+
+def _unpack(builder, struct, n):
+    return [builder.extract_value(struct, i) for i in range(n)]
+
+
+def _as(context, builder, val, fromty, toty):
+    return context.cast(builder, val, fromty, toty)
+
+
+def _item_pointer(context, builder, aryty, aryval, indices, index_types):
+    ary = context.make_array(aryty)(context, builder, aryval)
+    idx = [_as(context, builder, i, t, types.intp) for i, t in zip(indices, index_types)]
+    return cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False)
+
+
+def _shared_address(context, builder, aryty, aryval, offset, offset_type):
+    """32-bit `.shared` address of element `offset` of a 1-D shared array: the array's base
+    (converted once; loop-invariant) plus a 32-bit byte offset, so no 64-bit math per access."""
+    ary = context.make_array(aryty)(context, builder, aryval)
+    data = builder.addrspacecast(ary.data, ir.PointerType(ary.data.type.pointee, 3))
+    base = builder.ptrtoint(data, _i32)
+    itemsize = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+    off = _as(context, builder, offset, offset_type, types.int32)
+    return builder.add(base, builder.mul(off, ir.Constant(_i32, itemsize)))
+
+
+def _global_address(context, builder, aryty, aryval, indices, index_types):
+    """64-bit `.global` address of an element of a global array."""
+    ptr = _item_pointer(context, builder, aryty, aryval, indices, index_types)
+    gptr = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 1))
+    return builder.ptrtoint(gptr, _i64)
+
+
+# --------------------------------------------------------------------------- tensor cores
+
+def _make_mma(ptx_type):
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        ins = (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        sig = types.UniTuple(types.float32, 4)(*ins)
+
+        def codegen(context, builder, sig, args):
+            ops = [_as(context, builder, v, t, types.uint32) for v, t in zip(args[:6], sig.args[:6])]
+            ops += [_as(context, builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
+            out = _asm(builder, [_f32] * 4, ops, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            return context.make_tuple(builder, sig.return_type, _unpack(builder, out, 4))
+
+        return sig, codegen
+
+    return mma
+
+
+mma_bf16_16816 = _make_mma("bf16")
+mma_f16_16816 = _make_mma("f16")
+
+
+def _make_ldmatrix(trans):
+    text = ("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "")
+            + ".shared.b16 {$0,$1,$2,$3}, [$4];")
+
+    @intrinsic
+    def ldmatrix(typingctx, smem, offset):
+        sig = types.UniTuple(types.uint32, 4)(smem, offset)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            out = _asm(builder, [_i32] * 4, [addr], text, "=r,=r,=r,=r,r", side_effect=True)
+            return context.make_tuple(builder, sig.return_type, _unpack(builder, out, 4))
+
+        return sig, codegen
+
+    return ldmatrix
+
+
+ldmatrix_x4 = _make_ldmatrix(trans=False)
+ldmatrix_x4_trans = _make_ldmatrix(trans=True)
+
+
+# --------------------------------------------------------------------------- warp shuffles, math
+
+@intrinsic
+def shfl_xor_f32(typingctx, x, lanemask):
+    sig = types.float32(x, lanemask)
+
+    def codegen(context, builder, sig, args):
+        v = _as(context, builder, args[0], sig.args[0], types.float32)
+        m = _as(context, builder, args[1], sig.args[1], types.int32)
+        return _asm(builder, _f32, [v, m], "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                    "=f,f,r", side_effect=True)
+
+    return sig, codegen
+
+
+@intrinsic
+def ex2_approx(typingctx, x):
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = _as(context, builder, args[0], sig.args[0], types.float32)
+        return _asm(builder, _f32, [v], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+
+    return sig, codegen
+
+
+def _make_pack(ptx_type):
+    # cvt.rn.<t>x2.f32 d, a, b puts cvt(a) in the upper half of d and cvt(b) in the lower half.
+    text = f"cvt.rn.{ptx_type}x2.f32 $0, $1, $2;"
+
+    @intrinsic
+    def pack(typingctx, lo, hi):
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            lo_ = _as(context, builder, args[0], sig.args[0], types.float32)
+            hi_ = _as(context, builder, args[1], sig.args[1], types.float32)
+            return _asm(builder, _i32, [hi_, lo_], text, "=r,f,f")
+
+        return sig, codegen
+
+    return pack
+
+
+pack_bf16x2 = _make_pack("bf16")
+pack_f16x2 = _make_pack("f16")
+
+
+# --------------------------------------------------------------------------- asynchronous copies
+
+@intrinsic
+def cp_async_16(typingctx, dst, dst_offset, src, row, col, src_bytes):
+    """16-byte global->shared copy; bytes past `src_bytes` (0 or 16) are filled with zeros."""
+    sig = types.void(dst, dst_offset, src, row, col, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        saddr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        gaddr = _global_address(context, builder, sig.args[2], args[2], args[3:5], sig.args[3:5])
+        n = _as(context, builder, args[5], sig.args[5], types.int32)
+        _asm(builder, ir.VoidType(), [saddr, gaddr, n],
+             "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def cp_async_commit(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def cp_async_wait(typingctx, pending):
+    """Wait until at most `pending` (a literal int) committed copy groups are still in flight."""
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    n = pending.literal_value
+    sig = types.void(pending)
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {n};", "~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# --------------------------------------------------------------------------- 16-byte accesses
+
+@intrinsic
+def ld_shared_v4_u32(typingctx, smem, offset):
+    sig = types.UniTuple(types.uint32, 4)(smem, offset)
+
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        out = _asm(builder, [_i32] * 4, [addr], "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];",
+                   "=r,=r,=r,=r,r", side_effect=True)
+        return context.make_tuple(builder, sig.return_type, _unpack(builder, out, 4))
+
+    return sig, codegen
+
+
+@intrinsic
+def st_global_v4_u32(typingctx, dst, row, col, x0, x1, x2, x3):
+    sig = types.void(dst, row, col, x0, x1, x2, x3)
+
+    def codegen(context, builder, sig, args):
+        addr = _global_address(context, builder, sig.args[0], args[0], args[1:3], sig.args[1:3])
+        vals = [_as(context, builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:])]
+        _asm(builder, ir.VoidType(), [addr] + vals, "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
+             "l,r,r,r,r,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen

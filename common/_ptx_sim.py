@@ -1,0 +1,248 @@
+"""Pure-Python stand-ins for `common/_ptx_gpu.py`, used under NUMBA_ENABLE_CUDASIM=1.
+
+Each stand-in has the name, arguments and per-lane result of its intrinsic, so one kernel source
+runs on the GPU and in Numba's CUDA simulator. The lane-level semantics are written once, as NumPy
+functions over all 32 lanes (`mma_lanes`, `ldmatrix_lanes`); the stand-ins call them, and the GPU
+tests compare the real instructions against them.
+
+Warp-collective stand-ins (mma, ldmatrix, shuffles) must see the other lanes' registers. The
+simulator runs every CUDA thread as a Python thread, so a stand-in publishes its operand and waits
+at the simulator's block barrier (`_warp_collective`). Consequence, checked by the simulator itself
+(it deadlocks or raises otherwise): in simulated kernels every thread of the block must reach the
+same sequence of warp-collective calls. The kernels of this project are written that way.
+"""
+import itertools
+import threading
+
+import ml_dtypes
+import numpy as np
+
+# --------------------------------------------------------------------------- lane semantics
+# PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type": with g = lane // 4 and
+# t = lane % 4, register j of a lane holds two consecutive 16-bit elements (low half first):
+#   A (16x16, row-major): a0 (g, 2t), a1 (g+8, 2t), a2 (g, 2t+8), a3 (g+8, 2t+8)
+#   B (16x8,  "col"):     b0 (k=2t, n=g), b1 (k=2t+8, n=g)      (the pair runs along k)
+#   C, D (16x8, f32):     c0,c1 (g, 2t), (g, 2t+1); c2,c3 (g+8, 2t), (g+8, 2t+1)
+
+_LANE = np.arange(32)
+_G, _T = _LANE // 4, _LANE % 4
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def halves_to_float(bits, dtype):
+    """uint16 bit patterns -> float64 values of a 16-bit float type ('bfloat16' or 'float16')."""
+    return np.asarray(bits, dtype=np.uint16).view(_DTYPES[dtype]).astype(np.float64)
+
+
+def float_to_halves(x, dtype):
+    """float values -> uint16 bit patterns, rounded to nearest even."""
+    return np.asarray(x, dtype=np.float32).astype(_DTYPES[dtype]).view(np.uint16)
+
+
+# (row, col) of the 16-bit halves of each lane's registers, in register order (low half first).
+_A_ROW = np.stack([_G, _G, _G + 8, _G + 8, _G, _G, _G + 8, _G + 8], axis=1)
+_A_COL = np.stack([2 * _T, 2 * _T + 1] * 2 + [2 * _T + 8, 2 * _T + 9] * 2, axis=1)
+_B_K = np.stack([2 * _T, 2 * _T + 1, 2 * _T + 8, 2 * _T + 9], axis=1)
+_B_N = np.stack([_G] * 4, axis=1)
+_C_ROW = np.stack([_G, _G, _G + 8, _G + 8], axis=1)
+_C_COL = np.stack([2 * _T, 2 * _T + 1] * 2, axis=1)
+
+
+def _halves(regs):
+    """(32, r) uint32 registers -> (32, 2r) uint16 halves, low half first."""
+    return np.ascontiguousarray(regs, dtype=np.uint32).view(np.uint16)
+
+
+def a_fragment_matrix(a_regs, dtype):
+    """32 lanes x 4 uint32 A registers -> the 16x16 matrix they hold."""
+    a = np.zeros((16, 16))
+    a[_A_ROW, _A_COL] = halves_to_float(_halves(a_regs), dtype)
+    return a
+
+
+def b_fragment_matrix(b_regs, dtype):
+    """32 lanes x 2 uint32 B registers -> the 16x8 (k x n) matrix they hold."""
+    b = np.zeros((16, 8))
+    b[_B_K, _B_N] = halves_to_float(_halves(b_regs), dtype)
+    return b
+
+
+def c_fragment_matrix(c_regs):
+    """32 lanes x 4 f32 C/D registers -> the 16x8 matrix they hold."""
+    c = np.zeros((16, 8))
+    c[_C_ROW, _C_COL] = np.asarray(c_regs, dtype=np.float64)
+    return c
+
+
+def c_fragment_registers(c):
+    """16x8 matrix -> the 32 lanes x 4 f32 registers of the C/D fragment."""
+    return np.asarray(c, dtype=np.float64)[_C_ROW, _C_COL].astype(np.float32)
+
+
+def mma_lanes(a_regs, b_regs, c_regs, dtype):
+    """D = A B + C for mma.m16n8k16 over the registers of all 32 lanes (fp32 accumulate)."""
+    a = a_fragment_matrix(a_regs, dtype)
+    b = b_fragment_matrix(b_regs, dtype)
+    return c_fragment_registers(a @ b + c_fragment_matrix(c_regs))
+
+
+def ldmatrix_lanes(smem, offsets, trans):
+    """ldmatrix.x4 (.trans): lanes 8i..8i+7 give the 8 row offsets of 8x8 matrix i; register i of
+    lane l gets elements (l//4, 2(l%4)) and (l//4, 2(l%4)+1) of matrix i, or with .trans
+    (2(l%4), l//4) and (2(l%4)+1, l//4)."""
+    smem = np.asarray(smem).view(np.uint16)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    out = np.zeros((32, 4), dtype=np.uint32)
+    for i in range(4):
+        rows = offsets[8 * i:8 * i + 8]
+        if trans:
+            lo = smem[rows[2 * _T] + _G]
+            hi = smem[rows[2 * _T + 1] + _G]
+        else:
+            lo = smem[rows[_G] + 2 * _T]
+            hi = smem[rows[_G] + 2 * _T + 1]
+        out[:, i] = lo.astype(np.uint32) | (hi.astype(np.uint32) << 16)
+    return out
+
+
+# --------------------------------------------------------------------------- warp exchange
+
+_setup_lock = threading.Lock()
+
+
+class _Warp:
+    """Per-warp rendezvous state, double-buffered by call parity."""
+    __slots__ = ("slots", "arrivals", "results")
+
+    def __init__(self):
+        self.slots = [[None] * 32, [None] * 32]
+        self.arrivals = [itertools.count(), itertools.count()]
+        self.results = [None, None]
+
+
+def _warps_of(t):
+    warps = getattr(t._manager, "_ptx_warps", None)
+    if warps is None:
+        with _setup_lock:
+            warps = getattr(t._manager, "_ptx_warps", None)
+            if warps is None:
+                bx, by, bz = t._manager._block_dim
+                if (bx * by * bz) % 32:
+                    raise RuntimeError("warp-collective stand-ins need a block of whole warps")
+                warps = t._manager._ptx_warps = [_Warp() for _ in range(bx * by * bz // 32)]
+    return warps
+
+
+def _warp_collective(value, compute=None):
+    """Publish this lane's `value`; once all 32 lanes of the warp have, `compute(values)` runs once
+    (in the last lane to arrive) and every lane gets (result, its lane id) after the block barrier.
+
+    One barrier per call: slots, arrival counters and results are double-buffered by call parity.
+    Call n's buffers are reused only by call n+2, which no lane reaches before every lane has left
+    call n+1's barrier, i.e. has finished with call n. (`next` on itertools.count is atomic under the
+    GIL, so exactly one lane sees the 32nd arrival.)"""
+    t = threading.current_thread()
+    if not hasattr(t, "_manager"):
+        raise RuntimeError("PTX stand-ins run only inside a kernel launched in the CUDA simulator")
+    warp = _warps_of(t)[t.thread_id // 32]
+    n = getattr(t, "_ptx_calls", 0)
+    t._ptx_calls = n + 1
+    p = n & 1
+    lane = t.thread_id % 32
+    warp.slots[p][lane] = value
+    if next(warp.arrivals[p]) == 31:
+        warp.arrivals[1 - p] = itertools.count()
+        warp.results[p] = compute(warp.slots[p]) if compute else list(warp.slots[p])
+    t.syncthreads()
+    return warp.results[p], lane
+
+
+# --------------------------------------------------------------------------- stand-ins
+
+def _make_mma(dtype):
+    def compute(ops):
+        regs = np.array(ops, dtype=np.float64)
+        return mma_lanes(regs[:, 0:4].astype(np.uint32), regs[:, 4:6].astype(np.uint32),
+                         regs[:, 6:10], dtype)
+
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        d, lane = _warp_collective((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), compute)
+        return (d[lane, 0], d[lane, 1], d[lane, 2], d[lane, 3])
+
+    mma.__name__ = mma.__qualname__ = f"mma_{dtype}_16816"
+    return mma
+
+
+mma_bf16_16816 = _make_mma("bfloat16")
+mma_f16_16816 = _make_mma("float16")
+
+
+def _unwrap(ary):
+    """The NumPy array behind a simulator array (shared and local arrays already are NumPy)."""
+    if isinstance(ary, np.ndarray):
+        return ary
+    ary = vars(ary).get("_item", ary)  # FakeWithinKernelCUDAArray wraps a FakeCUDAArray
+    return vars(ary)["_ary"]
+
+
+def _make_ldmatrix(trans):
+    def ldmatrix(smem, offset):
+        smem = _unwrap(smem)
+        regs, lane = _warp_collective(int(offset), lambda offs: ldmatrix_lanes(smem, offs, trans))
+        return (regs[lane, 0], regs[lane, 1], regs[lane, 2], regs[lane, 3])
+
+    return ldmatrix
+
+
+ldmatrix_x4 = _make_ldmatrix(trans=False)
+ldmatrix_x4_trans = _make_ldmatrix(trans=True)
+
+
+def shfl_xor_f32(x, lanemask):
+    values, lane = _warp_collective(np.float32(x))
+    return np.float32(values[lane ^ int(lanemask)])
+
+
+def ex2_approx(x):
+    with np.errstate(over="ignore"):
+        return np.float32(np.exp2(np.float32(x)))
+
+
+def _make_pack(dtype):
+    def pack(lo, hi):
+        bits = float_to_halves([lo, hi], dtype).astype(np.uint32)
+        return np.uint32(bits[0] | (bits[1] << 16))
+
+    return pack
+
+
+pack_bf16x2 = _make_pack("bfloat16")
+pack_f16x2 = _make_pack("float16")
+
+
+def cp_async_16(dst, dst_offset, src, row, col, src_bytes):
+    dst = _unwrap(dst)
+    n = 8 if int(src_bytes) == 16 else 0
+    o = int(dst_offset)
+    if n:
+        dst[o:o + 8] = _unwrap(src)[int(row), int(col):int(col) + 8]
+    else:
+        dst[o:o + 8] = 0
+
+
+def cp_async_commit():
+    pass
+
+
+def cp_async_wait(pending):
+    pass
+
+
+def ld_shared_v4_u32(smem, offset):
+    o = int(offset)
+    return tuple(np.uint32(x) for x in _unwrap(smem)[o:o + 4])
+
+
+def st_global_v4_u32(dst, row, col, x0, x1, x2, x3):
+    c = int(col)
+    _unwrap(dst)[int(row), c:c + 4] = (x0, x1, x2, x3)

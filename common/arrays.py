@@ -1,0 +1,139 @@
+"""Device arrays from CuPy, Numba and torch, seen by the kernels as zero-copy Numba views.
+
+The kernels take 16-bit inputs as uint16 bit patterns (the tensor cores read the bits; Numba has no
+bfloat16 shared/local arrays), so every input is re-viewed, never copied: `bits_view` turns any
+supported device array into a Numba device array of uint16/uint32/float32 with the same memory and
+any axis order. Outputs are allocated with the library of the inputs (`empty`), so a CuPy user gets
+CuPy arrays back, a torch user torch tensors.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from common.target import SIMULATOR
+
+_FLOAT_DTYPES = ("float16", "bfloat16")
+
+
+def _torch_module(x):
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+        if isinstance(x, torch.Tensor):
+            return torch
+    return None
+
+
+def _is_simulator_array(x):
+    if not SIMULATOR:
+        return False
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    return isinstance(x, FakeCUDAArray)
+
+
+@dataclass
+class Described:
+    """What the kernels need to know of an array: where it is and how it is laid out."""
+    library: str          # "torch" | "cupy" | "numba" | "sim" | "cai" (any __cuda_array_interface__)
+    ptr: int
+    shape: tuple
+    strides: tuple        # bytes
+    dtype: str            # numpy-style name: "bfloat16", "float16", "float32", ...
+    itemsize: int
+    owner: object
+
+
+def describe(x, name="array"):
+    """Describe a device array or raise TypeError naming what is wrong with it."""
+    torch = _torch_module(x)
+    if torch is not None:
+        if not x.is_cuda:
+            raise TypeError(f"{name} is a torch tensor on {x.device}; pass a CUDA tensor")
+        dtype = str(x.dtype).replace("torch.", "")
+        size = x.element_size()
+        return Described("torch", x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()),
+                         dtype, size, x)
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{name} is a host (NumPy) array; pass a device array (CuPy, a Numba device "
+                        f"array or a torch CUDA tensor), e.g. numba.cuda.to_device({name})")
+    if _is_simulator_array(x):
+        a = vars(x)["_ary"]
+        return Described("sim", 0, a.shape, a.strides, a.dtype.name, a.dtype.itemsize, x)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        raise TypeError(f"{name} of type {type(x).__name__} is not a device array (no "
+                        "__cuda_array_interface__); pass CuPy, Numba device arrays or torch CUDA tensors")
+    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides") or _contiguous_strides(shape, dtype.itemsize)
+    mod = type(x).__module__
+    library = "cupy" if mod.startswith("cupy") else "numba" if mod.startswith("numba") else "cai"
+    return Described(library, cai["data"][0], shape, tuple(strides), dtype.name, dtype.itemsize, x)
+
+
+def _contiguous_strides(shape, itemsize):
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+_TYPESTR = {np.uint16: "<u2", np.uint32: "<u4", np.float32: "<f4"}
+
+
+def bits_view(d, element, axes=None, last_dim_divisor=1):
+    """A Numba device array over the memory of described array `d`, with elements of type
+    `element` (np.uint16, np.uint32 or np.float32), axes permuted by `axes`, and the last axis
+    shrunk by `last_dim_divisor` when wider elements pair up narrower ones (uint32 over 16-bit)."""
+    shape, strides = list(d.shape), list(d.strides)
+    shape[-1] //= last_dim_divisor
+    if axes is not None:
+        shape = [shape[a] for a in axes]
+        strides = [strides[a] for a in axes]
+    if d.library == "sim":
+        a = vars(d.owner)["_ary"].view(element)
+        if axes is not None:
+            a = a.transpose(axes)
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(a)
+    desc = {"shape": tuple(shape), "strides": tuple(strides), "data": (d.ptr, False),
+            "typestr": _TYPESTR[element], "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=d.owner, sync=False)
+
+
+def empty(library, shape, dtype, like=None):
+    """A new device array of `library`'s own type ('float16', 'bfloat16' or 'float32')."""
+    if library == "torch":
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+    np_dtype = _numpy_dtype(dtype)
+    if library == "cupy":
+        import cupy
+        return cupy.empty(shape, dtype=np_dtype)
+    return cuda.device_array(shape, dtype=np_dtype)  # numba, the simulator, and anything else
+
+
+def _numpy_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def stream_of(d):
+    """The stream the caller's library is working on (kernels launch there), or 0."""
+    if d.library == "torch":
+        import torch
+        handle = torch.cuda.current_stream(d.owner.device).cuda_stream
+        return cuda.external_stream(handle) if handle else 0
+    if d.library == "cupy":
+        import cupy
+        handle = cupy.cuda.get_current_stream().ptr
+        return cuda.external_stream(handle) if handle else 0
+    return 0
+
+
+def is_float16_family(dtype):
+    return dtype in _FLOAT_DTYPES

@@ -1,0 +1,36 @@
+"""The PTX instructions the kernels use, one Python name each.
+
+On a GPU each name is a Numba intrinsic that emits the instruction as inline PTX
+(`common/_ptx_gpu.py`). Under NUMBA_ENABLE_CUDASIM=1 the same name is a Python stand-in with the
+same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in the simulator.
+
+| name                                 | PTX                                                    |
+|--------------------------------------|--------------------------------------------------------|
+| mma_bf16_16816, mma_f16_16816        | mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}       |
+| ldmatrix_x4, ldmatrix_x4_trans       | ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16       |
+| shfl_xor_f32                         | shfl.sync.bfly.b32                                     |
+| ex2_approx                           | ex2.approx.ftz.f32                                     |
+| pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
+| cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
+| ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
+"""
+from numba import config
+
+if config.ENABLE_CUDASIM:
+    from common import _ptx_sim as _impl
+else:
+    from common import _ptx_gpu as _impl
+
+mma_bf16_16816 = _impl.mma_bf16_16816
+mma_f16_16816 = _impl.mma_f16_16816
+ldmatrix_x4 = _impl.ldmatrix_x4
+ldmatrix_x4_trans = _impl.ldmatrix_x4_trans
+shfl_xor_f32 = _impl.shfl_xor_f32
+ex2_approx = _impl.ex2_approx
+pack_bf16x2 = _impl.pack_bf16x2
+pack_f16x2 = _impl.pack_f16x2
+cp_async_16 = _impl.cp_async_16
+cp_async_commit = _impl.cp_async_commit
+cp_async_wait = _impl.cp_async_wait
+ld_shared_v4_u32 = _impl.ld_shared_v4_u32
+st_global_v4_u32 = _impl.st_global_v4_u32

@@ -1,0 +1,38 @@
+"""Exact attention in float64 NumPy: the answer every variant is checked against.
+
+    S = softmax_scale * Q K^T,  causal: S[i, j] = -inf for j > i,
+    LSE[i] = log sum_j exp(S[i, j]),  O = exp(S - LSE) V.
+
+Layouts are flash_attn_func's: q (B, N_q, H, d), k and v (B, N_k, H_kv, d) with H a multiple of
+H_kv (grouped-query attention: query head h reads K/V head h // (H / H_kv)). Returns O (B, N_q, H, d)
+and LSE (B, H, N_q). A row with every score masked gets O = 0 and LSE = -inf.
+"""
+import math
+
+import numpy as np
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None):
+    """float64 attention. `rows` (optional int array) restricts the output to those query rows,
+    which makes checking long sequences cheap: each row's result is exact on its own."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    b, n_q, h, d = q.shape
+    n_k, h_kv = k.shape[1], k.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    rows = np.arange(n_q) if rows is None else np.asarray(rows)
+    group = h // h_kv
+    k = np.repeat(k, group, axis=2)
+    v = np.repeat(v, group, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q[:, rows], k) * softmax_scale
+    if causal:
+        s = np.where(np.arange(n_k)[None, :] > rows[:, None], -np.inf, s)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = (m + np.log(l))[..., 0]
+        p = np.where(l > 0, e / l, 0.0)
+    o = np.einsum("bhqk,bkhd->bqhd", p, v)
+    return o, lse

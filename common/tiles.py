@@ -1,0 +1,230 @@
+"""Shared-memory tiles, tensor-core fragments and warp-level GEMMs: the tiling layer of every variant.
+
+Vocabulary (used in all variants):
+- tile: a ROWS x COLS block of 16-bit elements (uint16 bit patterns) in shared memory, row-major
+  with either a swizzled layout (each 16-byte chunk XOR-ed with row % 8, no padding) or padded rows
+  (8 extra elements a row). Both make the 8 row addresses of one `ldmatrix` hit distinct banks.
+- fragment: the registers one lane holds of an mma.m16n8k16 operand (see `common/_ptx_sim.py` for
+  the exact lane layout). Register arrays are `cuda.local.array`s indexed only by loop counters that
+  NVVM unrolls, so they live in registers:
+    A operand  a[m, kk, 0:4]   uint32  rows 16m.., columns 16kk..    (two 16-bit values a register)
+    B operand  loaded on the fly from a tile, two n8 tiles per ldmatrix.x4
+    accumulator acc[m, n, 0:4] float32 rows 16m.., columns 8n..
+- a warp owns 16*M rows of the block; every helper here is called by all 32 lanes of the warp.
+
+All helpers take their sizes from the shapes of the fragment arrays or from arguments that are
+compile-time constants in the calling kernel, so they unroll completely.
+"""
+import numpy as np
+from numba import int32
+
+from common import ptx
+from common.target import device_function
+
+NEG_INF = np.float32(-np.inf)
+
+
+# --------------------------------------------------------------------------- layouts
+
+def tile_row_stride(cols, swizzle):
+    """Elements between consecutive rows of a tile (host side: sizes shared memory)."""
+    if swizzle and cols % 64:
+        raise ValueError(f"a swizzled tile needs a multiple of 64 columns, got {cols}")
+    return cols if swizzle else cols + 8
+
+
+def check_tile_copy(rows, cols, nthreads):
+    """Host-side check of `load_tile_async`/`store_tile`'s work split: whole 16-byte chunks a
+    thread, every thread in one column, its rows 8 apart (so a row step keeps the swizzle)."""
+    chunks_per_row = cols // 8
+    if cols % 8 or nthreads % chunks_per_row or rows % (nthreads // chunks_per_row) \
+            or (nthreads // chunks_per_row) % 8:
+        raise ValueError(f"a {rows}x{cols} tile does not split into 16-byte copies over "
+                         f"{nthreads} threads with rows 8 apart")
+
+
+@device_function
+def smem_offset(row, col, row_stride, swizzle):
+    """Element offset of (row, col) in a tile. Swizzle: 16-byte chunk index XOR (row % 8)."""
+    if swizzle:
+        return int32(row * row_stride + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7))
+    return int32(row * row_stride + col)
+
+
+@device_function
+def column_step(base, i, swizzle):
+    """Offset of a lane's ldmatrix row address moved i 16-column steps right of `base`.
+
+    A lane's ldmatrix rows are always congruent to the lane modulo 8 (fragments start at multiples
+    of 8 rows), so the swizzle pattern XOR (row % 8) is fixed per lane and a 16-column step is an
+    XOR of the offset with i * 16 (the step touches only chunk bits that the row part leaves clear).
+    Written this way the compiler keeps one base register and folds the steps into immediates."""
+    if swizzle:
+        return int32(base ^ (i << 4))
+    return int32(base + (i << 4))
+
+
+# --------------------------------------------------------------------------- global -> shared
+
+@device_function
+def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzle, tid, nthreads):
+    """Start copying src[row0:row0+rows, col0:col0+cols] into tile `dst` with 16-byte cp.async
+    copies spread over `nthreads` threads; rows at or past n_rows are zero-filled. Each thread copies
+    one 16-byte column chunk of every (nthreads / (cols/8))-th row (see check_tile_copy).
+    Commit and wait with ptx.cp_async_commit / cp_async_wait."""
+    chunks_per_row = cols >> 3
+    row_step = nthreads // chunks_per_row
+    r = tid // chunks_per_row
+    col = (tid - r * chunks_per_row) << 3
+    dst_offset = smem_offset(r, col, row_stride, swizzle)
+    for i in range(rows // row_step):
+        row = row0 + r + i * row_step
+        inside = row < n_rows
+        ptx.cp_async_16(dst, dst_offset + i * row_step * row_stride, src,
+                        row if inside else 0, col0 + col, 16 if inside else 0)
+
+
+# --------------------------------------------------------------------------- shared -> fragments
+
+@device_function
+def load_a_fragments(a, m, tile, row0, lane, row_stride, swizzle):
+    """a[m, kk] <- the A operand for rows row0..row0+15 (row0 % 8 == 0), columns 16kk..16kk+15 of
+    a row-major tile. ldmatrix.x4 matrices: (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15)."""
+    base = smem_offset(row0 + (lane & 15), (lane >> 4) << 3, row_stride, swizzle)
+    for kk in range(a.shape[1]):
+        x = ptx.ldmatrix_x4(tile, column_step(base, kk, swizzle))
+        for j in range(4):
+            a[m, kk, j] = x[j]
+
+
+@device_function
+def mma(acc, m, n, a, kk, b0, b1, is_bf16):
+    """acc[m, n] += a[m, kk] @ (b0, b1): one mma.m16n8k16 with fp32 accumulation."""
+    if is_bf16:
+        d = ptx.mma_bf16_16816(a[m, kk, 0], a[m, kk, 1], a[m, kk, 2], a[m, kk, 3], b0, b1,
+                               acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
+    else:
+        d = ptx.mma_f16_16816(a[m, kk, 0], a[m, kk, 1], a[m, kk, 2], a[m, kk, 3], b0, b1,
+                              acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
+    for j in range(4):
+        acc[m, n, j] = d[j]
+
+
+@device_function
+def gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16):
+    """acc += A B^T with A in registers and B an [n][k] row-major tile (K in S = Q K^T).
+    One ldmatrix.x4 gives b0, b1 of n-tiles 2*n2 and 2*n2+1: matrices (n0, k0), (n0, k0+8),
+    (n0+8, k0), (n0+8, k0+8); it is reused by all m-tiles of the warp."""
+    base = smem_offset(((lane >> 4) << 3) + (lane & 7), ((lane >> 3) & 1) << 3, row_stride, swizzle)
+    for kk in range(a.shape[1]):
+        k_base = column_step(base, kk, swizzle)
+        for n2 in range(acc.shape[1] >> 1):
+            b = ptx.ldmatrix_x4(tile_b, k_base + n2 * 16 * row_stride)
+            for m in range(acc.shape[0]):
+                mma(acc, m, 2 * n2, a, kk, b[0], b[1], is_bf16)
+                mma(acc, m, 2 * n2 + 1, a, kk, b[2], b[3], is_bf16)
+
+
+@device_function
+def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16):
+    """acc += A B with A in registers and B a [k][n] row-major tile (V in O += P V).
+    ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8), (k0+8, n0+8)."""
+    base = smem_offset((((lane >> 3) & 1) << 3) + (lane & 7), (lane >> 4) << 3, row_stride, swizzle)
+    for kk in range(a.shape[1]):
+        for n2 in range(acc.shape[1] >> 1):
+            b = ptx.ldmatrix_x4_trans(tile_b, column_step(base, n2, swizzle) + kk * 16 * row_stride)
+            for m in range(acc.shape[0]):
+                mma(acc, m, 2 * n2, a, kk, b[0], b[1], is_bf16)
+                mma(acc, m, 2 * n2 + 1, a, kk, b[2], b[3], is_bf16)
+
+
+@device_function
+def pack_pair(lo, hi, is_bf16):
+    """Two fp32 values -> one register of two 16-bit values (lo in the low half)."""
+    if is_bf16:
+        return ptx.pack_bf16x2(lo, hi)
+    return ptx.pack_f16x2(lo, hi)
+
+
+@device_function
+def accumulator_to_a(a, acc, is_bf16):
+    """Re-pack an fp32 accumulator as the 16-bit A operand of the next mma, in registers.
+    The C fragments of n-tiles 2j and 2j+1 hold exactly the elements of the A fragment of k-step j:
+    a0 = (g, 2t) = c[2j][0:2], a1 = (g+8, 2t) = c[2j][2:4], a2 = c[2j+1][0:2], a3 = c[2j+1][2:4]."""
+    for m in range(acc.shape[0]):
+        for j in range(acc.shape[1] >> 1):
+            a[m, j, 0] = pack_pair(acc[m, 2 * j, 0], acc[m, 2 * j, 1], is_bf16)
+            a[m, j, 1] = pack_pair(acc[m, 2 * j, 2], acc[m, 2 * j, 3], is_bf16)
+            a[m, j, 2] = pack_pair(acc[m, 2 * j + 1, 0], acc[m, 2 * j + 1, 1], is_bf16)
+            a[m, j, 3] = pack_pair(acc[m, 2 * j + 1, 2], acc[m, 2 * j + 1, 3], is_bf16)
+
+
+@device_function
+def fill(frag, value):
+    """Set every element of a 3-D register array."""
+    for i in range(frag.shape[0]):
+        for j in range(frag.shape[1]):
+            for k in range(frag.shape[2]):
+                frag[i, j, k] = value
+
+
+@device_function
+def mask_scores(s, row0, col0, n_cols, causal, lane):
+    """Set s to -inf where column >= n_cols, or column > row when causal. row0: global row of the
+    warp's first row; col0: global column of the tile's first column."""
+    g = lane >> 2
+    t = lane & 3
+    for m in range(s.shape[0]):
+        for n in range(s.shape[1]):
+            for j in range(4):
+                row = row0 + m * 16 + g + (j >> 1) * 8
+                col = col0 + n * 8 + 2 * t + (j & 1)
+                if col >= n_cols or (causal and col > row):
+                    s[m, n, j] = NEG_INF
+
+
+# --------------------------------------------------------------------------- fragments -> global
+
+@device_function
+def stage_accumulator(tile32, acc, row_scale, row0, lane, row_stride, swizzle, is_bf16):
+    """Write acc * row_scale (per held row, as 16-bit pairs) into a tile seen as uint32 words.
+    row_scale[2m + h] scales row g + 8h of m-tile m; row0: the warp's first row in the tile."""
+    g = lane >> 2
+    t = lane & 3
+    for m in range(acc.shape[0]):
+        for h in range(2):
+            r = row0 + m * 16 + g + 8 * h
+            sc = row_scale[2 * m + h]
+            for n in range(acc.shape[1]):
+                w = pack_pair(acc[m, n, 2 * h] * sc, acc[m, n, 2 * h + 1] * sc, is_bf16)
+                tile32[smem_offset(r, n * 8 + 2 * t, row_stride, swizzle) >> 1] = w
+
+
+@device_function
+def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid, nthreads):
+    """dst32[row0:row0+rows, :cols/2] <- a staged tile of 16-bit values (both seen as uint32
+    words), 16 bytes a thread per step, rows at or past n_rows skipped (split as load_tile_async)."""
+    chunks_per_row = cols >> 3
+    row_step = nthreads // chunks_per_row
+    r = tid // chunks_per_row
+    col = (tid - r * chunks_per_row) << 3
+    src_offset = smem_offset(r, col, row_stride, swizzle) >> 1
+    for i in range(rows // row_step):
+        row = row0 + r + i * row_step
+        if row < n_rows:
+            x = ptx.ld_shared_v4_u32(tile32, src_offset + (i * row_step * row_stride >> 1))
+            ptx.st_global_v4_u32(dst32, row, col >> 1, x[0], x[1], x[2], x[3])
+
+
+@device_function
+def store_accumulator_f32(dst, acc, row0, col0, n_rows, n_cols, scale, lane):
+    """dst[row, col] <- scale * acc for the elements inside (n_rows, n_cols); fp32 output."""
+    g = lane >> 2
+    t = lane & 3
+    for m in range(acc.shape[0]):
+        for n in range(acc.shape[1]):
+            for j in range(4):
+                row = row0 + m * 16 + g + (j >> 1) * 8
+                col = col0 + n * 8 + 2 * t + (j & 1)
+                if row < n_rows and col < n_cols:
+                    dst[row, col] = acc[m, n, j] * scale

@@ -1,0 +1,27 @@
+"""The attention variants, one module each, behind one API.
+
+    from variants import forward
+    o, lse = forward(q, k, v, variant="fa2", causal=True)
+
+q: (batch, seqlen_q, heads, head_dim), k and v: (batch, seqlen_k, heads_kv, head_dim), as in
+flash_attn_func; fp16 or bf16 CuPy arrays, Numba device arrays or torch CUDA tensors (no copies).
+Returns o like q and lse (batch, heads, seqlen_q) float32, the log-sum-exp of each row's scores.
+"""
+from importlib import import_module
+
+REGISTRY = {
+    "standard": "variants.standard",   # S and P materialised in HBM: the O(N^2) baseline
+    "fa2": "variants.fa2",             # FlashAttention-2, Algorithm 1
+}
+
+
+def get(name):
+    """The module of variant `name` (it has forward(q, k, v, *, causal, softmax_scale, **options))."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown variant {name!r}; registered: {', '.join(REGISTRY)}")
+    return import_module(REGISTRY[name])
+
+
+def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
+    """Attention forward with the named variant; options are that variant's tuning knobs."""
+    return get(variant).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)

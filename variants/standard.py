@@ -1,0 +1,200 @@
+"""Standard attention: S and P materialised in HBM (FA1 paper, Algorithm 0), the O(N^2) baseline.
+
+    Alg.0 l.1  load Q, K by blocks from HBM, compute S = softmax_scale * Q K^T, write S to HBM
+    Alg.0 l.2  read S from HBM, compute P = softmax(S), write P to HBM
+    Alg.0 l.3  load P and V by blocks from HBM, compute O = P V, write O to HBM
+
+Three kernels on the same tensor-core tile layer as the fused variants, so the comparison measures
+the algorithm (HBM round trips of S and P), not a different code generator. S is kept in fp32 (an
+exact softmax input); P in the input dtype, as the A operand of the P V product. Their rows are
+padded to a multiple of 64 columns (zeros in P) so that the P V loop runs over whole tiles.
+Extra memory: 6 bytes per score, B * H * N_q * ceil(N_k / 64) * 64 * 6 bytes.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
+
+from common import arrays, ptx, softmax, tiles
+from common.problem import prepare
+from common.target import kernel, launch
+
+HEAD_DIMS = (64, 128)
+TILE = 64          # rows and columns of every block tile
+WARPS = 4          # each warp owns 16 rows of a tile
+THREADS = 32 * WARPS
+SWIZZLE = True
+
+
+def padded_keys(n_k):
+    return (n_k + TILE - 1) // TILE * TILE
+
+
+def workspace_bytes(batch, heads, n_q, n_k):
+    """HBM this variant needs beyond inputs and outputs: S (fp32) and P (16-bit)."""
+    return batch * heads * n_q * padded_keys(n_k) * (4 + 2)
+
+
+@dataclass(frozen=True)
+class Config:
+    head_dim: int
+    is_bf16: bool
+
+
+@lru_cache(maxsize=None)
+def build_scores(cfg):
+    """Alg.0 l.1: S = softmax_scale * Q K^T, one 64x64 tile of S per thread block."""
+    D, IS_BF16 = cfg.head_dim, cfg.is_bf16
+    STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    A_FRAG, ACC = (1, D // 16, 4), (1, TILE // 8, 4)
+
+    @kernel
+    def scores(q, k, s, n_q, n_k, kv_group, softmax_scale):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row0, col0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
+        b, h = cuda.blockIdx.z // q.shape[1], cuda.blockIdx.z % q.shape[1]
+        smem = cuda.shared.array(0, uint16)
+        q_s = smem[0:TILE * STRIDE]
+        k_s = smem[TILE * STRIDE:2 * TILE * STRIDE]
+        tiles.load_tile_async(q_s, q[b, h], row0, n_q, 0, TILE, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(k_s, k[b, h // kv_group], col0, n_k, 0, TILE, D, STRIDE, SWIZZLE,
+                              tid, THREADS)
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(0)
+        cuda.syncthreads()
+        a = cuda.local.array(A_FRAG, uint32)
+        tiles.load_a_fragments(a, 0, q_s, 16 * warp, lane, STRIDE, SWIZZLE)
+        acc = cuda.local.array(ACC, float32)
+        tiles.fill(acc, float32(0))
+        tiles.gemm_abt(acc, a, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.store_accumulator_f32(s[b, h], acc, row0 + 16 * warp, col0, n_q, s.shape[3],
+                                    softmax_scale, lane)
+
+    return scores, 2 * TILE * STRIDE * 2
+
+
+@lru_cache(maxsize=None)
+def build_softmax(causal, is_bf16):
+    """Alg.0 l.2: P = softmax(S) row by row (one warp a row), and LSE = log rowsum exp(S)."""
+    CAUSAL, IS_BF16 = causal, is_bf16
+
+    @kernel
+    def row_softmax(s, p32, lse, n_q, n_k):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row = cuda.blockIdx.x * WARPS + warp
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        inside = row < n_q
+        n_valid = n_k
+        if CAUSAL:
+            n_valid = min(n_k, row + 1)
+        if not inside:
+            n_valid = 0   # still takes part in the warp shuffles below
+        s_row = s[b, h, row if inside else 0]
+        # Each lane: running max and sum of exp over its columns (an online softmax).
+        m = float32(-math.inf)
+        l = float32(0)
+        for c in range(lane, n_valid, 32):
+            x = s_row[c]
+            if x > m:
+                l = l * ptx.ex2_approx((m - x) * float32(softmax.LOG2E))
+                m = x
+            l += ptx.ex2_approx((x - m) * float32(softmax.LOG2E))
+        # Merge the 32 lanes' (m, l) pairs.
+        for offset in (16, 8, 4, 2, 1):
+            m_other = ptx.shfl_xor_f32(m, offset)
+            l_other = ptx.shfl_xor_f32(l, offset)
+            m_new = max(m, m_other)
+            base = float32(0) if m_new == float32(-math.inf) else m_new
+            l = (l * ptx.ex2_approx((m - base) * float32(softmax.LOG2E))
+                 + l_other * ptx.ex2_approx((m_other - base) * float32(softmax.LOG2E)))
+            m = m_new
+        if inside:
+            inv_l = float32(1) / l
+            for c2 in range(lane, p32.shape[3], 32):
+                c = 2 * c2
+                x0 = float32(0)
+                x1 = float32(0)
+                if c < n_valid:
+                    x0 = ptx.ex2_approx((s_row[c] - m) * float32(softmax.LOG2E)) * inv_l
+                if c + 1 < n_valid:
+                    x1 = ptx.ex2_approx((s_row[c + 1] - m) * float32(softmax.LOG2E)) * inv_l
+                p32[b, h, row, c2] = tiles.pack_pair(x0, x1, IS_BF16)
+            if lane == 0:
+                lse[b, h, row] = m + math.log(l)
+
+    return row_softmax
+
+
+@lru_cache(maxsize=None)
+def build_output(cfg):
+    """Alg.0 l.3: O = P V, one 64-row block of O per thread block, looping over 64-key tiles."""
+    D, IS_BF16 = cfg.head_dim, cfg.is_bf16
+    P_STRIDE = tiles.tile_row_stride(TILE, SWIZZLE)
+    V_STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    P_TILE, V_TILE = TILE * P_STRIDE, TILE * V_STRIDE
+    ACC, P_FRAG = (1, D // 8, 4), (1, TILE // 16, 4)
+
+    @kernel
+    def output(p, v, o32, n_q, n_k, kv_group):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row0 = cuda.blockIdx.x * TILE
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        smem = cuda.shared.array(0, uint16)
+        p_s = smem[0:P_TILE]
+        v_s = smem[P_TILE:P_TILE + V_TILE]
+        p_bh, v_bh = p[b, h], v[b, h // kv_group]
+        acc = cuda.local.array(ACC, float32)
+        tiles.fill(acc, float32(0))
+        a = cuda.local.array(P_FRAG, uint32)
+        for k0 in range(0, p.shape[3], TILE):
+            tiles.load_tile_async(p_s, p_bh, row0, n_q, k0, TILE, TILE, P_STRIDE, SWIZZLE, tid, THREADS)
+            tiles.load_tile_async(v_s, v_bh, k0, n_k, 0, TILE, D, V_STRIDE, SWIZZLE, tid, THREADS)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()
+            tiles.load_a_fragments(a, 0, p_s, 16 * warp, lane, P_STRIDE, SWIZZLE)
+            tiles.gemm_ab(acc, a, v_s, lane, V_STRIDE, SWIZZLE, IS_BF16)
+            cuda.syncthreads()
+        ones = cuda.local.array(2, float32)
+        ones[0] = float32(1)
+        ones[1] = float32(1)
+        o_s32 = cuda.shared.array(0, uint32)[0:TILE * V_STRIDE // 2]
+        tiles.stage_accumulator(o_s32, acc, ones, 16 * warp, lane, V_STRIDE, SWIZZLE, IS_BF16)
+        cuda.syncthreads()
+        tiles.store_tile(o32[b, h], o_s32, row0, n_q, TILE, D, V_STRIDE, SWIZZLE, tid, THREADS)
+
+    return output, 2 * (P_TILE + V_TILE)
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, out=None):
+    """Standard attention forward; same arguments and results as variants.fa2.forward."""
+    prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
+                   head_dims=HEAD_DIMS, variant="standard")
+    b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
+    if b * h > 65535:
+        raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
+    cfg = Config(prob.head_dim, prob.is_bf16)
+    n_pad = padded_keys(n_k)
+    s = prob.scratch((b, h, n_q, n_pad), "float32")
+    p = prob.scratch((b, h, n_q, n_pad), prob.dtype)
+    s_view = arrays.bits_view(arrays.describe(s), np.float32)
+    p_desc = arrays.describe(p)
+    row_tiles = (n_q + TILE - 1) // TILE
+
+    scores, smem = build_scores(cfg)
+    launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
+           prob.q, prob.k, s_view, np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group),
+           np.float32(prob.softmax_scale))
+    launch(build_softmax(prob.causal, prob.is_bf16), ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0,
+           prob.stream, s_view, arrays.bits_view(p_desc, np.uint32, last_dim_divisor=2), prob.lse,
+           np.int32(n_q), np.int32(n_k))
+    output, smem = build_output(cfg)
+    launch(output, (row_tiles, b, h), THREADS, smem, prob.stream,
+           arrays.bits_view(p_desc, np.uint16), prob.v, prob.o32, np.int32(n_q), np.int32(n_k),
+           np.int32(prob.kv_group))
+    return prob.result()
