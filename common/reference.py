@@ -15,16 +15,16 @@ import numpy as np
 def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None):
     """float64 attention. `rows` (optional int array) restricts the output to those query rows,
     which makes checking long sequences cheap: each row's result is exact on its own."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, n_q, h, d = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     rows = np.arange(n_q) if rows is None else np.asarray(rows)
     group = h // h_kv
-    k = np.repeat(k, group, axis=2)
-    v = np.repeat(v, group, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q[:, rows], k) * softmax_scale
+    qh = np.asarray(q, dtype=np.float64)[:, rows].transpose(0, 2, 1, 3)          # (B, H, r, d)
+    kh = np.repeat(np.asarray(k, dtype=np.float64), group, axis=2).transpose(0, 2, 3, 1)  # (B, H, d, N_k)
+    vh = np.repeat(np.asarray(v, dtype=np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (B, H, N_k, d)
+    s = (qh @ kh) * softmax_scale
     if causal:
         s = np.where(np.arange(n_k)[None, :] > rows[:, None], -np.inf, s)
     m = s.max(axis=-1, keepdims=True)
@@ -34,5 +34,4 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None):
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = (m + np.log(l))[..., 0]
         p = np.where(l > 0, e / l, 0.0)
-    o = np.einsum("bhqk,bkhd->bqhd", p, v)
-    return o, lse
+    return (p @ vh).transpose(0, 2, 1, 3), lse

@@ -3,6 +3,13 @@ from numba import config, cuda
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
+if SIMULATOR:
+    import sys
+
+    # The simulator runs each CUDA thread as a Python thread and every barrier hands the GIL to all
+    # of them; the default 5 ms switch interval makes each barrier cost ~40 ms, 0.2 ms about 7 ms.
+    sys.setswitchinterval(2e-4)
+
 # Every helper in common/ is inlined into its kernel at Numba-IR level. That is what lets NVVM
 # unroll the fragment loops and keep fragments in registers; it also lets compile_ptx work on a
 # machine without a GPU (numba-cuda 0.30 asks the current device for a non-inlined device function).

@@ -1,0 +1,35 @@
+"""Is an attention output right? Errors against the float64 reference, with per-dtype tolerances.
+
+With u the unit roundoff of the dtype (2^-8 bf16, 2^-11 fp16): P~ and O are each rounded to the
+dtype once, so a correct kernel lands near u/2 in relative L2 error (measured 2e-3 for bf16). The
+bounds below leave 2-8x headroom and still catch any wrong row, column or block:
+  relative L2 error of O        <= 2 u
+  max |O - O_ref|               <= 8 u * max |O_ref|
+  max |LSE - LSE_ref|           <= 1e-3            (fp32 statistics of exact products)
+and no NaN anywhere (outputs are poisoned with NaN before a test launch).
+"""
+import numpy as np
+
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+LSE_TOL = 1e-3
+
+
+def compare(o, lse, o_ref, lse_ref, dtype):
+    """Errors of (o, lse) against the reference and whether they pass; all arrays on the host."""
+    o = np.asarray(o, dtype=np.float64)
+    lse = np.asarray(lse, dtype=np.float64)
+    u = UNIT_ROUNDOFF[dtype]
+    finite = bool(np.isfinite(o).all() and not np.isnan(lse).any())
+    diff = np.abs(o - o_ref)
+    scale = float(np.abs(o_ref).max()) or 1.0
+    rel = float(np.linalg.norm(o - o_ref) / (np.linalg.norm(o_ref) or 1.0))
+    max_err = float(diff.max()) if diff.size else 0.0
+    both_inf = np.isneginf(lse) & np.isneginf(lse_ref)
+    lse_err = float(np.where(both_inf, 0.0, np.abs(lse - lse_ref)).max()) if lse.size else 0.0
+    ok = finite and rel <= 2 * u and max_err <= 8 * u * scale and lse_err <= LSE_TOL
+    return {"rel_err": rel, "max_err": max_err, "lse_err": lse_err, "ok": bool(ok)}
+
+
+def describe_failure(result):
+    return (f"rel_err {result['rel_err']:.2e}, max_err {result['max_err']:.2e}, "
+            f"lse_err {result['lse_err']:.2e}")

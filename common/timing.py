@@ -1,0 +1,46 @@
+"""Timing with CUDA events: warm-up first (compiles and first-touch excluded), then the median of
+repeated runs, each bracketed by its own pair of events on the default stream."""
+import statistics
+import time
+from dataclasses import dataclass
+
+from numba import cuda
+
+from common.target import SIMULATOR
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int
+    simulated: bool = False   # True: host wall-clock of the CUDA simulator, meaningless for speed
+
+
+def benchmark(fn, *, warmup=3, min_reps=5, max_reps=100, target_ms=300.0):
+    """Time fn(i) for i = 0, 1, 2, ... (callers rotate input sets with i). Repeats until about
+    target_ms of kernel time is measured, within [min_reps, max_reps]."""
+    if SIMULATOR:
+        t = time.perf_counter()
+        fn(0)
+        ms = (time.perf_counter() - t) * 1e3
+        return Timing(ms, ms, ms, 1, simulated=True)
+    for i in range(warmup):
+        fn(i)
+    cuda.synchronize()
+    start, end = cuda.event(timing=True), cuda.event(timing=True)
+    start.record()
+    fn(warmup)
+    end.record()
+    end.synchronize()
+    estimate = max(cuda.event_elapsed_time(start, end), 1e-3)
+    reps = int(min(max_reps, max(min_reps, target_ms / estimate)))
+    events = [(cuda.event(timing=True), cuda.event(timing=True)) for _ in range(reps)]
+    for i, (s, e) in enumerate(events):
+        s.record()
+        fn(warmup + 1 + i)
+        e.record()
+    events[-1][1].synchronize()
+    times = [cuda.event_elapsed_time(s, e) for s, e in events]
+    return Timing(statistics.median(times), min(times), max(times), reps)
