@@ -9,11 +9,18 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numba import types
 
 from common import arrays
 from common.target import SIMULATOR
 
-_BSHD_TO_BHSD = (0, 2, 1, 3)   # flash_attn_func layout (batch, seq, heads, dim) -> (batch, heads, seq, dim)
+_BSHD_TO_BHSD = (0, 2, 1, 3)
+
+# Numba types of the views `prepare` makes (what kernels are specialised on), for compiling kernels
+# ahead of time on machines without a GPU (tests/test_compile.py).
+QKV_TYPE = types.Array(types.uint16, 4, "A")      # q, k, v: (B, H, N, d) permuted views
+OUT_TYPE = types.Array(types.uint32, 4, "A")      # o32: (B, H, N_q, d/2) permuted view
+LSE_TYPE = types.Array(types.float32, 3, "C")     # lse: (B, H, N_q)   # flash_attn_func layout (batch, seq, heads, dim) -> (batch, heads, seq, dim)
 
 
 @dataclass

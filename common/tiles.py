@@ -34,13 +34,12 @@ def tile_row_stride(cols, swizzle):
 
 
 def check_tile_copy(rows, cols, nthreads):
-    """Host-side check of `load_tile_async`/`store_tile`'s work split: whole 16-byte chunks a
-    thread, every thread in one column, its rows 8 apart (so a row step keeps the swizzle)."""
+    """Host-side check of `load_tile_async`/`store_tile`'s work split: whole 16-byte chunks, every
+    thread in one column of chunks, the same number of rows for every thread."""
     chunks_per_row = cols // 8
-    if cols % 8 or nthreads % chunks_per_row or rows % (nthreads // chunks_per_row) \
-            or (nthreads // chunks_per_row) % 8:
+    if cols % 8 or nthreads % chunks_per_row or rows % (nthreads // chunks_per_row):
         raise ValueError(f"a {rows}x{cols} tile does not split into 16-byte copies over "
-                         f"{nthreads} threads with rows 8 apart")
+                         f"{nthreads} threads")
 
 
 @device_function
@@ -70,17 +69,17 @@ def column_step(base, i, swizzle):
 def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzle, tid, nthreads):
     """Start copying src[row0:row0+rows, col0:col0+cols] into tile `dst` with 16-byte cp.async
     copies spread over `nthreads` threads; rows at or past n_rows are zero-filled. Each thread copies
-    one 16-byte column chunk of every (nthreads / (cols/8))-th row (see check_tile_copy).
+    one 16-byte column chunk of every (nthreads / (cols/8))-th row (see check_tile_copy); when that
+    row step is a multiple of 8 the swizzle repeats and the offsets fold into immediates.
     Commit and wait with ptx.cp_async_commit / cp_async_wait."""
     chunks_per_row = cols >> 3
     row_step = nthreads // chunks_per_row
     r = tid // chunks_per_row
     col = (tid - r * chunks_per_row) << 3
-    dst_offset = smem_offset(r, col, row_stride, swizzle)
     for i in range(rows // row_step):
         row = row0 + r + i * row_step
         inside = row < n_rows
-        ptx.cp_async_16(dst, dst_offset + i * row_step * row_stride, src,
+        ptx.cp_async_16(dst, smem_offset(r + i * row_step, col, row_stride, swizzle), src,
                         row if inside else 0, col0 + col, 16 if inside else 0)
 
 
@@ -208,11 +207,10 @@ def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid
     row_step = nthreads // chunks_per_row
     r = tid // chunks_per_row
     col = (tid - r * chunks_per_row) << 3
-    src_offset = smem_offset(r, col, row_stride, swizzle) >> 1
     for i in range(rows // row_step):
         row = row0 + r + i * row_step
         if row < n_rows:
-            x = ptx.ld_shared_v4_u32(tile32, src_offset + (i * row_step * row_stride >> 1))
+            x = ptx.ld_shared_v4_u32(tile32, smem_offset(r + i * row_step, col, row_stride, swizzle) >> 1)
             ptx.st_global_v4_u32(dst32, row, col >> 1, x[0], x[1], x[2], x[3])
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint16
+from numba import cuda, float32, int32, types, uint32, uint16
 
 from common import ptx, softmax, tiles
-from common.problem import prepare
+from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -64,8 +64,14 @@ class Config:
         return self
 
 
+OPTIONS = ("block_m", "block_n", "warps", "pipeline", "swizzle")
+
+
 def default_config(head_dim, is_bf16, causal, **options):
     """The tile shape used unless options override it (see docs/performance.md for why)."""
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"fa2 has no option {', '.join(sorted(unknown))}; its options: {', '.join(OPTIONS)}")
     options = {k: v for k, v in options.items() if v is not None}
     return replace(Config(head_dim, is_bf16, causal), **options).validate()
 
@@ -190,3 +196,18 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
            np.int32(prob.kv_group), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)))
     return prob.result()
+
+
+def compile_targets():
+    """(name, kernel, argument types, mma count in its PTX) of every configuration `forward`
+    launches by default."""
+    argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
+                types.int32, types.float32, types.float32)
+    for head_dim in HEAD_DIMS:
+        for is_bf16 in (True, False):
+            for causal in (False, True):
+                cfg = default_config(head_dim, is_bf16, causal)
+                # Q K^T and P V: m_tiles * (d/16 * B_c/8 + B_c/16 * d/8) mma.m16n8k16 a step
+                mma = cfg.m_tiles * head_dim * cfg.block_n // 64
+                yield f"fa2 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}", \
+                    build(cfg), argtypes, mma

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, uint16, uint32
+from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import arrays, ptx, softmax, tiles
-from common.problem import prepare
+from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -198,3 +198,23 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None):
            arrays.bits_view(p_desc, np.uint16), prob.v, prob.o32, np.int32(n_q), np.int32(n_k),
            np.int32(prob.kv_group))
     return prob.result()
+
+
+def compile_targets():
+    """(name, kernel, argument types, mma count in its PTX) of every kernel `forward` launches."""
+    i32, f32 = types.int32, types.float32
+    s_type = types.Array(types.float32, 4, "C")
+    for head_dim in HEAD_DIMS:
+        for is_bf16 in (True, False):
+            tag = f"d={head_dim} {'bf16' if is_bf16 else 'fp16'}"
+            cfg = Config(head_dim, is_bf16)
+            yield f"standard scores {tag}", build_scores(cfg)[0], \
+                (QKV_TYPE, QKV_TYPE, s_type, i32, i32, i32, f32), head_dim // 16 * TILE // 8
+            yield f"standard output {tag}", build_output(cfg)[0], \
+                (types.Array(types.uint16, 4, "C"), QKV_TYPE, OUT_TYPE, i32, i32, i32), \
+                TILE // 16 * head_dim // 8
+    for causal in (False, True):
+        for is_bf16 in (True, False):
+            yield f"standard softmax causal={causal} {'bf16' if is_bf16 else 'fp16'}", \
+                build_softmax(causal, is_bf16), \
+                (s_type, types.Array(types.uint32, 4, "C"), LSE_TYPE, i32, i32), 0

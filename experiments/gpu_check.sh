@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call: GPU test suite, compiler facts, benchmark; logs under $OUT,
+# a short table printed last.
+#   OUT=<dir> experiments/gpu_check.sh [tests] [compile] [quick] [grid]   (default: all four)
+#   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests)
+#   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
+#   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
+#   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=${*:-tests compile quick grid}
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
+  > "$OUT/gpu.txt" 2>&1
+for step in $steps; do
+  start=$(date +%s)
+  case $step in
+    tests)
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1 || status=1
+      tail -3 "$OUT/tests.log" ;;
+    compile)
+      python3 -m common.compile_report > "$OUT/compile_report.txt" 2>&1 || status=1
+      cat "$OUT/compile_report.txt" ;;
+    quick)
+      rm -rf /tmp/fa_quick
+      python3 experiments/run.py -m problem.head_dim=64,128 problem.causal=false,true \
+        problem.seqlen=4096 hydra.sweep.dir=/tmp/fa_quick > "$OUT/quick.log" 2>&1 || status=1
+      cp /tmp/fa_quick/results.csv "$OUT/quick.csv" 2>/dev/null ;;
+    grid)
+      rm -rf /tmp/fa_grid
+      python3 experiments/run.py -m experiment=fa2_grid hydra.sweep.dir=/tmp/fa_grid \
+        > "$OUT/grid.log" 2>&1 || status=1
+      cp /tmp/fa_grid/results.csv "$OUT/grid.csv" 2>/dev/null ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+  echo "== $step: $(( $(date +%s) - start )) s"
+done
+for f in "$OUT"/quick.csv "$OUT"/grid.csv; do
+  [ -f "$f" ] && { echo "== $(basename "$f")"; python3 experiments/summarize.py "$f" | tee "$OUT/summary_$(basename "$f" .csv).txt"; }
+done
+exit $status

@@ -1,0 +1,56 @@
+"""Summarise results.csv files: forward TFLOP/s per problem, one column per kernel, and fa2's ratio
+to torch SDPA's FlashAttention-2 backend.
+
+    python experiments/summarize.py multirun/<date>/<time>/results.csv [more.csv ...]
+
+Peers timed twice for one problem (in two jobs of a sweep) show the median of their rows.
+"""
+import csv
+import statistics
+import sys
+from collections import defaultdict
+
+ORDER = ["fa2", "standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
+
+
+def load(paths):
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def table(rows):
+    cells = defaultdict(list)
+    status = {}
+    for r in rows:
+        key = (r["dtype"], int(r["head_dim"]), r["causal"], int(r["seqlen"]))
+        if r["fwd_tflops"]:
+            cells[key, r["variant"]].append(float(r["fwd_tflops"]))
+        elif r["status"] != "ok":
+            status[key, r["variant"]] = r["status"].split(":")[0]
+        if r.get("check") == "FAIL":
+            status[key, r["variant"]] = "FAIL"
+    kernels = [k for k in ORDER if any(v == k for _, v in list(cells) + list(status))]
+    keys = sorted({k for k, _ in list(cells) + list(status)})
+    header = ["dtype", "hd", "causal", "seqlen"] + kernels + ["fa2/flash"]
+    lines = [header]
+    for key in keys:
+        line = [key[0], str(key[1]), key[2], str(key[3])]
+        for k in kernels:
+            if (key, k) in status and status[key, k] == "FAIL":
+                line.append("FAIL")
+            elif cells.get((key, k)):
+                line.append(f"{statistics.median(cells[key, k]):.1f}")
+            else:
+                line.append(status.get((key, k), "-"))
+        fa2, flash = cells.get((key, "fa2")), cells.get((key, "sdpa_flash"))
+        line.append(f"{statistics.median(fa2) / statistics.median(flash):.2f}" if fa2 and flash else "-")
+        lines.append(line)
+    widths = [max(len(l[i]) for l in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines)
+
+
+if __name__ == "__main__":
+    print(table(load(sys.argv[1:])))

@@ -1,0 +1,46 @@
+"""Test setup: GPU when this machine has one, else Numba's CUDA simulator (chosen before numba loads).
+
+- Tests marked `gpu` run only on a GPU, tests marked `sim` only in the simulator; unmarked tests run
+  in both, with sizes chosen by `ON_GPU` (small in the simulator, real on a GPU).
+- The `rng` fixture draws a fresh seed every run (FA_TEST_SEED=<n> replays one); a failing test's
+  report shows the seed.
+"""
+import os
+
+import common
+
+MODE = common.select_backend()
+ON_GPU = MODE == "gpu"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_report_header(config):
+    from common import target
+    return f"kernels run on: {target.describe()}"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "sim" in item.keywords and ON_GPU:
+            item.add_marker(pytest.mark.skip(reason="simulator-only test"))
+
+
+@pytest.fixture
+def rng(request):
+    seed = int(os.environ.get("FA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    request.node.user_properties.append(("seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for key, value in item.user_properties:
+            if key == "seed":
+                report.sections.append(("random seed", f"FA_TEST_SEED={value} replays this test"))

@@ -1,0 +1,95 @@
+"""Bad input gets an error that names the problem, before any kernel runs."""
+import numpy as np
+import pytest
+
+import variants
+from common import arrays, inputs
+
+
+def device(rng, shape=(1, 16, 2, 64), dtype="bfloat16", library=None):
+    x = inputs.random_qkv(rng, *shape, dtype)[0]
+    return inputs.to_device(x, library or inputs.default_library())
+
+
+@pytest.fixture
+def qkv(rng):
+    return [device(rng) for _ in range(3)]
+
+
+@pytest.mark.parametrize("variant", ["standard", "fa2"])
+def test_host_arrays_are_refused(rng, variant):
+    q = inputs.random_qkv(rng, 1, 16, 2, 64, "bfloat16")[0]
+    with pytest.raises(TypeError, match="q is a host .NumPy. array"):
+        variants.forward(q, q, q, variant=variant)
+
+
+@pytest.mark.parametrize("variant", ["standard", "fa2"])
+@pytest.mark.parametrize("make, error, message", [
+    (lambda rng: [device(rng, (1, 16, 2, 32))] * 3, ValueError, "head_dim in \\(64, 128\\), got 32"),
+    (lambda rng: [device(rng, dtype="float32")] * 3, TypeError, "dtype float32"),
+    (lambda rng: [device(rng), device(rng, dtype="float16"), device(rng, dtype="float16")],
+     TypeError, "share one dtype"),
+    (lambda rng: [device(rng), device(rng, (1, 16, 2, 64)), device(rng, (1, 17, 2, 64))],
+     ValueError, "same shape"),
+    (lambda rng: [device(rng), device(rng, (2, 16, 2, 64)), device(rng, (2, 16, 2, 64))],
+     ValueError, "batch 1 but k, v have batch 2"),
+    (lambda rng: [device(rng, (1, 16, 3, 64)), device(rng), device(rng)],
+     ValueError, "3 heads, not a multiple"),
+    (lambda rng: [device(rng, (1, 16, 2, 128)), device(rng), device(rng)],
+     ValueError, "head_dim 128 but k, v have head_dim 64"),
+])
+def test_bad_shapes_and_dtypes(rng, variant, make, error, message):
+    with pytest.raises(error, match=message):
+        variants.forward(*make(rng), variant=variant)
+
+
+@pytest.mark.parametrize("variant", ["standard", "fa2"])
+def test_causal_needs_square(rng, variant):
+    q, k = device(rng), device(rng, (1, 20, 2, 64))
+    with pytest.raises(ValueError, match="seqlen_q == seqlen_k"):
+        variants.forward(q, k, k, variant=variant, causal=True)
+
+
+@pytest.mark.parametrize("variant", ["standard", "fa2"])
+def test_three_dimensional_input(rng, variant):
+    q = device(rng)
+    with pytest.raises(ValueError, match="must be 4-D"):
+        variants.forward(q[0], q[0], q[0], variant=variant)
+
+
+def test_head_dim_must_be_contiguous(rng):
+    q = device(rng, (1, 16, 2, 128))
+    strided = q[:, :, :, ::2]
+    with pytest.raises(ValueError, match="contiguous along head_dim"):
+        variants.forward(strided, strided, strided, variant="fa2")
+
+
+def test_wrong_out_arrays(qkv):
+    like = qkv[0]
+    lib = arrays.describe(like).library
+    lse = arrays.empty(lib, (1, 2, 16), "float32", like=like)
+    bad_o = arrays.empty(lib, (1, 16, 2, 64), "float16", like=like)
+    with pytest.raises(ValueError, match="out\\[0\\] must be bfloat16"):
+        variants.forward(*qkv, variant="fa2", out=(bad_o, lse))
+
+
+def test_unknown_variant_and_option(qkv):
+    with pytest.raises(ValueError, match="unknown variant 'fa9'; registered: standard, fa2"):
+        variants.get("fa9")
+    with pytest.raises(ValueError, match="fa2 has no option blok_m"):
+        variants.forward(*qkv, variant="fa2", blok_m=64)
+    with pytest.raises(ValueError, match="block_m=48 must be a multiple of 16 \\* warps=64"):
+        variants.forward(*qkv, variant="fa2", block_m=48)
+
+
+def test_non_finite_scale(qkv):
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        variants.forward(*qkv, variant="fa2", softmax_scale=float("nan"))
+
+
+def test_empty_sequence(rng):
+    q = inputs.to_device(np.zeros((1, 0, 2, 64), dtype=inputs.DTYPES["bfloat16"]),
+                         inputs.default_library())
+    k = device(rng)
+    with pytest.raises(ValueError, match="empty problem"):
+        variants.forward(q, k, k, variant="fa2")

@@ -1,0 +1,179 @@
+"""Every PTX intrinsic in a kernel, on the GPU (real instruction) or in the simulator (stand-in).
+
+The expected answers come from the NumPy lane semantics in common/_ptx_sim.py, so on a GPU these
+tests check each instruction against its stand-in; the lane semantics themselves are checked here
+against the PTX ISA's fragment tables, written out independently as loops.
+"""
+import numpy as np
+import pytest
+from numba import cuda, int32, uint16, uint32
+
+from common import _ptx_sim as sem
+from common import inputs, ptx
+
+DTYPES = ["bfloat16", "float16"]
+
+
+def random_halves(rng, shape, dtype):
+    return inputs.random_qkv(rng, 1, 1, 1, int(np.prod(shape)), dtype)[0].reshape(shape).view(np.uint16)
+
+
+def regs_from_halves(halves):
+    """(32, 2r) uint16 -> (32, r) uint32, low half first."""
+    return np.ascontiguousarray(halves).view(np.uint32)
+
+
+# ----------------------------------------------------------------- the lane semantics vs the ISA
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mma_lane_semantics_match_the_isa_tables(rng, dtype):
+    a = sem.halves_to_float(random_halves(rng, (16, 16), dtype), dtype)
+    b = sem.halves_to_float(random_halves(rng, (16, 8), dtype), dtype)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    a_bits, b_bits = sem.float_to_halves(a, dtype), sem.float_to_halves(b, dtype)
+    a_regs = np.zeros((32, 4), np.uint32)
+    b_regs = np.zeros((32, 2), np.uint32)
+    c_regs = np.zeros((32, 4), np.float32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        # PTX ISA 9.7.14.5.8, m16n8k16 .f16/.bf16: a_i = (row, col), (row, col+1)
+        for i, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            a_regs[lane, i] = int(a_bits[row, col]) | int(a_bits[row, col + 1]) << 16
+        for i, k in enumerate([2 * t, 2 * t + 8]):
+            b_regs[lane, i] = int(b_bits[k, g]) | int(b_bits[k + 1, g]) << 16
+        for i, (row, col) in enumerate([(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
+            c_regs[lane, i] = c[row, col]
+    d_regs = sem.mma_lanes(a_regs, b_regs, c_regs, dtype)
+    d = a @ b + c
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        expect = [d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]]
+        np.testing.assert_allclose(d_regs[lane], expect, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_lane_semantics(rng, trans):
+    smem = rng.integers(0, 2**16, 4096, dtype=np.uint16)
+    offsets = rng.choice(4096 // 8, 32, replace=False) * 8
+    regs = sem.ldmatrix_lanes(smem, offsets, trans)
+    for i in range(4):
+        m = np.stack([smem[offsets[8 * i + r]:offsets[8 * i + r] + 8] for r in range(8)])
+        if trans:
+            m = m.T
+        for lane in range(32):   # an 8x8 b16 matrix fragment: row lane/4, columns 2(lane%4), +1
+            row, col = lane // 4, 2 * (lane % 4)
+            assert regs[lane, i] == int(m[row, col]) | int(m[row, col + 1]) << 16
+
+
+# ----------------------------------------------------------------- the intrinsics in kernels
+
+@cuda.jit
+def mma_kernel(a, b, c, d, is_bf16):
+    lane = cuda.threadIdx.x
+    if is_bf16:
+        r = ptx.mma_bf16_16816(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1],
+                               c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    else:
+        r = ptx.mma_f16_16816(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1],
+                              c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
+    for j in range(4):
+        d[lane, j] = r[j]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mma(rng, dtype):
+    a = regs_from_halves(random_halves(rng, (32, 8), dtype))
+    b = regs_from_halves(random_halves(rng, (32, 4), dtype))
+    c = rng.standard_normal((32, 4)).astype(np.float32)
+    d = np.full((32, 4), np.nan, np.float32)
+    mma_kernel[1, 32](a, b, c, d, dtype == "bfloat16")
+    np.testing.assert_allclose(d, sem.mma_lanes(a, b, c, dtype), rtol=1e-5, atol=1e-5)
+
+
+@cuda.jit
+def ldmatrix_kernel(src, offsets, out, trans):
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(4096, uint16)
+    for i in range(lane, 4096, 32):
+        smem[i] = src[i]
+    cuda.syncthreads()
+    if trans:
+        r = ptx.ldmatrix_x4_trans(smem, offsets[lane])
+    else:
+        r = ptx.ldmatrix_x4(smem, offsets[lane])
+    for j in range(4):
+        out[lane, j] = r[j]
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix(rng, trans):
+    src = rng.integers(0, 2**16, 4096, dtype=np.uint16)
+    offsets = (rng.choice(4096 // 8, 32, replace=False) * 8).astype(np.int32)
+    out = np.zeros((32, 4), np.uint32)
+    ldmatrix_kernel[1, 32](src, offsets, out, trans)
+    np.testing.assert_array_equal(out, sem.ldmatrix_lanes(src, offsets, trans))
+
+
+@cuda.jit
+def shfl_kernel(x, out, mask):
+    lane = cuda.threadIdx.x
+    out[lane] = ptx.shfl_xor_f32(x[lane], mask)
+
+
+@pytest.mark.parametrize("mask", [1, 2, 4, 8, 16])
+def test_shfl_xor(rng, mask):
+    x = rng.standard_normal(32).astype(np.float32)
+    out = np.zeros(32, np.float32)
+    shfl_kernel[1, 32](x, out, mask)
+    np.testing.assert_array_equal(out, x[np.arange(32) ^ mask])
+
+
+@cuda.jit
+def math_kernel(x, e, lo, hi, bf, hf):
+    i = cuda.threadIdx.x
+    e[i] = ptx.ex2_approx(x[i])
+    bf[i] = ptx.pack_bf16x2(lo[i], hi[i])
+    hf[i] = ptx.pack_f16x2(lo[i], hi[i])
+
+
+def test_ex2_and_packing(rng):
+    x = (rng.standard_normal(64) * 20).astype(np.float32)
+    x[:3] = [-np.inf, 0.0, -150.0]
+    lo, hi = (rng.standard_normal(64).astype(np.float32) * 100 for _ in range(2))
+    e, bf, hf = np.zeros(64, np.float32), np.zeros(64, np.uint32), np.zeros(64, np.uint32)
+    math_kernel[1, 64](x, e, lo, hi, bf, hf)
+    np.testing.assert_allclose(e, np.exp2(x.astype(np.float64)), rtol=2e-6, atol=1e-30)
+    for packed, dtype in ((bf, "bfloat16"), (hf, "float16")):
+        expect = (sem.float_to_halves(lo, dtype).astype(np.uint32)
+                  | sem.float_to_halves(hi, dtype).astype(np.uint32) << 16)
+        np.testing.assert_array_equal(packed, expect)
+
+
+@cuda.jit
+def copy_kernel(src, out32, dst, valid_rows):
+    """cp.async each 16-byte chunk of src into shared memory (rows >= valid_rows zero-filled), then
+    ld.shared.v4 / st.global.v4 it back out."""
+    tid = int32(cuda.threadIdx.x)
+    smem = cuda.shared.array(0, uint16)
+    row, col = tid // 4, (tid % 4) * 8
+    inside = row < valid_rows
+    ptx.cp_async_16(smem, tid * 8, src, row if inside else 0, col, 16 if inside else 0)
+    ptx.cp_async_commit()
+    ptx.cp_async_wait(0)
+    cuda.syncthreads()
+    smem32 = cuda.shared.array(0, uint32)
+    x = ptx.ld_shared_v4_u32(smem32, tid * 4)
+    ptx.st_global_v4_u32(dst, row, col // 2, x[0], x[1], x[2], x[3])
+    out32[tid] = x[0]
+
+
+def test_async_copy_and_vector_access(rng):
+    src = rng.integers(0, 2**16, (16, 32), dtype=np.uint16)
+    dst = np.zeros((16, 16), np.uint32)
+    out32 = np.zeros(64, np.uint32)
+    copy_kernel[1, 64, 0, 16 * 32 * 2](src, out32, dst, 11)
+    expect = src.copy()
+    expect[11:] = 0
+    np.testing.assert_array_equal(dst.view(np.uint16), expect)
+    np.testing.assert_array_equal(out32, expect.reshape(64, 8).view(np.uint32)[:, 0])
