@@ -59,7 +59,7 @@ def describe(x, name="array"):
                         f"array or a torch CUDA tensor), e.g. numba.cuda.to_device({name})")
     if _is_simulator_array(x):
         a = vars(x)["_ary"]
-        return Described("sim", 0, a.shape, a.strides, a.dtype.name, a.dtype.itemsize, x)
+        return Described("sim", a.ctypes.data, a.shape, a.strides, a.dtype.name, a.dtype.itemsize, x)
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is None:
         raise TypeError(f"{name} of type {type(x).__name__} is not a device array (no "
@@ -85,22 +85,38 @@ _TYPESTR = {np.uint16: "<u2", np.uint32: "<u4", np.float32: "<f4"}
 
 def bits_view(d, element, axes=None, last_dim_divisor=1):
     """A Numba device array over the memory of described array `d`, with elements of type
-    `element` (np.uint16, np.uint32 or np.float32), axes permuted by `axes`, and the last axis
-    shrunk by `last_dim_divisor` when wider elements pair up narrower ones (uint32 over 16-bit)."""
+    `element` (np.uint16, np.uint32 or np.float32), axes permuted by `axes`, and the contiguous last
+    axis shrunk by `last_dim_divisor` when wider elements pair up narrower ones (uint32 over 16-bit).
+
+    Both targets build the view from the same array-interface descriptor (CUDA's on a GPU, NumPy's in
+    the simulator), so the simulator exercises exactly the shapes and strides the GPU kernels get."""
     shape, strides = list(d.shape), list(d.strides)
-    shape[-1] //= last_dim_divisor
+    size = np.dtype(element).itemsize
+    if size != d.itemsize * last_dim_divisor:
+        raise ValueError(f"cannot view {d.itemsize}-byte elements {last_dim_divisor} at a time as "
+                         f"{size}-byte {np.dtype(element).name}")
+    if last_dim_divisor != 1:
+        if strides[-1] != d.itemsize or shape[-1] % last_dim_divisor:
+            raise ValueError("pairing elements needs a contiguous last axis of even length")
+        shape[-1] //= last_dim_divisor
+        strides[-1] = size
     if axes is not None:
         shape = [shape[a] for a in axes]
         strides = [strides[a] for a in axes]
-    if d.library == "sim":
-        a = vars(d.owner)["_ary"].view(element)
-        if axes is not None:
-            a = a.transpose(axes)
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return FakeCUDAArray(a)
     desc = {"shape": tuple(shape), "strides": tuple(strides), "data": (d.ptr, False),
             "typestr": _TYPESTR[element], "version": 3}
+    if d.library == "sim":
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(np.asarray(_HostView(desc, vars(d.owner)["_ary"])))
     return cuda.from_cuda_array_interface(desc, owner=d.owner, sync=False)
+
+
+class _HostView:
+    """NumPy's array interface over the simulator's host memory; keeps the owner alive."""
+
+    def __init__(self, desc, owner):
+        self.__array_interface__ = desc
+        self.owner = owner
 
 
 def empty(library, shape, dtype, like=None):

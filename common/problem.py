@@ -12,7 +12,6 @@ import numpy as np
 from numba import types
 
 from common import arrays
-from common.target import SIMULATOR
 
 _BSHD_TO_BHSD = (0, 2, 1, 3)
 
@@ -131,6 +130,6 @@ def _check_layout(d, name):
     if d.strides[3] != d.itemsize:
         raise ValueError(f"{name} must be contiguous along head_dim (stride {d.strides[3]} bytes); "
                          "make it contiguous first")
-    if any(s % 16 for s, n in zip(d.strides[:3], d.shape[:3]) if n > 1) or (not SIMULATOR and d.ptr % 16):
+    if any(s % 16 for s, n in zip(d.strides[:3], d.shape[:3]) if n > 1) or d.ptr % 16:
         raise ValueError(f"{name} rows must start at 16-byte boundaries (strides {d.strides} bytes, "
                          f"address {d.ptr:#x}); make it contiguous first")

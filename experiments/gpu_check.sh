@@ -6,6 +6,7 @@
 #   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
 #   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
+#   experiment:<name>   any conf/experiment/<name>.yaml sweep (its CSV lands in $OUT/<name>.csv)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -34,6 +35,13 @@ for step in $steps; do
       python3 experiments/run.py -m experiment=fa2_grid hydra.sweep.dir=/tmp/fa_grid \
         > "$OUT/grid.log" 2>&1 || status=1
       cp /tmp/fa_grid/results.csv "$OUT/grid.csv" 2>/dev/null ;;
+    experiment:*)
+      name=${step#experiment:}
+      rm -rf "/tmp/fa_$name"
+      python3 experiments/run.py -m "experiment=$name" "hydra.sweep.dir=/tmp/fa_$name" \
+        > "$OUT/$name.log" 2>&1 || status=1
+      cp "/tmp/fa_$name/results.csv" "$OUT/$name.csv" 2>/dev/null
+      echo "== $name"; python3 experiments/summarize.py --options "$OUT/$name.csv" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
   echo "== $step: $(( $(date +%s) - start )) s"

@@ -2,6 +2,7 @@
 to torch SDPA's FlashAttention-2 backend.
 
     python experiments/summarize.py multirun/<date>/<time>/results.csv [more.csv ...]
+    python experiments/summarize.py --options results.csv    # one line per option setting (ablations)
 
 Peers timed twice for one problem (in two jobs of a sweep) show the median of their rows.
 """
@@ -52,5 +53,22 @@ def table(rows):
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines)
 
 
+def options_table(rows):
+    """One line per (problem, variant, options): for tile sweeps and ablations."""
+    header = ["dtype", "hd", "causal", "seqlen", "variant", "options", "TFLOP/s", "ms", "check"]
+    lines = [header]
+    for r in sorted(rows, key=lambda r: (r["dtype"], int(r["head_dim"]), r["causal"],
+                                         int(r["seqlen"]), r["variant"], r["options"])):
+        lines.append([r["dtype"], r["head_dim"], r["causal"], r["seqlen"], r["variant"],
+                      r["options"] or "-", r["fwd_tflops"] or r["status"], r["fwd_ms"] or "-",
+                      r["check"] or "-"])
+    widths = [max(len(l[i]) for l in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines)
+
+
 if __name__ == "__main__":
-    print(table(load(sys.argv[1:])))
+    args = sys.argv[1:]
+    if args and args[0] == "--options":
+        print(options_table(load(args[1:])))
+    else:
+        print(table(load(args)))
