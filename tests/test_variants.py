@@ -73,7 +73,7 @@ def test_rectangular_with_custom_scale(rng, variant):
 
 
 # Each fa2 option is an ablation switch: every setting must still compute exact attention.
-FA2_OPTIONS = [dict(pipeline=False), dict(swizzle=False), dict(block_m=128), dict(block_n=32),
+FA2_OPTIONS = [dict(pipeline=False), dict(swizzle=False), dict(block_m=64), dict(block_n=32),
                dict(block_m=32, warps=2)]
 
 

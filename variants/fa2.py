@@ -66,14 +66,22 @@ class Config:
 
 OPTIONS = ("block_m", "block_n", "warps", "pipeline", "swizzle")
 
+# Default tiles by head_dim, chosen by `python experiments/run.py -m experiment=fa2_tiles` on an H200
+# (docs/performance.md): at d=64 two m16 tiles per warp (B_r = 128) reuse every K/V fragment loaded
+# from shared memory twice, 320 vs 262 TFLOP/s; at d=128 the same doubling needs ~2x the registers of
+# the O accumulator and loses (287 vs 300), so B_r = 64 with one m16 tile per warp.
+DEFAULT_TILES = {64: dict(block_m=128, block_n=64), 128: dict(block_m=64, block_n=64)}
+
 
 def default_config(head_dim, is_bf16, causal, **options):
-    """The tile shape used unless options override it (see docs/performance.md for why)."""
+    """The tile shape used unless options override it."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ValueError(f"fa2 has no option {', '.join(sorted(unknown))}; its options: {', '.join(OPTIONS)}")
-    options = {k: v for k, v in options.items() if v is not None}
-    return replace(Config(head_dim, is_bf16, causal), **options).validate()
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {head_dim}")
+    chosen = dict(DEFAULT_TILES[head_dim], **{k: v for k, v in options.items() if v is not None})
+    return replace(Config(head_dim, is_bf16, causal), **chosen).validate()
 
 
 @lru_cache(maxsize=None)
