@@ -58,7 +58,18 @@ def to_device(x, library):
         import cupy
         return cupy.asarray(x)
     from numba import cuda
-    return cuda.to_device(x)
+    dev = cuda.device_array(x.shape, dtype=x.dtype)
+    _numba_bits(dev).copy_to_device(_host_bits(x))
+    return dev
+
+
+def _host_bits(x):
+    return x.view(np.uint16) if x.dtype == DTYPES["bfloat16"] else x
+
+
+def _numba_bits(x):
+    """Numba copies through the buffer protocol, which refuses ml_dtypes' bfloat16: move its bits."""
+    return x.view(np.uint16) if x.dtype == DTYPES["bfloat16"] else x
 
 
 def to_host(x):
@@ -72,7 +83,7 @@ def to_host(x):
     if mod.startswith("cupy"):
         import cupy
         return cupy.asnumpy(x)
-    return x.copy_to_host()
+    return _numba_bits(x).copy_to_host().view(x.dtype)
 
 
 def poison(x):
@@ -85,5 +96,5 @@ def poison(x):
         x.fill(np.nan)
         return x
     nan = np.full(x.shape, np.nan, dtype=np.float32).astype(x.dtype)
-    x.copy_to_device(nan)
+    _numba_bits(x).copy_to_device(_host_bits(nan))
     return x
