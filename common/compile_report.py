@@ -2,10 +2,12 @@
 
     python -m common.compile_report            # a table
     python -m common.compile_report --json     # one JSON object a kernel (used by the tests)
+    python -m common.compile_report --sass     # also SASS instruction counts (needs cuobjdump)
 
 For each kernel: the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
 in the PTX, and, when ptxas is installed (the `test` extra brings CUDA 13.0's), the registers,
-spills and stack frame ptxas reports for sm_90. Needs NUMBA_ENABLE_CUDASIM unset or 0: the simulator
+spills and stack frame ptxas reports for sm_90 (and with --sass, counts of SASS instructions:
+HMMA tensor-core ops, LDSM/LDGSTS loads, MUFU, integer IMAD/ISETP, local LDL/STL). Needs NUMBA_ENABLE_CUDASIM unset or 0: the simulator
 cannot compile.
 """
 import json
@@ -20,18 +22,6 @@ from pathlib import Path
 VARIANT_MODULES = ("variants.standard", "variants.fa2")
 
 
-def find_ptxas():
-    found = shutil.which("ptxas")
-    if found:
-        return found
-    for entry in sys.path:
-        for sub in ("nvidia/cu13/bin/ptxas", "nvidia/cuda_nvcc/bin/ptxas"):
-            candidate = Path(entry) / sub
-            if candidate.is_file():
-                return str(candidate)
-    return None
-
-
 def ptx_counts(ptx):
     return {
         "mma": len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16", ptx)),
@@ -42,20 +32,45 @@ def ptx_counts(ptx):
     }
 
 
+def find_tool(name):
+    """A CUDA binary (ptxas, cuobjdump) on PATH or in an installed nvidia wheel."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for entry in sys.path:
+        candidate = Path(entry) / "nvidia" / "cu13" / "bin" / name
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+SASS_OPS = ("HMMA", "LDSM", "LDGSTS", "MUFU", "BAR", "IMAD", "ISETP", "LDL", "STL")
+
+
 def ptxas_resources(ptx, arch="sm_90"):
-    ptxas = find_ptxas()
+    """Registers, spills and stack from ptxas -v; with cuobjdump also SASS instruction counts."""
+    ptxas = find_tool("ptxas")
     if ptxas is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
+        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         src.write_text(ptx)
-        out = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+        out = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(cubin)],
                              capture_output=True, text=True, check=True).stderr
+        cuobjdump = find_tool("cuobjdump")
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout if cuobjdump else ""
+
     def grab(pattern):
         m = re.search(pattern, out)
         return int(m.group(1)) if m else 0
-    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack_bytes": grab(r"(\d+) bytes stack frame")}
+    row = {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+           "spill_loads": grab(r"(\d+) bytes spill loads"), "stack_bytes": grab(r"(\d+) bytes stack frame")}
+    if sass:
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
+        row.update({f"sass_{op}": ops.count(op) for op in SASS_OPS})
+        row["sass_total"] = len(ops)
+    return row
 
 
 def report(cc=(9, 0)):
@@ -82,6 +97,8 @@ def main(argv=None):
         print(json.dumps(rows))
         return
     cols = ["kernel", "mma", "ldmatrix", "cp_async", "f64_ops", "registers", "spill_stores", "stack_bytes"]
+    if "--sass" in argv:
+        cols += [f"sass_{op}" for op in SASS_OPS] + ["sass_total"]
     widths = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
