@@ -168,16 +168,22 @@ def fill(frag, value):
 
 
 @device_function
+def accumulator_position(m, n, j, lane):
+    """(row, col), within the warp's rows and the tile's columns, of accumulator element acc[m, n, j]
+    of `lane`: registers 0, 1 hold (g, 2t), (g, 2t+1) and registers 2, 3 hold (g+8, 2t), (g+8, 2t+1)
+    of the m16n8 tile (m, n), with g = lane // 4, t = lane % 4."""
+    return m * 16 + (lane >> 2) + (j >> 1) * 8, n * 8 + 2 * (lane & 3) + (j & 1)
+
+
+@device_function
 def mask_scores(s, row0, col0, n_cols, causal, lane):
     """Set s to -inf where column >= n_cols, or column > row when causal. row0: global row of the
     warp's first row; col0: global column of the tile's first column."""
-    g = lane >> 2
-    t = lane & 3
     for m in range(s.shape[0]):
         for n in range(s.shape[1]):
             for j in range(4):
-                row = row0 + m * 16 + g + (j >> 1) * 8
-                col = col0 + n * 8 + 2 * t + (j & 1)
+                r, c = accumulator_position(m, n, j, lane)
+                row, col = row0 + r, col0 + c
                 if col >= n_cols or (causal and col > row):
                     s[m, n, j] = NEG_INF
 
@@ -217,12 +223,10 @@ def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid
 @device_function
 def store_accumulator_f32(dst, acc, row0, col0, n_rows, n_cols, scale, lane):
     """dst[row, col] <- scale * acc for the elements inside (n_rows, n_cols); fp32 output."""
-    g = lane >> 2
-    t = lane & 3
     for m in range(acc.shape[0]):
         for n in range(acc.shape[1]):
             for j in range(4):
-                row = row0 + m * 16 + g + (j >> 1) * 8
-                col = col0 + n * 8 + 2 * t + (j & 1)
+                r, c = accumulator_position(m, n, j, lane)
+                row, col = row0 + r, col0 + c
                 if row < n_rows and col < n_cols:
                     dst[row, col] = acc[m, n, j] * scale

@@ -20,7 +20,7 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)
-      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1 || status=1
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=12 tests > "$OUT/tests.log" 2>&1 || status=1
       tail -3 "$OUT/tests.log" ;;
     compile)
       python3 -m common.compile_report > "$OUT/compile_report.txt" 2>&1 || status=1
