@@ -8,12 +8,15 @@ CuPy arrays back, a torch user torch tensors.
 """
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 from numba import cuda
 
 from common.target import SIMULATOR
 
-_FLOAT_DTYPES = ("float16", "bfloat16")
+# The element types this project handles, by the names used in configs, CSVs and error messages.
+DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+          "float32": np.dtype(np.float32)}
 
 
 def _torch_module(x):
@@ -124,18 +127,11 @@ def empty(library, shape, dtype, like=None):
     if library == "torch":
         import torch
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
-    np_dtype = _numpy_dtype(dtype)
+    np_dtype = DTYPES[dtype]
     if library == "cupy":
         import cupy
         return cupy.empty(shape, dtype=np_dtype)
     return cuda.device_array(shape, dtype=np_dtype)  # numba, the simulator, and anything else
-
-
-def _numpy_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def stream_of(d):
@@ -149,7 +145,3 @@ def stream_of(d):
         handle = cupy.cuda.get_current_stream().ptr
         return cuda.external_stream(handle) if handle else 0
     return 0
-
-
-def is_float16_family(dtype):
-    return dtype in _FLOAT_DTYPES

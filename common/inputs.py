@@ -6,11 +6,9 @@ so reference and kernel read exactly the same values. Seeds are fresh unless giv
 """
 import os
 
-import ml_dtypes
 import numpy as np
 
-DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-          "float32": np.dtype(np.float32)}
+from common.arrays import DTYPES
 
 
 def fresh_seed():

@@ -13,13 +13,13 @@ from numba import types
 
 from common import arrays
 
-_BSHD_TO_BHSD = (0, 2, 1, 3)
+_BSHD_TO_BHSD = (0, 2, 1, 3)   # flash_attn_func layout (batch, seq, heads, dim) -> (batch, heads, seq, dim)
 
 # Numba types of the views `prepare` makes (what kernels are specialised on), for compiling kernels
 # ahead of time on machines without a GPU (tests/test_compile.py).
 QKV_TYPE = types.Array(types.uint16, 4, "A")      # q, k, v: (B, H, N, d) permuted views
 OUT_TYPE = types.Array(types.uint32, 4, "A")      # o32: (B, H, N_q, d/2) permuted view
-LSE_TYPE = types.Array(types.float32, 3, "C")     # lse: (B, H, N_q)   # flash_attn_func layout (batch, seq, heads, dim) -> (batch, heads, seq, dim)
+LSE_TYPE = types.Array(types.float32, 3, "C")     # lse: (B, H, N_q)
 
 
 @dataclass
@@ -66,7 +66,7 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant):
         if len(d.shape) != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim) as in "
                              f"flash_attn_func, got shape {d.shape}")
-        if not arrays.is_float16_family(d.dtype):
+        if d.dtype not in ("float16", "bfloat16"):
             raise TypeError(f"{name} has dtype {d.dtype}; {variant} takes float16 or bfloat16")
     if not dq.dtype == dk.dtype == dv.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {dq.dtype}, {dk.dtype}, {dv.dtype}")

@@ -16,9 +16,8 @@ if SIMULATOR:
 device_function = cuda.jit(device=True, inline="always")
 
 
-def kernel(fn):
-    """@cuda.jit for a kernel, lazily compiled (one specialisation per argument types)."""
-    return cuda.jit(fn)
+# Kernels: lazily compiled, one specialisation per argument types (tile sizes are closed over).
+kernel = cuda.jit
 
 
 def gpu_available():

@@ -66,16 +66,23 @@ def column_step(base, i, swizzle):
 # --------------------------------------------------------------------------- global -> shared
 
 @device_function
+def copy_split(tid, cols, nthreads):
+    """How a tile of `cols` 16-bit columns is split into 16-byte copies over `nthreads` threads:
+    thread `tid` copies the chunk at column `col` of rows r, r + row_step, r + 2 row_step, ...
+    (see check_tile_copy). Returns (r, col, row_step)."""
+    chunks_per_row = cols >> 3
+    r = tid // chunks_per_row
+    return r, (tid - r * chunks_per_row) << 3, nthreads // chunks_per_row
+
+
+@device_function
 def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzle, tid, nthreads):
     """Start copying src[row0:row0+rows, col0:col0+cols] into tile `dst` with 16-byte cp.async
     copies spread over `nthreads` threads; rows at or past n_rows are zero-filled. Each thread copies
     one 16-byte column chunk of every (nthreads / (cols/8))-th row (see check_tile_copy); when that
     row step is a multiple of 8 the swizzle repeats and the offsets fold into immediates.
     Commit and wait with ptx.cp_async_commit / cp_async_wait."""
-    chunks_per_row = cols >> 3
-    row_step = nthreads // chunks_per_row
-    r = tid // chunks_per_row
-    col = (tid - r * chunks_per_row) << 3
+    r, col, row_step = copy_split(tid, cols, nthreads)
     for i in range(rows // row_step):
         row = row0 + r + i * row_step
         inside = row < n_rows
@@ -209,10 +216,7 @@ def stage_accumulator(tile32, acc, row_scale, row0, lane, row_stride, swizzle, i
 def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid, nthreads):
     """dst32[row0:row0+rows, :cols/2] <- a staged tile of 16-bit values (both seen as uint32
     words), 16 bytes a thread per step, rows at or past n_rows skipped (split as load_tile_async)."""
-    chunks_per_row = cols >> 3
-    row_step = nthreads // chunks_per_row
-    r = tid // chunks_per_row
-    col = (tid - r * chunks_per_row) << 3
+    r, col, row_step = copy_split(tid, cols, nthreads)
     for i in range(rows // row_step):
         row = row0 + r + i * row_step
         if row < n_rows:
