@@ -157,6 +157,19 @@ pack_bf16x2 = _make_pack("bf16")
 pack_f16x2 = _make_pack("f16")
 
 
+@intrinsic
+def syncwarp(typingctx):
+    """All 32 lanes reach this point, and their shared-memory writes before it are visible to the
+    warp's reads after it."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, ir.VoidType(), [], "bar.warp.sync -1;", "~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # --------------------------------------------------------------------------- asynchronous copies
 
 @intrinsic

@@ -220,6 +220,12 @@ pack_bf16x2 = _make_pack("bfloat16")
 pack_f16x2 = _make_pack("float16")
 
 
+def syncwarp():
+    """No-op: what bar.warp.sync orders on the GPU (lanes' shared-memory writes before the warp's
+    reads) already holds here, because every reader is a warp collective (ldmatrix) that waits for
+    all 32 lanes (`_warp_collective`) before reading."""
+
+
 def cp_async_16(dst, dst_offset, src, row, col, src_bytes):
     dst = _unwrap(dst)
     n = 8 if int(src_bytes) == 16 else 0

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from numba import cuda
 
-from common.target import SIMULATOR
+from common.target import SIMULATOR, KernelView
 
 # The element types this project handles, by the names used in configs, CSVs and error messages.
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
@@ -83,16 +83,14 @@ def _contiguous_strides(shape, itemsize):
     return tuple(reversed(strides))
 
 
-_TYPESTR = {np.uint16: "<u2", np.uint32: "<u4", np.float32: "<f4"}
-
-
 def bits_view(d, element, axes=None, last_dim_divisor=1):
-    """A Numba device array over the memory of described array `d`, with elements of type
-    `element` (np.uint16, np.uint32 or np.float32), axes permuted by `axes`, and the contiguous last
-    axis shrunk by `last_dim_divisor` when wider elements pair up narrower ones (uint32 over 16-bit).
+    """A kernel argument (`target.KernelView`) over the memory of described array `d`, with
+    elements of type `element` (np.uint16, np.uint32 or np.float32), axes permuted by `axes`, and
+    the contiguous last axis shrunk by `last_dim_divisor` when wider elements pair up narrower ones
+    (uint32 over 16-bit). Nothing is allocated or copied.
 
-    Both targets build the view from the same array-interface descriptor (CUDA's on a GPU, NumPy's in
-    the simulator), so the simulator exercises exactly the shapes and strides the GPU kernels get."""
+    In the simulator the view's `.array` is built from NumPy's array interface over the same
+    descriptor, so the simulator exercises exactly the shapes and strides the GPU kernels get."""
     shape, strides = list(d.shape), list(d.strides)
     size = np.dtype(element).itemsize
     if size != d.itemsize * last_dim_divisor:
@@ -106,12 +104,13 @@ def bits_view(d, element, axes=None, last_dim_divisor=1):
     if axes is not None:
         shape = [shape[a] for a in axes]
         strides = [strides[a] for a in axes]
-    desc = {"shape": tuple(shape), "strides": tuple(strides), "data": (d.ptr, False),
-            "typestr": _TYPESTR[element], "version": 3}
+    view = KernelView(d.ptr, shape, strides, np.dtype(element), d.owner)
     if d.library == "sim":
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return FakeCUDAArray(np.asarray(_HostView(desc, vars(d.owner)["_ary"])))
-    return cuda.from_cuda_array_interface(desc, owner=d.owner, sync=False)
+        desc = dict(view.__cuda_array_interface__)
+        view = KernelView(d.ptr, shape, strides, np.dtype(element), d.owner,
+                          FakeCUDAArray(np.asarray(_HostView(desc, vars(d.owner)["_ary"]))))
+    return view
 
 
 class _HostView:
@@ -135,13 +134,12 @@ def empty(library, shape, dtype, like=None):
 
 
 def stream_of(d):
-    """The stream the caller's library is working on (kernels launch there), or 0."""
+    """The raw handle of the stream the caller's library is working on (kernels launch there),
+    or 0 for the default stream."""
     if d.library == "torch":
         import torch
-        handle = torch.cuda.current_stream(d.owner.device).cuda_stream
-        return cuda.external_stream(handle) if handle else 0
+        return torch.cuda.current_stream(d.owner.device).cuda_stream
     if d.library == "cupy":
         import cupy
-        handle = cupy.cuda.get_current_stream().ptr
-        return cuda.external_stream(handle) if handle else 0
+        return cupy.cuda.get_current_stream().ptr
     return 0

@@ -70,7 +70,25 @@ def ptxas_resources(ptx, arch="sm_90"):
         ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
         row.update({f"sass_{op}": ops.count(op) for op in SASS_OPS})
         row["sass_total"] = len(ops)
+        loop = main_loop(sass)
+        row.update(loop_instructions=len(loop), loop_HMMA=loop.count("HMMA"),
+                   loop_local=loop.count("LDL") + loop.count("STL"))
     return row
+
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([^;]*)")
+
+
+def main_loop(sass):
+    """Opcodes of the largest loop in a SASS listing: the instructions between the target of the
+    longest backward branch and that branch (for the fa2 kernel: the loop over K/V blocks)."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
+    best = (0, 0, -1)
+    for addr, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > best[0]:
+            best = (addr - int(target.group(1), 16), int(target.group(1), 16), addr)
+    return [op for addr, op, _ in code if best[1] <= addr <= best[2]]
 
 
 def report(cc=(9, 0)):
@@ -98,7 +116,8 @@ def main(argv=None):
         return
     cols = ["kernel", "mma", "ldmatrix", "cp_async", "f64_ops", "registers", "spill_stores", "stack_bytes"]
     if "--sass" in argv:
-        cols += [f"sass_{op}" for op in SASS_OPS] + ["sass_total"]
+        cols += [f"sass_{op}" for op in SASS_OPS] + ["sass_total", "loop_instructions", "loop_HMMA",
+                                                     "loop_local"]
     widths = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:

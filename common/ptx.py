@@ -9,6 +9,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | mma_bf16_16816, mma_f16_16816        | mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}       |
 | ldmatrix_x4, ldmatrix_x4_trans       | ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16       |
 | shfl_xor_f32                         | shfl.sync.bfly.b32                                     |
+| syncwarp                             | bar.warp.sync                                          |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
 | cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
@@ -26,6 +27,7 @@ mma_f16_16816 = _impl.mma_f16_16816
 ldmatrix_x4 = _impl.ldmatrix_x4
 ldmatrix_x4_trans = _impl.ldmatrix_x4_trans
 shfl_xor_f32 = _impl.shfl_xor_f32
+syncwarp = _impl.syncwarp
 ex2_approx = _impl.ex2_approx
 pack_bf16x2 = _impl.pack_bf16x2
 pack_f16x2 = _impl.pack_f16x2

@@ -1,4 +1,6 @@
 """Where kernels run: a CUDA GPU or Numba's CUDA simulator, and the decorators that work on both."""
+import re
+
 from numba import config, cuda
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
@@ -18,6 +20,62 @@ device_function = cuda.jit(device=True, inline="always")
 
 # Kernels: lazily compiled, one specialisation per argument types (tile sizes are closed over).
 kernel = cuda.jit
+
+
+# --------------------------------------------------------------------------- loop unrolling
+# The fragment arrays (`cuda.local.array`) are registers only if every loop that indexes them is
+# unrolled completely. NVVM decides that by a size threshold, and with two m16 tiles a warp at
+# head_dim 128 the GEMM loops exceed it: the loops stay rolled, their arrays go to local memory.
+# CUDA C++ says `#pragma unroll` for this; its IR form is `llvm.loop.unroll.full` metadata on the
+# loop's back edge, which Numba cannot emit. So before NVVM sees a kernel's IR, every back edge gets
+# that metadata (the `#pragma unroll` of every loop). Only loops with a trip count known at compile
+# time unroll (all loops over tile and fragment shapes here); the others (the K/V loop over a
+# runtime length) are left as they are.
+
+_BACK_EDGE = re.compile(r"^(\s+br label %(\"[^\"]+\"|[\w.$-]+))\s*$")
+_LABEL = re.compile(r"^(\"[^\"]+\"|[\w.$-]+):")
+
+
+def unroll_all_loops(llvm_ir):
+    """`llvm_ir` (textual LLVM IR) with `llvm.loop.unroll.full` on every loop back edge, i.e. every
+    unconditional branch to a block defined earlier in the same function."""
+    next_id = max(map(int, re.findall(r"!(\d+)", llvm_ir)), default=0) + 1
+    lines, metadata, seen = [], [], set()
+    for line in llvm_ir.splitlines():
+        if line.startswith("define "):
+            seen = set()
+        label = _LABEL.match(line)
+        if label:
+            seen.add(label.group(1).strip('"'))
+        edge = _BACK_EDGE.match(line)
+        if edge and edge.group(2).strip('"') in seen:
+            line = f"{edge.group(1)}, !llvm.loop !{next_id}"
+            metadata += [f"!{next_id} = distinct !{{!{next_id}, !{next_id + 1}}}",
+                         f'!{next_id + 1} = !{{!"llvm.loop.unroll.full"}}']
+            next_id += 2
+        lines.append(line)
+    return "\n".join(lines + metadata) + "\n"
+
+
+def _install_unroll_pass():
+    """Route the IR of every Numba CUDA kernel compiled in this process through unroll_all_loops
+    (numba-cuda 0.30: CUDACodeLibrary.llvm_strs is what it hands to NVVM)."""
+    from numba.cuda.codegen import CUDACodeLibrary
+
+    if getattr(CUDACodeLibrary, "_fa_unrolls_loops", False):
+        return
+
+    def llvm_strs(self):
+        if self._llvm_strs is None:
+            self._llvm_strs = [unroll_all_loops(str(mod)) for mod in self.modules]
+        return self._llvm_strs
+
+    CUDACodeLibrary.llvm_strs = property(llvm_strs)
+    CUDACodeLibrary._fa_unrolls_loops = True
+
+
+if not SIMULATOR:
+    _install_unroll_pass()
 
 
 def gpu_available():
@@ -41,29 +99,120 @@ def describe():
     return f"{name} (sm_{dev.compute_capability[0]}{dev.compute_capability[1]})"
 
 
+# --------------------------------------------------------------------------- launching
+
+class KernelView:
+    """A device array as a kernel argument: address, shape and byte strides of any axis order
+    and element type over someone else's memory (`owner` keeps it alive). `launch` passes its
+    fields straight to the driver; `.array` is the same memory as a Numba device array (or, in the
+    simulator, a simulator array)."""
+    __slots__ = ("ptr", "shape", "strides", "dtype", "owner", "_array", "_type")
+
+    def __init__(self, ptr, shape, strides, dtype, owner, array=None):
+        self.ptr, self.shape, self.strides = ptr, tuple(shape), tuple(strides)
+        self.dtype, self.owner, self._array, self._type = dtype, owner, array, None
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "strides": self.strides, "data": (self.ptr, False),
+                "typestr": self.dtype.str, "version": 3}
+
+    @property
+    def array(self):
+        if self._array is None:
+            self._array = cuda.from_cuda_array_interface(self.__cuda_array_interface__,
+                                                         owner=self.owner, sync=False)
+        return self._array
+
+    @property
+    def numba_type(self):
+        """What Numba would type the array as: C layout when C-contiguous, else any ("A")."""
+        if self._type is None:
+            from numba import from_dtype, types
+            expect, contiguous = self.dtype.itemsize, True
+            for n, stride in zip(reversed(self.shape), reversed(self.strides)):
+                contiguous &= n == 1 or stride == expect
+                expect *= n
+            self._type = types.Array(from_dtype(self.dtype), len(self.shape),
+                                     "C" if contiguous else "A")
+        return self._type
+
+
 _DEFAULT_SHARED_LIMIT = 48 * 1024
-_raised = set()
+_compiled = {}        # (kernel, argument types) -> _Launcher
 
 
 def launch(kern, grid, block, shared_bytes, stream, *args):
-    """kern[grid, block, stream, shared_bytes](*args), first raising the kernel's dynamic
-    shared-memory limit when it asks for more than the default 48 KB (numba-cuda has no API for it:
-    numba-cuda issue #94)."""
-    if shared_bytes > _DEFAULT_SHARED_LIMIT and not SIMULATOR:
-        _allow_dynamic_shared(kern, args, shared_bytes)
-    kern[grid, block, stream, shared_bytes](*args)
+    """kern[grid, block, stream, shared_bytes](*args) for KernelView and NumPy int32/float32
+    arguments; `stream` is a raw CUDA stream handle (0: the default stream).
 
-
-def _allow_dynamic_shared(kern, args, shared_bytes):
-    from numba import typeof
-    from numba.cuda.cudadrv import driver as drv
-
-    sig = tuple(typeof(a) for a in args)
-    key = (id(kern), sig, shared_bytes)
-    if key in _raised:
+    On a GPU this skips Numba's per-call dispatch (typing every argument, wrapping arrays, building
+    ctypes objects), which costs ~0.1 ms a call: the kernel is compiled once per argument types,
+    and each call writes the flattened arguments (Numba's kernel ABI: an array is meminfo, parent,
+    size, itemsize, data, shape..., strides...) into one buffer for cuLaunchKernel. It also raises
+    the kernel's dynamic shared-memory limit when it asks for more than the default 48 KB
+    (numba-cuda has no API for it: numba-cuda issue #94)."""
+    if SIMULATOR:
+        kern[grid, block, 0, shared_bytes](*(a.array if isinstance(a, KernelView) else a
+                                             for a in args))
         return
-    compiled = kern.compile(sig)
-    cufunc = compiled._codelibrary.get_cufunc()
-    attr = drv.binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    drv.driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, cufunc.device.id)
-    _raised.add(key)
+    sig = tuple(a.numba_type if isinstance(a, KernelView) else _SCALAR_TYPES[type(a)] for a in args)
+    launcher = _compiled.get((kern, sig))
+    if launcher is None:
+        launcher = _compiled[(kern, sig)] = _Launcher(kern, sig)
+    launcher(grid, block, shared_bytes, stream, args)
+
+
+class _Launcher:
+    """One compiled kernel and the driver calls that launch it."""
+
+    def __init__(self, kern, sig):
+        import numpy as np
+        from cuda.bindings import driver as cu
+
+        self.cu, self.np = cu, np
+        self.cufunc = kern.compile(sig)._codelibrary.get_cufunc()
+        # A CUkernel handle may be passed to cuLaunchKernel cast to a CUfunction.
+        self.function = cu.CUfunction(int(self.cufunc.handle))
+        self.shared_allowed = _DEFAULT_SHARED_LIMIT
+        self.streams = {}
+
+    def __call__(self, grid, block, shared_bytes, stream, args):
+        np, cu = self.np, self.cu
+        if shared_bytes > self.shared_allowed:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(cu.cuKernelSetAttribute(attr, shared_bytes, self.cufunc.handle,
+                                           self.cufunc.device.id))
+            self.shared_allowed = shared_bytes
+        values = []
+        for a in args:
+            if isinstance(a, KernelView):
+                size = 1
+                for n in a.shape:
+                    size *= n
+                values += [0, 0, size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides]
+            else:   # a 4-byte scalar, as its bits in the low half of an 8-byte slot
+                values.append(int(np.asarray(a).view(np.uint32)))
+        slots = np.array(values, dtype=np.int64)
+        pointers = slots.ctypes.data + 8 * np.arange(len(values), dtype=np.uint64)
+        cu_stream = self.streams.get(stream)
+        if cu_stream is None:
+            cu_stream = self.streams[stream] = cu.CUstream(stream)
+        grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+        block = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
+        _check(cu.cuLaunchKernel(self.function, *grid, *block, shared_bytes, cu_stream, pointers, 0))
+
+
+def _check(result):
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {err!r}")
+
+
+def _scalar_types():
+    import numpy as np
+    from numba import types
+    return {np.int32: types.int32, np.float32: types.float32}
+
+
+_SCALAR_TYPES = _scalar_types()

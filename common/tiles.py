@@ -93,14 +93,29 @@ def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzl
 # --------------------------------------------------------------------------- shared -> fragments
 
 @device_function
+def a_fragment_base(row0, lane, row_stride, swizzle):
+    """Offset of this lane's ldmatrix row address for the A operand of rows row0..row0+15
+    (row0 % 8 == 0) at k-step 0. ldmatrix.x4 matrices: (rows 0-7, cols 0-7), (8-15, 0-7),
+    (0-7, 8-15), (8-15, 8-15). Rows 16 further down are 16 * row_stride further on."""
+    return smem_offset(row0 + (lane & 15), (lane >> 4) << 3, row_stride, swizzle)
+
+
+@device_function
+def load_a_step(a, m, slot, tile, base, kk, swizzle):
+    """a[m, slot] <- the A operand at k-step kk (columns 16kk..16kk+15) from `base`
+    (see a_fragment_base)."""
+    x = ptx.ldmatrix_x4(tile, column_step(base, kk, swizzle))
+    for j in range(4):
+        a[m, slot, j] = x[j]
+
+
+@device_function
 def load_a_fragments(a, m, tile, row0, lane, row_stride, swizzle):
-    """a[m, kk] <- the A operand for rows row0..row0+15 (row0 % 8 == 0), columns 16kk..16kk+15 of
-    a row-major tile. ldmatrix.x4 matrices: (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15)."""
-    base = smem_offset(row0 + (lane & 15), (lane >> 4) << 3, row_stride, swizzle)
+    """a[m, kk] <- the A operand for rows row0..row0+15, columns 16kk..16kk+15 of a row-major tile,
+    for every k-step kk of `a`."""
+    base = a_fragment_base(row0, lane, row_stride, swizzle)
     for kk in range(a.shape[1]):
-        x = ptx.ldmatrix_x4(tile, column_step(base, kk, swizzle))
-        for j in range(4):
-            a[m, kk, j] = x[j]
+        load_a_step(a, m, kk, tile, base, kk, swizzle)
 
 
 @device_function
@@ -117,18 +132,43 @@ def mma(acc, m, n, a, kk, b0, b1, is_bf16):
 
 
 @device_function
-def gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16):
-    """acc += A B^T with A in registers and B an [n][k] row-major tile (K in S = Q K^T).
+def abt_base(lane, row_stride, swizzle):
+    """Offset of this lane's ldmatrix row address in an [n][k] tile (B of A B^T) at n = k = 0."""
+    return smem_offset(((lane >> 4) << 3) + (lane & 7), ((lane >> 3) & 1) << 3, row_stride, swizzle)
+
+
+@device_function
+def abt_step(acc, a, slot, tile_b, k_base, row_stride, is_bf16):
+    """acc += a[:, slot] B_kk^T for one k-step, B_kk's ldmatrix addresses at k_base.
     One ldmatrix.x4 gives b0, b1 of n-tiles 2*n2 and 2*n2+1: matrices (n0, k0), (n0, k0+8),
     (n0+8, k0), (n0+8, k0+8); it is reused by all m-tiles of the warp."""
-    base = smem_offset(((lane >> 4) << 3) + (lane & 7), ((lane >> 3) & 1) << 3, row_stride, swizzle)
+    for n2 in range(acc.shape[1] >> 1):
+        b = ptx.ldmatrix_x4(tile_b, k_base + n2 * 16 * row_stride)
+        for m in range(acc.shape[0]):
+            mma(acc, m, 2 * n2, a, slot, b[0], b[1], is_bf16)
+            mma(acc, m, 2 * n2 + 1, a, slot, b[2], b[3], is_bf16)
+
+
+@device_function
+def gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16):
+    """acc += A B^T with A held in registers (every k-step in a[m, kk]) and B an [n][k] row-major
+    tile (K in S = Q K^T)."""
+    base = abt_base(lane, row_stride, swizzle)
     for kk in range(a.shape[1]):
-        k_base = column_step(base, kk, swizzle)
-        for n2 in range(acc.shape[1] >> 1):
-            b = ptx.ldmatrix_x4(tile_b, k_base + n2 * 16 * row_stride)
-            for m in range(acc.shape[0]):
-                mma(acc, m, 2 * n2, a, kk, b[0], b[1], is_bf16)
-                mma(acc, m, 2 * n2 + 1, a, kk, b[2], b[3], is_bf16)
+        abt_step(acc, a, kk, tile_b, column_step(base, kk, swizzle), row_stride, is_bf16)
+
+
+@device_function
+def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle, is_bf16):
+    """acc += A B^T with A streamed from the row-major tile `tile_a` (rows a_row0.., m-tiles of 16)
+    one k-step at a time into a[:, 0], instead of held whole in registers: k_steps more ldmatrix
+    per m-tile and call, for a[M, 1, 4] instead of a[M, k_steps, 4] registers (FA2's Q reload)."""
+    a_base = a_fragment_base(a_row0, lane, row_stride, swizzle)
+    base = abt_base(lane, row_stride, swizzle)
+    for kk in range(k_steps):
+        for m in range(a.shape[0]):
+            load_a_step(a, m, 0, tile_a, a_base + m * 16 * row_stride, kk, swizzle)
+        abt_step(acc, a, 0, tile_b, column_step(base, kk, swizzle), row_stride, is_bf16)
 
 
 @device_function
@@ -185,30 +225,47 @@ def accumulator_position(m, n, j, lane):
 @device_function
 def mask_scores(s, row0, col0, n_cols, causal, lane):
     """Set s to -inf where column >= n_cols, or column > row when causal. row0: global row of the
-    warp's first row; col0: global column of the tile's first column."""
+    warp's first row; col0: global column of the tile's first column.
+
+    Per held row, the first masked column is turned into a bound relative to the lane's column
+    offset 2t, so that every element's test compares one register with an immediate (its n-tile
+    and pair position) and no per-element index stays live across the K/V loop."""
+    t2 = 2 * (lane & 3)
     for m in range(s.shape[0]):
-        for n in range(s.shape[1]):
-            for j in range(4):
-                r, c = accumulator_position(m, n, j, lane)
-                row, col = row0 + r, col0 + c
-                if col >= n_cols or (causal and col > row):
-                    s[m, n, j] = NEG_INF
+        for h in range(2):
+            end = n_cols
+            if causal:
+                end = min(end, row0 + m * 16 + (lane >> 2) + 8 * h + 1)
+            bound = end - col0 - t2   # element (n, jj) is masked when 8n + jj >= bound
+            for n in range(s.shape[1]):
+                for jj in range(2):
+                    if n * 8 + jj >= bound:
+                        s[m, n, 2 * h + jj] = NEG_INF
 
 
 # --------------------------------------------------------------------------- fragments -> global
 
 @device_function
-def stage_accumulator(tile32, acc, row_scale, row0, lane, row_stride, swizzle, is_bf16):
-    """Write acc * row_scale (per held row, as 16-bit pairs) into a tile seen as uint32 words.
-    row_scale[2m + h] scales row g + 8h of m-tile m; row0: the warp's first row in the tile."""
+def scale_rows(acc, row_scale):
+    """acc <- diag(row_scale) acc for the rows a lane holds: row_scale[2m + h] scales row g + 8h
+    of m-tile m."""
+    for m in range(acc.shape[0]):
+        for n in range(acc.shape[1]):
+            for j in range(4):
+                acc[m, n, j] *= row_scale[2 * m + (j >> 1)]
+
+
+@device_function
+def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, is_bf16):
+    """Write acc (as 16-bit pairs) into a row-major tile seen as uint32 words; row0: the warp's
+    first row in the tile. Readers in other lanes need a barrier (syncwarp or syncthreads) first."""
     g = lane >> 2
     t = lane & 3
     for m in range(acc.shape[0]):
         for h in range(2):
             r = row0 + m * 16 + g + 8 * h
-            sc = row_scale[2 * m + h]
             for n in range(acc.shape[1]):
-                w = pack_pair(acc[m, n, 2 * h] * sc, acc[m, n, 2 * h + 1] * sc, is_bf16)
+                w = pack_pair(acc[m, n, 2 * h], acc[m, n, 2 * h + 1], is_bf16)
                 tile32[smem_offset(r, n * 8 + 2 * t, row_stride, swizzle) >> 1] = w
 
 

@@ -14,10 +14,10 @@ def test_paired_permuted_view_aliases_the_array(rng, dtype):
     assert words.shape == (2, 3, 5, 32)
     assert words.strides == (5 * 3 * 64 * 2, 64 * 2, 3 * 64 * 2, 4)   # the paired axis: 4-byte steps
     expect = np.ascontiguousarray(host.transpose(0, 2, 1, 3)).view(np.uint32)
-    np.testing.assert_array_equal(words.copy_to_host(), expect)
+    np.testing.assert_array_equal(words.array.copy_to_host(), expect)
     halves = arrays.bits_view(d, np.uint16, (0, 2, 1, 3))
     assert halves.strides == (5 * 3 * 64 * 2, 64 * 2, 3 * 64 * 2, 2)
-    np.testing.assert_array_equal(halves.copy_to_host(), host.transpose(0, 2, 1, 3).view(np.uint16))
+    np.testing.assert_array_equal(halves.array.copy_to_host(), host.transpose(0, 2, 1, 3).view(np.uint16))
 
 
 def test_pairing_needs_a_contiguous_even_last_axis(rng):

@@ -20,12 +20,13 @@ M = 16 * WARPS
 
 
 @lru_cache(maxsize=None)
-def gemm_kernel(k_dim, n_dim, swizzle, is_bf16, b_is_nk):
-    """C (M x n) = A (M x k) @ B, B given as [n][k] (b_is_nk) or [k][n]."""
+def gemm_kernel(k_dim, n_dim, swizzle, is_bf16, b_is_nk, a_streamed=False):
+    """C (M x n) = A (M x k) @ B, B given as [n][k] (b_is_nk) or [k][n]; A held in registers, or
+    streamed from shared memory one k-step at a time (a_streamed, with b_is_nk)."""
     SA = tiles.tile_row_stride(k_dim, swizzle)
     b_rows, b_cols = (n_dim, k_dim) if b_is_nk else (k_dim, n_dim)
     SB = tiles.tile_row_stride(b_cols, swizzle)
-    A_FRAG, ACC = (1, k_dim // 16, 4), (1, n_dim // 8, 4)
+    A_FRAG, ACC = (1, 1 if a_streamed else k_dim // 16, 4), (1, n_dim // 8, 4)
     tiles.check_tile_copy(M, k_dim, THREADS)
     tiles.check_tile_copy(b_rows, b_cols, THREADS)
 
@@ -42,13 +43,17 @@ def gemm_kernel(k_dim, n_dim, swizzle, is_bf16, b_is_nk):
         ptx.cp_async_wait(0)
         cuda.syncthreads()
         frag = cuda.local.array(A_FRAG, uint32)
-        tiles.load_a_fragments(frag, 0, a_s, 16 * warp, lane, SA, swizzle)
         acc = cuda.local.array(ACC, float32)
         tiles.fill(acc, float32(0))
-        if b_is_nk:
-            tiles.gemm_abt(acc, frag, b_s, lane, SB, swizzle, is_bf16)
+        if a_streamed:  # (SA == SB: A and B^T share k_dim columns)
+            tiles.gemm_abt_streamed(acc, frag, a_s, 16 * warp, k_dim // 16, b_s, lane, SB, swizzle,
+                                    is_bf16)
         else:
-            tiles.gemm_ab(acc, frag, b_s, lane, SB, swizzle, is_bf16)
+            tiles.load_a_fragments(frag, 0, a_s, 16 * warp, lane, SA, swizzle)
+            if b_is_nk:
+                tiles.gemm_abt(acc, frag, b_s, lane, SB, swizzle, is_bf16)
+            else:
+                tiles.gemm_ab(acc, frag, b_s, lane, SB, swizzle, is_bf16)
         tiles.store_accumulator_f32(c, acc, 16 * warp, 0, M, n_dim, float32(1), lane)
 
     return kernel, 2 * (M * SA + b_rows * SB)
@@ -60,13 +65,14 @@ def as_float(bits, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("swizzle", [True, False])
-@pytest.mark.parametrize("b_is_nk, k_dim, n_dim", [(True, 128, 64), (False, 64, 128)])
-def test_warp_gemm(rng, dtype, swizzle, b_is_nk, k_dim, n_dim):
+@pytest.mark.parametrize("b_is_nk, k_dim, n_dim, a_streamed",
+                         [(True, 128, 64, False), (True, 128, 64, True), (False, 64, 128, False)])
+def test_warp_gemm(rng, dtype, swizzle, b_is_nk, k_dim, n_dim, a_streamed):
     a = inputs.random_qkv(rng, 1, M, 1, k_dim, dtype)[0].reshape(M, k_dim).view(np.uint16)
     b_shape = (n_dim, k_dim) if b_is_nk else (k_dim, n_dim)
     b = inputs.random_qkv(rng, 1, b_shape[0], 1, b_shape[1], dtype)[0].reshape(b_shape).view(np.uint16)
     c = np.full((M, n_dim), np.nan, np.float32)
-    kernel, smem = gemm_kernel(k_dim, n_dim, swizzle, dtype == "bfloat16", b_is_nk)
+    kernel, smem = gemm_kernel(k_dim, n_dim, swizzle, dtype == "bfloat16", b_is_nk, a_streamed)
     kernel[1, THREADS, 0, smem](a, b, c)
     bf = as_float(b, dtype)
     expect = as_float(a, dtype) @ (bf.T if b_is_nk else bf)
@@ -107,7 +113,8 @@ def chain_kernel(d, n, swizzle, is_bf16):
         row_scale[1] = scale[16 * warp + (lane >> 2) + 8]
         cuda.syncthreads()
         q_s32 = cuda.shared.array(0, uint32)[0:M * S // 2]
-        tiles.stage_accumulator(q_s32, o, row_scale, 16 * warp, lane, S, swizzle, is_bf16)
+        tiles.scale_rows(o, row_scale)
+        tiles.stage_accumulator(q_s32, o, 16 * warp, lane, S, swizzle, is_bf16)
         cuda.syncthreads()
         tiles.store_tile(o32, q_s32, 0, M - 3, M, d, S, swizzle, tid, THREADS)
 

@@ -74,12 +74,18 @@ def test_rectangular_with_custom_scale(rng, variant):
 
 # Each fa2 option is an ablation switch: every setting must still compute exact attention.
 FA2_OPTIONS = [dict(pipeline=False), dict(swizzle=False), dict(block_m=64), dict(block_n=32),
-               dict(block_m=32, warps=2)]
+               dict(block_m=32, warps=2), dict(q_in_registers=False), dict(p_in_registers=False),
+               dict(p_in_registers=False, swizzle=False, q_in_registers=False),
+               dict(kv_stages=2), dict(kv_stages=2, pipeline=False, block_n=32),
+               dict(head_dim=128, q_in_registers=True, block_m=64),
+               dict(head_dim=128, q_in_registers=False, block_m=128, p_in_registers=False)]
 
 
 @pytest.mark.parametrize("options", FA2_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_fa2_options(rng, options):
-    run_and_check(rng, "fa2", batch=1, seqlen=97, heads=1, head_dim=64, dtype="bfloat16",
+    options = dict(options)
+    head_dim = options.pop("head_dim", 64)
+    run_and_check(rng, "fa2", batch=1, seqlen=97, heads=1, head_dim=head_dim, dtype="bfloat16",
                   causal=True, **options)
 
 

@@ -10,9 +10,12 @@ What makes it FA2 rather than FA1:
   (or the ragged end) are masked.
 
 Hardware mapping: S and O are mma.m16n8k16 accumulators in registers; P~ goes from the S
-accumulator straight into the A operand of the P V mma (never through shared memory); K_j and V_j
-arrive by cp.async into one shared tile each, the copy of K_{j+1} overlapping softmax and P V, the
-copy of V_{j+1} overlapping the next Q K^T (FA2's schedule; `pipeline=False` waits for every copy).
+accumulator straight into the A operand of the P V mma (`p_in_registers=False`: through a shared
+tile instead); Q_i's A fragments are either held in registers for the whole loop or, as FA2's own
+kernels do at head_dim 128, re-read from the shared Q tile at every step (`q_in_registers=False`),
+which frees the registers for two m16 tiles a warp; K_j and V_j arrive by cp.async into one shared
+tile each, the copy of K_{j+1} overlapping softmax and P V, the copy of V_{j+1} overlapping the next
+Q K^T (FA2's schedule; `pipeline=False` waits for every copy).
 """
 import math
 from dataclasses import dataclass, replace
@@ -23,7 +26,7 @@ from numba import cuda, float32, int32, types, uint32, uint16
 
 from common import ptx, softmax, tiles
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
-from common.target import kernel, launch
+from common.target import device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
 
@@ -39,6 +42,9 @@ class Config:
     warps: int = 4          # split-Q: each warp owns block_m / warps query rows
     pipeline: bool = True   # overlap the K/V copies with compute (cp.async groups)
     swizzle: bool = True    # XOR-swizzled shared tiles (False: padded rows)
+    kv_stages: int = 1      # K/V buffers: 1 (FA2's kernels) or 2 (double-buffered, a step ahead)
+    q_in_registers: bool = True   # Q_i's fragments held in registers (False: re-read each step)
+    p_in_registers: bool = True   # P~ re-packed in registers (False: through a shared tile)
 
     @property
     def threads(self):
@@ -50,38 +56,52 @@ class Config:
 
     def smem_bytes(self):
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
-        return 2 * d * (self.block_m + 2 * self.block_n)
+        p = 0 if self.p_in_registers else self.block_m * tiles.tile_row_stride(self.block_n, self.swizzle)
+        return 2 * (d * (self.block_m + 2 * self.kv_stages * self.block_n) + p)
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
         if self.block_m % (16 * self.warps):
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 * warps={16 * self.warps}")
+        if self.kv_stages not in (1, 2):
+            raise ValueError(f"kv_stages must be 1 or 2, got {self.kv_stages}")
         if self.block_n % 16:
             raise ValueError(f"block_n={self.block_n} must be a multiple of 16")
         for rows in (self.block_m, self.block_n):
             tiles.check_tile_copy(rows, self.head_dim, self.threads)
+        if not self.p_in_registers:
+            tiles.tile_row_stride(self.block_n, self.swizzle)  # a swizzled P tile: 64k columns
         return self
 
 
-OPTIONS = ("block_m", "block_n", "warps", "pipeline", "swizzle")
+OPTIONS = ("block_m", "block_n", "warps", "pipeline", "swizzle", "kv_stages", "q_in_registers",
+           "p_in_registers")
 
-# Default tiles by head_dim, chosen by `python experiments/run.py -m experiment=fa2_tiles` on an H200
-# (docs/performance.md): at d=64 two m16 tiles per warp (B_r = 128) reuse every K/V fragment loaded
-# from shared memory twice, 320 vs 262 TFLOP/s; at d=128 the same doubling needs ~2x the registers of
-# the O accumulator and loses (287 vs 300), so B_r = 64 with one m16 tile per warp.
-DEFAULT_TILES = {64: dict(block_m=128, block_n=64), 128: dict(block_m=64, block_n=64)}
+# Defaults by head_dim, chosen by measurement on an H200 (docs/performance.md; sweeps in
+# conf/experiment/fa2_tiles.yaml and fa2_ablations.yaml). Both use B_r = 128 with 4 warps, i.e. two
+# m16 tiles a warp, so every K/V fragment a warp loads from shared memory feeds two MMAs, and
+# double-buffered K/V (a full step for each copy to land, one barrier a step). At d=128 the O
+# accumulator alone is 128 registers a thread, so Q_i is re-read from shared memory each step (as in
+# FA2's kernels) instead of held in 64 more registers.
+DEFAULTS = {64: dict(block_m=128, block_n=64, kv_stages=2),
+            128: dict(block_m=128, block_n=64, kv_stages=2, q_in_registers=False)}
 
 
 def default_config(head_dim, is_bf16, causal, **options):
-    """The tile shape used unless options override it."""
+    """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ValueError(f"fa2 has no option {', '.join(sorted(unknown))}; its options: {', '.join(OPTIONS)}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {head_dim}")
-    chosen = dict(DEFAULT_TILES[head_dim], **{k: v for k, v in options.items() if v is not None})
-    return replace(Config(head_dim, is_bf16, causal), **chosen).validate()
+    chosen = {k: v for k, v in options.items() if v is not None}
+    return _config(head_dim, is_bf16, causal, tuple(sorted(chosen.items())))
+
+
+@lru_cache(maxsize=None)
+def _config(head_dim, is_bf16, causal, options):
+    return replace(Config(head_dim, is_bf16, causal), **dict(DEFAULTS[head_dim], **dict(options))).validate()
 
 
 @lru_cache(maxsize=None)
@@ -90,12 +110,23 @@ def build(cfg):
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
     IS_BF16, CAUSAL, PIPELINE, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.pipeline, cfg.swizzle
+    Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
-    Q_TILE, KV_TILE = BR * STRIDE, BC * STRIDE
-    # Register arrays need literal shapes: A fragments of Q (k-steps of 16 over d), the S and O
-    # accumulators (n-tiles of 8), P~ as A fragments (k-steps of 16 over B_c), 2 rows a lane per m-tile.
-    Q_FRAG, S_ACC, O_ACC, P_FRAG = (M, D // 16, 4), (M, BC // 8, 4), (M, D // 8, 4), (M, BC // 16, 4)
+    P_STRIDE = tiles.tile_row_stride(BC, SWIZZLE) if not P_IN_REGISTERS else 0
+    Q_TILE, KV_TILE, P_TILE = BR * STRIDE, BC * STRIDE, BR * P_STRIDE
+    STAGES = cfg.kv_stages
+    P_START = Q_TILE + 2 * STAGES * KV_TILE
+    # Register arrays need literal shapes: A fragments of Q (all k-steps of 16 over d, or one when
+    # they are re-read each step), the S and O accumulators (n-tiles of 8), P~ as A fragments
+    # (k-steps of 16 over B_c), 2 rows a lane per m-tile.
+    Q_FRAG = (M, D // 16 if Q_IN_REGISTERS else 1, 4)
+    S_ACC, O_ACC, P_FRAG = (M, BC // 8, 4), (M, D // 8, 4), (M, BC // 16, 4)
     ROWS = 2 * M
+
+    @device_function
+    def load_kv_tile(tile, src, row0, n_rows, tid):
+        """Start the cp.async copy of rows row0..row0+B_c of K or V into a shared tile."""
+        tiles.load_tile_async(tile, src, row0, n_rows, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
 
     @kernel
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, softmax_scale, scale_log2):
@@ -110,10 +141,10 @@ def build(cfg):
         row0 = i * BR                       # first query row of Q_i
         warp_row = warp * 16 * M            # first row of this warp's part of Q_i (split-Q)
 
-        smem = cuda.shared.array(0, uint16)
+        smem = cuda.shared.array(0, uint16)   # Q_i | STAGES x (K, V) | P~ (p_in_registers=False)
         q_s = smem[0:Q_TILE]
-        k_s = smem[Q_TILE:Q_TILE + KV_TILE]
-        v_s = smem[Q_TILE + KV_TILE:Q_TILE + 2 * KV_TILE]
+        p_s = smem[P_START:P_START + P_TILE]
+        p_s32 = cuda.shared.array(0, uint32)[P_START // 2:(P_START + P_TILE) // 2]
 
         # Causal: K/V blocks past the diagonal of the last row of Q_i are never visited.
         t_c = (n_k + BC - 1) // BC
@@ -122,15 +153,16 @@ def build(cfg):
 
         # Alg.1 l.4: load Q_i (and, ahead of the loop, K_1 and V_1) from HBM to SRAM.
         tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
-        tiles.load_tile_async(k_s, k_h, 0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        load_kv_tile(smem[Q_TILE:Q_TILE + KV_TILE], k_h, 0, n_k, tid)
         ptx.cp_async_commit()
-        tiles.load_tile_async(v_s, v_h, 0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        load_kv_tile(smem[Q_TILE + KV_TILE:Q_TILE + 2 * KV_TILE], v_h, 0, n_k, tid)
         ptx.cp_async_commit()
         ptx.cp_async_wait(1)
         cuda.syncthreads()
         q_frag = cuda.local.array(Q_FRAG, uint32)
-        for m in range(M):
-            tiles.load_a_fragments(q_frag, m, q_s, warp_row + 16 * m, lane, STRIDE, SWIZZLE)
+        if Q_IN_REGISTERS:
+            for m in range(M):
+                tiles.load_a_fragments(q_frag, m, q_s, warp_row + 16 * m, lane, STRIDE, SWIZZLE)
 
         # Alg.1 l.5: O_i = 0, l_i = 0, m_i = -inf, on chip.
         o_acc = cuda.local.array(O_ACC, float32)
@@ -142,43 +174,72 @@ def build(cfg):
         p = cuda.local.array(P_FRAG, uint32)
 
         for j in range(t_c):  # Alg.1 l.6
-            # l.7: K_j is in SRAM (its copy was issued one step earlier).
-            ptx.cp_async_wait(1)
-            cuda.syncthreads()
+            col0 = j * BC
+            kv0 = Q_TILE + (j & (STAGES - 1)) * 2 * KV_TILE   # this step's K/V buffers
+            k_s = smem[kv0:kv0 + KV_TILE]
+            v_s = smem[kv0 + KV_TILE:kv0 + 2 * KV_TILE]
+            # l.7: K_j (two stages: and V_j) in SRAM; their copies were issued one step earlier.
+            if STAGES == 2:
+                ptx.cp_async_wait(0)
+                cuda.syncthreads()  # ... and every warp is done with step j-1's buffers: refill
+                if j + 1 < t_c:     # them with K_{j+1} and V_{j+1} while this step computes
+                    nxt = Q_TILE + ((j + 1) & 1) * 2 * KV_TILE
+                    load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, tid)
+                    load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k, tid)
+                ptx.cp_async_commit()
+                if not PIPELINE:
+                    ptx.cp_async_wait(0)
+            else:
+                ptx.cp_async_wait(1)
+                cuda.syncthreads()
             # l.8: S_ij = Q_i K_j^T.
             tiles.fill(s, float32(0))
-            tiles.gemm_abt(s, q_frag, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            col0 = j * BC
+            if Q_IN_REGISTERS:
+                tiles.gemm_abt(s, q_frag, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            else:
+                tiles.gemm_abt_streamed(s, q_frag, q_s, warp_row, D // 16, k_s, lane, STRIDE,
+                                        SWIZZLE, IS_BF16)
             if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > row0):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, CAUSAL, lane)
-            cuda.syncthreads()  # every warp is done with K_j: refill the tile with K_{j+1}
-            if j + 1 < t_c:
-                tiles.load_tile_async(k_s, k_h, col0 + BC, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
-            ptx.cp_async_commit()
-            if not PIPELINE:
-                ptx.cp_async_wait(0)
+            if STAGES == 1:
+                cuda.syncthreads()  # every warp is done with K_j: refill the tile with K_{j+1}
+                if j + 1 < t_c:
+                    load_kv_tile(k_s, k_h, col0 + BC, n_k, tid)
+                ptx.cp_async_commit()
+                if not PIPELINE:
+                    ptx.cp_async_wait(0)
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)
-            tiles.accumulator_to_a(p, s, IS_BF16)
-            # l.10, second half: O_i += P~_ij V_j, with V_j now in SRAM.
-            ptx.cp_async_wait(1)
-            cuda.syncthreads()
+            if P_IN_REGISTERS:
+                tiles.accumulator_to_a(p, s, IS_BF16)
+            else:  # the warp's own rows of the P tile: a warp barrier suffices
+                tiles.stage_accumulator(p_s32, s, warp_row, lane, P_STRIDE, SWIZZLE, IS_BF16)
+                ptx.syncwarp()
+                for m in range(M):
+                    tiles.load_a_fragments(p, m, p_s, warp_row + 16 * m, lane, P_STRIDE, SWIZZLE)
+            # l.10, second half: O_i += P~_ij V_j, with V_j in SRAM.
+            if STAGES == 1:
+                ptx.cp_async_wait(1)
+                cuda.syncthreads()
             tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            cuda.syncthreads()  # every warp is done with V_j: refill the tile with V_{j+1}
-            if j + 1 < t_c:
-                tiles.load_tile_async(v_s, v_h, col0 + BC, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
-            ptx.cp_async_commit()
-            if not PIPELINE:
-                ptx.cp_async_wait(0)
+            if STAGES == 1:
+                cuda.syncthreads()  # every warp is done with V_j: refill the tile with V_{j+1}
+                if j + 1 < t_c:
+                    load_kv_tile(v_s, v_h, col0 + BC, n_k, tid)
+                ptx.cp_async_commit()
+                if not PIPELINE:
+                    ptx.cp_async_wait(0)
 
         # l.12-13: O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i), once.
         inv_l = cuda.local.array(ROWS, float32)
         lse_rows = cuda.local.array(ROWS, float32)
         softmax.finalize(m_i, l_i, inv_l, lse_rows, softmax_scale)
         # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores.
+        cuda.syncthreads()
         q_s32 = cuda.shared.array(0, uint32)[0:Q_TILE // 2]
-        tiles.stage_accumulator(q_s32, o_acc, inv_l, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.scale_rows(o_acc, inv_l)
+        tiles.stage_accumulator(q_s32, o_acc, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
         cuda.syncthreads()
         tiles.store_tile(o[b, h], q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
         # l.15: write L_i (one lane of each quad holds its rows' statistics).
@@ -194,7 +255,7 @@ def build(cfg):
 def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or
     bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and lse (B, H, N_q) fp32.
-    options: block_m, block_n, warps, pipeline, swizzle (see Config)."""
+    options: see Config and OPTIONS."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2")
     cfg = default_config(prob.head_dim, prob.is_bf16, causal, **options)

@@ -160,11 +160,8 @@ def build_output(cfg):
             tiles.load_a_fragments(a, 0, p_s, 16 * warp, lane, P_STRIDE, SWIZZLE)
             tiles.gemm_ab(acc, a, v_s, lane, V_STRIDE, SWIZZLE, IS_BF16)
             cuda.syncthreads()
-        ones = cuda.local.array(2, float32)
-        ones[0] = float32(1)
-        ones[1] = float32(1)
         o_s32 = cuda.shared.array(0, uint32)[0:TILE * V_STRIDE // 2]
-        tiles.stage_accumulator(o_s32, acc, ones, 16 * warp, lane, V_STRIDE, SWIZZLE, IS_BF16)
+        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, V_STRIDE, SWIZZLE, IS_BF16)
         cuda.syncthreads()
         tiles.store_tile(o32[b, h], o_s32, row0, n_q, TILE, D, V_STRIDE, SWIZZLE, tid, THREADS)
 
