@@ -133,9 +133,14 @@ class KernelView:
             for n, stride in zip(reversed(self.shape), reversed(self.strides)):
                 contiguous &= n == 1 or stride == expect
                 expect *= n
-            self._type = types.Array(from_dtype(self.dtype), len(self.shape),
-                                     "C" if contiguous else "A")
+            key = (self.dtype, len(self.shape), "C" if contiguous else "A")
+            self._type = _ARRAY_TYPES.get(key)
+            if self._type is None:   # building a Numba type costs ~10 us: once per kind of view
+                self._type = _ARRAY_TYPES[key] = types.Array(from_dtype(key[0]), key[1], key[2])
         return self._type
+
+
+_ARRAY_TYPES = {}
 
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
