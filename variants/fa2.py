@@ -128,6 +128,17 @@ def build(cfg):
         """Start the cp.async copy of rows row0..row0+B_c of K or V into a shared tile."""
         tiles.load_tile_async(tile, src, row0, n_rows, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
 
+    @device_function
+    def refill_after_use(tile, src, j, t_c, n_rows, tid):
+        """One K/V buffer (FA2's schedule): once every warp has passed the barrier, block j is no
+        longer needed; start copying block j+1 into the same tile."""
+        cuda.syncthreads()
+        if j + 1 < t_c:
+            load_kv_tile(tile, src, (j + 1) * BC, n_rows, tid)
+        ptx.cp_async_commit()
+        if not PIPELINE:
+            ptx.cp_async_wait(0)
+
     @kernel
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, softmax_scale, scale_log2):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q)."""
@@ -201,13 +212,8 @@ def build(cfg):
                                         SWIZZLE, IS_BF16)
             if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > row0):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, CAUSAL, lane)
-            if STAGES == 1:
-                cuda.syncthreads()  # every warp is done with K_j: refill the tile with K_{j+1}
-                if j + 1 < t_c:
-                    load_kv_tile(k_s, k_h, col0 + BC, n_k, tid)
-                ptx.cp_async_commit()
-                if not PIPELINE:
-                    ptx.cp_async_wait(0)
+            if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
+                refill_after_use(k_s, k_h, j, t_c, n_k, tid)
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)
@@ -223,13 +229,8 @@ def build(cfg):
                 ptx.cp_async_wait(1)
                 cuda.syncthreads()
             tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            if STAGES == 1:
-                cuda.syncthreads()  # every warp is done with V_j: refill the tile with V_{j+1}
-                if j + 1 < t_c:
-                    load_kv_tile(v_s, v_h, col0 + BC, n_k, tid)
-                ptx.cp_async_commit()
-                if not PIPELINE:
-                    ptx.cp_async_wait(0)
+            if STAGES == 1:  # every warp is done with V_j: refill the tile with V_{j+1}
+                refill_after_use(v_s, v_h, j, t_c, n_k, tid)
 
         # l.12-13: O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i), once.
         inv_l = cuda.local.array(ROWS, float32)
