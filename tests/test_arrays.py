@@ -25,3 +25,14 @@ def test_pairing_needs_a_contiguous_even_last_axis(rng):
     d = arrays.describe(dev)
     with pytest.raises(ValueError, match="cannot view 2-byte elements 1 at a time"):
         arrays.bits_view(d, np.uint32)
+
+
+def test_kernel_views_are_typed_like_numba_types_arrays(rng):
+    """What `target.launch` compiles a kernel for: C layout for a C-contiguous view, any layout
+    ("A") for a permuted one, the element type of the view (not of the array)."""
+    from numba import types
+    dev = inputs.to_device(inputs.random_qkv(rng, 2, 5, 3, 64, "bfloat16")[0], inputs.default_library())
+    d = arrays.describe(dev)
+    assert arrays.bits_view(d, np.uint16).numba_type == types.Array(types.uint16, 4, "C")
+    assert arrays.bits_view(d, np.uint16, (0, 2, 1, 3)).numba_type == types.Array(types.uint16, 4, "A")
+    assert arrays.bits_view(d, np.uint32, last_dim_divisor=2).numba_type == types.Array(types.uint32, 4, "C")

@@ -58,3 +58,21 @@ def test_no_spills_in_the_kv_loop(report):
             assert r["loop_HMMA"] == r["expected_mma"], r   # every MMA of a step inside, unrolled
         elif r["kernel"].startswith("standard"):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+
+
+def test_unroll_pass_marks_exactly_the_back_edges():
+    """common.target.unroll_all_loops: `llvm.loop.unroll.full` on branches to an earlier block of the
+    same function (loop back edges), nothing on forward branches, fresh metadata ids."""
+    from common.target import unroll_all_loops
+    ir = "\n".join([
+        "define void @f(i1 %c) {", "entry:", "  br label %loop", "loop:",
+        "  br i1 %c, label %body, label %exit", "body:", "  br label %loop", "exit:",
+        "  br label %done", "done:", "  ret void", "}",
+        "define void @g() {", "entry:", "  br label %loop", "loop:", "  br label %loop", "}",
+        "!7 = !{}"])
+    out = unroll_all_loops(ir).splitlines()
+    assert out[6] == "  br label %loop, !llvm.loop !8"              # f's back edge
+    assert out[2] == "  br label %loop" and out[8] == "  br label %done"   # forward branches
+    assert out[16] == "  br label %loop, !llvm.loop !10"            # g's, labels scoped per function
+    assert '!9 = !{!"llvm.loop.unroll.full"}' in out and "!8 = distinct !{!8, !9}" in out
+    assert sum("unroll.full" in line for line in out) == 2
