@@ -58,8 +58,12 @@ def ptxas_resources(ptx, arch="sm_90"):
         out = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(cubin)],
                              capture_output=True, text=True, check=True).stderr
         cuobjdump = find_tool("cuobjdump")
-        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout if cuobjdump else ""
+        sass = ""
+        if cuobjdump:   # cuobjdump -sass runs nvdisasm: look for it next to cuobjdump too
+            env = dict(os.environ, PATH=os.pathsep.join([str(Path(cuobjdump).parent),
+                                                         os.environ.get("PATH", "")]))
+            sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True,
+                                  check=True, env=env).stdout
 
     def grab(pattern):
         m = re.search(pattern, out)
