@@ -13,9 +13,11 @@ Hardware mapping: S and O are mma.m16n8k16 accumulators in registers; P~ goes fr
 accumulator straight into the A operand of the P V mma (`p_in_registers=False`: through a shared
 tile instead); Q_i's A fragments are either held in registers for the whole loop or, as FA2's own
 kernels do at head_dim 128, re-read from the shared Q tile at every step (`q_in_registers=False`),
-which frees the registers for two m16 tiles a warp; K_j and V_j arrive by cp.async into one shared
-tile each, the copy of K_{j+1} overlapping softmax and P V, the copy of V_{j+1} overlapping the next
-Q K^T (FA2's schedule; `pipeline=False` waits for every copy).
+which frees the registers for two m16 tiles a warp. K_j and V_j arrive by cp.async, either into
+two buffers each (`kv_stages=2`, the default: K_{j+1} and V_{j+1} are issued at the top of step j,
+a whole step before they are needed, one barrier a step) or into one tile each (`kv_stages=1`, FA2's
+own kernels: K_{j+1} overlaps softmax and P V, V_{j+1} the next Q K^T, four barriers a step);
+`pipeline=False` waits for every copy. Defaults and what each switch is worth: docs/performance.md.
 """
 import math
 from dataclasses import dataclass, replace
@@ -37,7 +39,7 @@ class Config:
     head_dim: int
     is_bf16: bool
     causal: bool
-    block_m: int = 64       # B_r: query rows a thread block owns
+    block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
     block_n: int = 64       # B_c: keys per inner step
     warps: int = 4          # split-Q: each warp owns block_m / warps query rows
     pipeline: bool = True   # overlap the K/V copies with compute (cp.async groups)
