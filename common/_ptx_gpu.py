@@ -157,17 +157,26 @@ pack_bf16x2 = _make_pack("bf16")
 pack_f16x2 = _make_pack("f16")
 
 
-@intrinsic
-def syncwarp(typingctx):
-    """All 32 lanes reach this point, and their shared-memory writes before it are visible to the
-    warp's reads after it."""
-    sig = types.void()
+def _statement(builder, text):
+    """Emit an operand-less instruction that orders memory (a barrier, a copy-group fence)."""
+    _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
 
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "bar.warp.sync -1;", "~{memory}", side_effect=True)
-        return context.get_dummy_value()
 
-    return sig, codegen
+def _make_statement(text, doc):
+    @intrinsic
+    def statement(typingctx):
+        def codegen(context, builder, sig, args):
+            _statement(builder, text)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    statement.__doc__ = doc
+    return statement
+
+
+syncwarp = _make_statement("bar.warp.sync -1;", "All 32 lanes reach this point, and their "
+                           "shared-memory writes before it are visible to the warp's reads after it.")
 
 
 # --------------------------------------------------------------------------- asynchronous copies
@@ -188,15 +197,8 @@ def cp_async_16(typingctx, dst, dst_offset, src, row, col, src_bytes):
     return sig, codegen
 
 
-@intrinsic
-def cp_async_commit(typingctx):
-    sig = types.void()
-
-    def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], "cp.async.commit_group;", "~{memory}", side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
+cp_async_commit = _make_statement("cp.async.commit_group;",
+                                  "Close the group of cp.async copies issued since the last commit.")
 
 
 @intrinsic
@@ -208,7 +210,7 @@ def cp_async_wait(typingctx, pending):
     sig = types.void(pending)
 
     def codegen(context, builder, sig, args):
-        _asm(builder, ir.VoidType(), [], f"cp.async.wait_group {n};", "~{memory}", side_effect=True)
+        _statement(builder, f"cp.async.wait_group {n};")
         return context.get_dummy_value()
 
     return sig, codegen

@@ -107,9 +107,8 @@ def bits_view(d, element, axes=None, last_dim_divisor=1):
     view = KernelView(d.ptr, shape, strides, np.dtype(element), d.owner)
     if d.library == "sim":
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        desc = dict(view.__cuda_array_interface__)
-        view = KernelView(d.ptr, shape, strides, np.dtype(element), d.owner,
-                          FakeCUDAArray(np.asarray(_HostView(desc, vars(d.owner)["_ary"]))))
+        host = _HostView(view.__cuda_array_interface__, vars(d.owner)["_ary"])
+        view = KernelView(d.ptr, shape, strides, view.dtype, d.owner, FakeCUDAArray(np.asarray(host)))
     return view
 
 
