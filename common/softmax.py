@@ -42,6 +42,35 @@ def init_rows(m_i, l_i):
 
 
 @device_function
+def lane_row_max(s, m, h, init):
+    """max(init, the lane's scores in row half h of m-tile m); quad_max completes the row."""
+    x = init
+    for n in range(s.shape[1]):
+        x = max(x, max(s[m, n, 2 * h], s[m, n, 2 * h + 1]))
+    return x
+
+
+@device_function
+def exp2_base(row_max, scale_log2):
+    """The exponent offset of a row whose max is row_max: row_max * scale*log2(e), or 0 for a row
+    with every score masked so far (m = -inf), whose P~ is then exactly 0 instead of NaN."""
+    return float32(0) if row_max == float32(-math.inf) else row_max * scale_log2
+
+
+@device_function
+def exponentiate_row(s, m, h, base, scale_log2):
+    """S <- P~ = exp(S - m) = 2^(S * scale*log2(e) - base) in place for row half h of m-tile m;
+    returns the lane's part of rowsum(P~)."""
+    row_sum = float32(0)
+    for n in range(s.shape[1]):
+        for j in range(2 * h, 2 * h + 2):
+            p = ptx.ex2_approx(s[m, n, j] * scale_log2 - base)
+            s[m, n, j] = p
+            row_sum += p
+    return row_sum
+
+
+@device_function
 def online_softmax(s, m_i, l_i, o, scale_log2):
     """Alg.1 l.9 and the rescale of l.10 for one K/V block, in place:
     m_new = max(m_old, rowmax(S)); S <- P~ = exp(S - m_new); l = exp(m_old - m_new) l + rowsum(P~);
@@ -49,24 +78,26 @@ def online_softmax(s, m_i, l_i, o, scale_log2):
     for m in range(s.shape[0]):
         for h in range(2):
             r = 2 * m + h
-            row_max = m_i[r]
-            for n in range(s.shape[1]):
-                row_max = max(row_max, max(s[m, n, 2 * h], s[m, n, 2 * h + 1]))
-            row_max = quad_max(row_max)
-            # A row with every score masked so far keeps m = -inf; exponentiate against 0 then.
-            base = float32(0) if row_max == float32(-math.inf) else row_max * scale_log2
+            row_max = quad_max(lane_row_max(s, m, h, m_i[r]))
+            base = exp2_base(row_max, scale_log2)
             alpha = ptx.ex2_approx(m_i[r] * scale_log2 - base)
             m_i[r] = row_max
-            row_sum = float32(0)
-            for n in range(s.shape[1]):
-                for j in range(2 * h, 2 * h + 2):
-                    p = ptx.ex2_approx(s[m, n, j] * scale_log2 - base)
-                    s[m, n, j] = p
-                    row_sum += p
-            l_i[r] = l_i[r] * alpha + row_sum
+            l_i[r] = l_i[r] * alpha + exponentiate_row(s, m, h, base, scale_log2)
             for d in range(o.shape[1]):
                 o[m, d, 2 * h] *= alpha
                 o[m, d, 2 * h + 1] *= alpha
+
+
+@device_function
+def merge_statistics(m_old, l_old, m_blk, l_blk, scale_log2):
+    """FA1 Alg.1 l.11 for one row: the running (m, l) and a block's own (m~, l~) (its P~ taken
+    against m~) -> (m_new, l_new, e^(m_old - m_new), e^(m~ - m_new)); the two factors rescale the
+    old O and the block's P~ V."""
+    m_new = max(m_old, m_blk)
+    base = exp2_base(m_new, scale_log2)
+    alpha = ptx.ex2_approx(m_old * scale_log2 - base)
+    beta = ptx.ex2_approx(m_blk * scale_log2 - base)
+    return m_new, alpha * l_old + beta * l_blk, alpha, beta
 
 
 @device_function

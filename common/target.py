@@ -1,5 +1,6 @@
 """Where kernels run: a CUDA GPU or Numba's CUDA simulator, and the decorators that work on both."""
 import re
+from functools import lru_cache
 
 from numba import config, cuda
 
@@ -97,6 +98,14 @@ def describe():
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     return f"{name} (sm_{dev.compute_capability[0]}{dev.compute_capability[1]})"
+
+
+@lru_cache(maxsize=None)
+def multiprocessor_count():
+    """SMs of the current GPU (the simulator: 1)."""
+    if SIMULATOR:
+        return 1
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 # --------------------------------------------------------------------------- launching

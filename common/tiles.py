@@ -270,6 +270,17 @@ def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, is_bf16):
 
 
 @device_function
+def stage_accumulator_f32(tile, acc, row0, lane, row_stride):
+    """Write acc as fp32 into a row-major float32 shared tile (rows row0.., row_stride floats a
+    row; a stride of 8 mod 32 keeps the float2 stores of the 8 row groups in distinct banks)."""
+    for m in range(acc.shape[0]):
+        for n in range(acc.shape[1]):
+            for j in range(4):
+                r, c = accumulator_position(m, n, j, lane)
+                tile[(row0 + r) * row_stride + c] = acc[m, n, j]
+
+
+@device_function
 def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid, nthreads):
     """dst32[row0:row0+rows, :cols/2] <- a staged tile of 16-bit values (both seen as uint32
     words), 16 bytes a thread per step, rows at or past n_rows skipped (split as load_tile_async)."""

@@ -34,7 +34,7 @@ import common  # noqa: E402  (light: chooses GPU or simulator before numba loads
 COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "fwd_ms",
            "fwd_tflops", "gpu", "seqlen_k", "heads_kv", "fwd_ms_min", "fwd_ms_max", "reps",
            "rel_err", "max_err", "lse_err", "check", "status", "mode", "library", "options",
-           "seed", "job"]
+           "label", "seed", "job"]
 
 SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a small problem, and "
               "are checked against float64 exactly as on a GPU.\nThe times printed are the "
@@ -121,7 +121,7 @@ def run_job(cfg, mode):
 
     ctx = dict(prob=prob, dtype=dtype, sets=sets, ref=ref, check_rows=check_rows, mode=mode,
                library=library, seed=seed, gpu=target.describe(), bench=cfg.bench,
-               job=_job_name())
+               job=_job_name(), label=cfg.get("label") or "")
     options = {k: v for k, v in OmegaConf.to_container(cfg.variant.get("options", {})).items()
                if v is not None}
     module = variants.get(cfg.variant.name)
@@ -158,7 +158,7 @@ def measure(name, fn, ctx, options=None, workspace=0):
                heads=prob["heads"], gpu=ctx["gpu"], seqlen_k=prob["seqlen_k"],
                heads_kv=prob["heads_kv"], mode=ctx["mode"], library=ctx["library"],
                options=";".join(f"{k}={v}" for k, v in (options or {}).items()),
-               seed=ctx["seed"], job=ctx["job"], check="", status="ok")
+               label=ctx["label"], seed=ctx["seed"], job=ctx["job"], check="", status="ok")
     free = _free_device_bytes(ctx)
     if workspace and free is not None and workspace > free:
         row["status"] = f"skipped: needs {workspace / 2**30:.1f} GiB of work memory"

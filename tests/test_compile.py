@@ -1,7 +1,7 @@
 """Every kernel configuration compiles for sm_90 on a machine without a GPU, and the compiler made
 what we meant: the mma.sync instructions the tile shapes call for, no float64 arithmetic, no
 local-memory arrays, and (with ptxas and cuobjdump from the `test` extra) at most 255 registers and
-no local-memory traffic in fa2's K/V loop."""
+no local-memory traffic in fa2's K/V loop (fa1's: bounded)."""
 import json
 import os
 import subprocess
@@ -25,6 +25,7 @@ def report():
 def test_every_kernel_is_covered(report):
     names = [r["kernel"] for r in report]
     assert sum(n.startswith("fa2") for n in names) == 8       # 2 head dims x 2 dtypes x causal
+    assert sum(n.startswith("fa1") for n in names) == 10      # the same, and two ladder rungs
     assert sum(n.startswith("standard") for n in names) == 12
 
 
@@ -57,6 +58,12 @@ def test_no_spills_in_the_kv_loop(report):
             allowed = 12 if "d=128" in r["kernel"] and "causal=True" in r["kernel"] else 0
             assert r["loop_local"] <= allowed, r
             assert r["loop_HMMA"] == r["expected_mma"], r   # every MMA of a step inside, unrolled
+        elif "loop_local" in r and r["kernel"].startswith("fa1"):
+            # Split-K holds a 16 x d partial P~ V a warp (64 registers at d=128) next to the
+            # exchange's addresses: at d=128 ptxas parks loop-invariant shared-memory addresses in
+            # local memory, reloaded a few times a step (docs/performance.md, the ladder).
+            assert r["loop_local"] <= (40 if "d=128" in r["kernel"] else 0), r
+            assert r["loop_HMMA"] == r["expected_mma"], r
         elif r["kernel"].startswith("standard"):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 

@@ -86,3 +86,37 @@ def test_sweep_writes_one_table(tmp_path):
     rows = read_rows(tmp_path / "sweep" / "results.csv")
     assert [r["variant"] for r in rows] == ["standard", "fa2"]
     assert all(r["check"] == "ok" for r in rows)
+
+
+def test_ladder_rungs_are_the_fa2_papers_changes_in_order():
+    cfg = composed("experiment=ladder")
+    rungs = cfg.hydra.sweeper.params["ladder"].split(",")
+    assert rungs == group("ladder")
+    steps = [composed(f"ladder={r}") for r in rungs]
+    assert [s.label for s in steps] == rungs
+    assert [composed("experiment=ladder", f"ladder={r}").bench.peer_variants for r in rungs] == \
+        [[]] * 5 + [None]   # the peer is timed once per problem, with the last rung
+    assert [s.variant.name for s in steps] == ["fa1", "fa1", "fa1", "fa1", "fa2", "fa2"]
+    options = [{k: v for k, v in s.variant.options.items() if v is not None} for s in steps]
+    assert options == [{}, {"q_splits": 0}, {"outer_loop": "q"},
+                       {"outer_loop": "q", "deferred_rescale": True}, {"causal_skip": False}, {}]
+
+
+def test_ladder_report_tables_and_plots(tmp_path):
+    from experiments import ladder
+    path = tmp_path / "results.csv"
+    rows = [dict(variant=v, label=label, head_dim=d, causal=c, seqlen=n, fwd_tflops=t, check="ok",
+                 gpu="test GPU")
+            for d in (64, 128) for c in (False, True) for n in (512, 1024)
+            for v, label, t in [("fa1", "r0_fa1", 10.0), ("fa1", "r1_loop_order", 25.0),
+                                ("fa2", "r2_x", 50.0), ("sdpa_flash", "r2_x", 40.0)]]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    assert ladder.main([str(path)]) == 0
+    table = (tmp_path / "ladder.md").read_text().splitlines()
+    assert table[0] == ("| head_dim | causal | seqlen | r0_fa1 | r1_loop_order | r2_x | sdpa_flash "
+                        "| r1/r0 | r2/r1 | r2/r0 |")
+    assert table[2] == "| 64 | no | 512 | 10.0 | 25.0 | 50.0 | 40.0 | 2.50 | 2.00 | 5.00 |"
+    assert len(table) == 2 + 8 and (tmp_path / "ladder.png").stat().st_size > 10000

@@ -16,14 +16,14 @@ def qkv(rng):
     return [device(rng) for _ in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["standard", "fa2"])
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
 def test_host_arrays_are_refused(rng, variant):
     q = inputs.random_qkv(rng, 1, 16, 2, 64, "bfloat16")[0]
     with pytest.raises(TypeError, match="q is a host .NumPy. array"):
         variants.forward(q, q, q, variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["standard", "fa2"])
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
 @pytest.mark.parametrize("make, error, message", [
     (lambda rng: [device(rng, (1, 16, 2, 32))] * 3, ValueError, "head_dim in \\(64, 128\\), got 32"),
     (lambda rng: [device(rng, dtype="float32")] * 3, TypeError, "dtype float32"),
@@ -43,14 +43,14 @@ def test_bad_shapes_and_dtypes(rng, variant, make, error, message):
         variants.forward(*make(rng), variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["standard", "fa2"])
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
 def test_causal_needs_square(rng, variant):
     q, k = device(rng), device(rng, (1, 20, 2, 64))
     with pytest.raises(ValueError, match="seqlen_q == seqlen_k"):
         variants.forward(q, k, k, variant=variant, causal=True)
 
 
-@pytest.mark.parametrize("variant", ["standard", "fa2"])
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
 def test_three_dimensional_input(rng, variant):
     q = device(rng)
     with pytest.raises(ValueError, match="must be 4-D"):
@@ -74,12 +74,26 @@ def test_wrong_out_arrays(qkv):
 
 
 def test_unknown_variant_and_option(qkv):
-    with pytest.raises(ValueError, match="unknown variant 'fa9'; registered: standard, fa2"):
+    with pytest.raises(ValueError, match="unknown variant 'fa9'; registered: standard, fa1, fa2"):
         variants.get("fa9")
     with pytest.raises(ValueError, match="fa2 has no option blok_m"):
         variants.forward(*qkv, variant="fa2", blok_m=64)
     with pytest.raises(ValueError, match="block_m=48 must be a multiple of 16 \\* warps=64"):
         variants.forward(*qkv, variant="fa2", block_m=48)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(outer_loop="j"), "outer_loop must be 'kv' .Algorithm 1. or 'q'"),
+    (dict(outer_loop="q", q_splits=2), "q_splits=2: .* only with outer_loop='kv'"),
+    (dict(q_splits=-1), "q_splits=-1: a count"),
+    (dict(block_n=96), "block_n=96 must be a multiple of 16 \\* warps=64"),
+    (dict(block_m=24), "block_m=24 must be a multiple of 16"),
+    (dict(warps=8, block_n=256), "fewer than 8 columns of O"),
+    (dict(block_n=1024), "need \\d+ bytes of shared memory, more than 232448"),
+])
+def test_fa1_bad_options(qkv, options, message):
+    with pytest.raises(ValueError, match=message):
+        variants.forward(*qkv, variant="fa1", **options)
 
 
 def test_non_finite_scale(qkv):

@@ -14,7 +14,7 @@ import variants
 from common import arrays, checks, inputs, reference
 from tests.conftest import ON_GPU
 
-VARIANTS = ["standard", "fa2"]
+VARIANTS = ["standard", "fa1", "fa2"]
 AWKWARD = [1, 17, 97, 130]
 DTYPES = ["bfloat16", "float16"]
 
@@ -53,8 +53,13 @@ def run_and_check(rng, variant, *, batch, seqlen, heads, head_dim, dtype, causal
     return o, lse
 
 
-@pytest.mark.parametrize("seqlen, causal, dtype, head_dim", CASES)
-@pytest.mark.parametrize("variant", VARIANTS)
+# In the simulator fa1 leaves out N=130: at its default B_c (256 and 128 keys) that is still one or
+# two K/V blocks, and test_fa1_options runs the multi-block HBM round trips at N=97 with B_c=64.
+MATRIX = [(v, *case) for v in VARIANTS for case in CASES
+          if ON_GPU or not (v == "fa1" and case[0] == 130)]
+
+
+@pytest.mark.parametrize("variant, seqlen, causal, dtype, head_dim", MATRIX)
 def test_matches_reference(rng, variant, seqlen, causal, dtype, head_dim):
     run_and_check(rng, variant, batch=BATCH, seqlen=seqlen, heads=HEADS, head_dim=head_dim,
                   dtype=dtype, causal=causal)
@@ -76,7 +81,8 @@ def test_rectangular_with_custom_scale(rng, variant):
 FA2_OPTIONS = [dict(pipeline=False), dict(kv_stages=1), dict(kv_stages=1, pipeline=False, block_n=32),
                dict(block_m=64), dict(block_m=32, warps=2), dict(p_in_registers=False),
                dict(swizzle=False, q_in_registers=False, p_in_registers=False),
-               dict(head_dim=128, q_in_registers=True, block_m=64, kv_stages=1)]
+               dict(head_dim=128, q_in_registers=True, block_m=64, kv_stages=1),
+               dict(causal_skip=False)]
 
 
 @pytest.mark.parametrize("options", FA2_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
@@ -85,6 +91,28 @@ def test_fa2_options(rng, options):
     head_dim = options.pop("head_dim", 64)
     run_and_check(rng, "fa2", batch=1, seqlen=97, heads=1, head_dim=head_dim, dtype="bfloat16",
                   causal=True, **options)
+
+
+# fa1's switches are the rungs of the FA1 -> FA2 ladder; block_n=64 gives the ragged lengths several
+# K/V blocks, so O, l and m make real round trips through HBM (outer_loop="kv").
+FA1_OPTIONS = [dict(block_n=64), dict(block_n=64, q_splits=3, causal_skip=True),
+               dict(block_n=64, outer_loop="q"), dict(block_n=64, outer_loop="q", causal_skip=True,
+                                                      deferred_rescale=True),
+               dict(block_n=64, deferred_rescale=True, q_splits=0), dict(block_m=32, block_n=64),
+               dict(head_dim=128, block_n=64, outer_loop="q", deferred_rescale=True)]
+# Both causal values on a GPU; in the simulator the one that exercises each setting.
+FA1_CASES = (list(itertools.product(FA1_OPTIONS, [False, True])) if ON_GPU else
+             [(o, c) for o, c in zip(FA1_OPTIONS, [False, True, True, True, False, True, False])])
+
+
+@pytest.mark.parametrize("options, causal", FA1_CASES,
+                         ids=[",".join([f"{k}={v}" for k, v in o.items()] + [f"causal={c}"])
+                              for o, c in FA1_CASES])
+def test_fa1_options(rng, options, causal):
+    options = dict(options)
+    head_dim = options.pop("head_dim", 64)
+    run_and_check(rng, "fa1", batch=1, seqlen=130 if ON_GPU else 97, heads=1, head_dim=head_dim,
+                  dtype="float16", causal=causal, **options)
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ from importlib import import_module
 
 REGISTRY = {
     "standard": "variants.standard",   # S and P materialised in HBM: the O(N^2) baseline
+    "fa1": "variants.fa1",             # FlashAttention-1, Algorithm 1, and the ladder's rungs to FA2
     "fa2": "variants.fa2",             # FlashAttention-2, Algorithm 1
 }
 

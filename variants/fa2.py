@@ -7,7 +7,8 @@ What makes it FA2 rather than FA1:
 - the warps split Q_i (split-Q): warp w owns rows [16*M*w, 16*M*(w+1)) of the block and needs no
   other warp's results, so there is no inter-warp reduction;
 - causal: blocks j entirely above the diagonal are never visited; only blocks that cross the diagonal
-  (or the ragged end) are masked.
+  (or the ragged end) are masked (`causal_skip=False` visits and masks them all: the ladder's last
+  rung, variants/fa1.py).
 
 Hardware mapping: S and O are mma.m16n8k16 accumulators in registers; P~ goes from the S
 accumulator straight into the A operand of the P V mma (`p_in_registers=False`: through a shared
@@ -47,6 +48,7 @@ class Config:
     kv_stages: int = 1      # K/V buffers: 1 (FA2's kernels) or 2 (double-buffered, a step ahead)
     q_in_registers: bool = True   # Q_i's fragments held in registers (False: re-read each step)
     p_in_registers: bool = True   # P~ re-packed in registers (False: through a shared tile)
+    causal_skip: bool = True      # causal: never visit K/V blocks above the diagonal (False: mask them)
 
     @property
     def threads(self):
@@ -78,7 +80,7 @@ class Config:
 
 
 OPTIONS = ("block_m", "block_n", "warps", "pipeline", "swizzle", "kv_stages", "q_in_registers",
-           "p_in_registers")
+           "p_in_registers", "causal_skip")
 
 # Defaults by head_dim, chosen by measurement on an H200 (docs/performance.md; sweeps in
 # conf/experiment/fa2_tiles.yaml and fa2_ablations.yaml). Both use B_r = 128 with 4 warps, i.e. two
@@ -112,6 +114,7 @@ def build(cfg):
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
     IS_BF16, CAUSAL, PIPELINE, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.pipeline, cfg.swizzle
+    SKIP = cfg.causal and cfg.causal_skip
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     P_STRIDE = tiles.tile_row_stride(BC, SWIZZLE) if not P_IN_REGISTERS else 0
@@ -159,9 +162,10 @@ def build(cfg):
         p_s = smem[P_START:P_START + P_TILE]
         p_s32 = cuda.shared.array(0, uint32)[P_START // 2:(P_START + P_TILE) // 2]
 
-        # Causal: K/V blocks past the diagonal of the last row of Q_i are never visited.
+        # Causal: K/V blocks past the diagonal of the last row of Q_i are never visited
+        # (causal_skip=False: they are, fully masked, as an ablation).
         t_c = (n_k + BC - 1) // BC
-        if CAUSAL:
+        if SKIP:
             t_c = min(t_c, (row0 + BR - 1) // BC + 1)
 
         # Alg.1 l.4: load Q_i (and, ahead of the loop, K_1 and V_1) from HBM to SRAM.

@@ -1,0 +1,382 @@
+"""FlashAttention-1 forward (Dao et al. 2022, Algorithm 1) on the tile layer of `common/`, with
+switches that turn it, one FA2 change at a time, into FA2's algorithm (the FA1 -> FA2 ladder:
+conf/experiment/ladder.yaml, docs/performance.md).
+
+    l.1   B_c = ceil(M / 4d), B_r = min(B_c, d)                     (DEFAULTS: the sizes used, and why)
+    l.2   O = 0, l = 0, m = -inf in HBM
+    l.5   for 1 <= j <= T_c:  load K_j, V_j from HBM to SRAM
+    l.7     for 1 <= i <= T_r:  load Q_i, O_i, l_i, m_i from HBM to SRAM
+    l.9       S_ij = Q_i K_j^T; m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij)
+    l.11      m_new = max(m_i, m~_ij), l_new = e^(m_i - m_new) l_i + e^(m~_ij - m_new) l~_ij
+    l.12      O_i <- diag(l_new)^-1 (diag(l_i) e^(m_i - m_new) O_i + e^(m~_ij - m_new) P~_ij V_j)
+    l.13      l_i <- l_new, m_i <- m_new, all three written back to HBM
+
+On the hardware, as in FA1's CUDA kernels: one thread block per (batch, head); K_j and V_j stay in
+shared memory while the Q_i stream past them (Q_{i+1}'s copy overlaps step i); the warps split the
+keys of K_j (split-K), so each row's max, sum and P~ V are combined through shared memory
+(common/splitk.py); O_i (fp32), l_i and m_i make a round trip through HBM on every inner step.
+
+The switches, each a rung of the ladder in the order of the FA2 paper:
+  outer_loop="q"         FA2 Sec. 3.2: the loops swapped; query blocks are the grid (a thread block
+                         per (i, batch, head)) and O_i, l_i, m_i stay on chip across the K/V loop,
+                         whose next K and V copies overlap the current step
+  deferred_rescale=True  FA2 Sec. 3.1: O_i stays un-normalised until the end (one division), and
+                         only L = m + log l is written, not m and l
+  (split-Q warps are fa2 itself; causal block skipping is fa2's `causal_skip`)
+  causal_skip=True       visit only blocks on or below the diagonal here too
+  q_splits=n             n thread blocks per (batch, head) along the queries, each running Alg. 1
+                         over its share of query blocks; 0: enough to fill the GPU (FA1's released
+                         kernels' `num_splits`, which the FA2 paper's FA1 numbers had)
+"""
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint32, uint16
+
+from common import arrays, ptx, softmax, splitk, tiles
+from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
+from common import target
+from common.target import device_function, kernel, launch
+
+HEAD_DIMS = (64, 128)
+MAX_SHARED_BYTES = 227 * 1024   # dynamic shared memory a thread block may opt into (sm_90)
+RESIDENT = 2    # fa1 thread blocks an SM holds at the defaults (~107 KB of shared memory, 255 registers)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Compile-time shape of the kernel. block_m = B_r, block_n = B_c of the paper."""
+    head_dim: int
+    is_bf16: bool
+    causal: bool
+    block_m: int = 16            # B_r: query rows a step (DEFAULTS)
+    block_n: int = 128           # B_c: keys a block, split over the warps
+    warps: int = 4               # split-K: warp w takes keys [w, w+1) * B_c / warps of K_j
+    outer_loop: str = "kv"       # "kv": Algorithm 1; "q": FA2's loop order and grid
+    deferred_rescale: bool = False   # FA2: O normalised once at the end, only L saved
+    causal_skip: bool = False    # visit only K/V blocks on or below the diagonal
+    q_splits: int = 1            # thread blocks per (batch, head) along the queries (outer_loop="kv";
+                                 # 0: enough for every SM to hold RESIDENT of them)
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def m_tiles(self):           # every warp holds all B_r rows
+        return self.block_m // 16
+
+    @property
+    def keys_per_warp(self):
+        return self.block_n // self.warps
+
+    @property
+    def q_buffers(self):         # Q_{i+1} is prefetched into a second tile in the inner loop
+        return 2 if self.outer_loop == "kv" else 1
+
+    def smem_bytes(self):
+        stride = tiles.tile_row_stride(self.head_dim, True)
+        tiles16 = stride * (2 * self.block_n + self.q_buffers * self.block_m)
+        f32 = self.warps * self.block_m * (self.head_dim + 8 + 2)   # partial P~ V, max, sum
+        return 2 * tiles16 + 4 * f32
+
+    def validate(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"fa1 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        if self.outer_loop not in ("kv", "q"):
+            raise ValueError(f"outer_loop must be 'kv' (Algorithm 1) or 'q' (FA2's order), got "
+                             f"{self.outer_loop!r}")
+        if self.block_m % 16 or self.threads % self.block_m:
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 16 that divides the "
+                             f"{self.threads} threads (each row's O is owned by threads / block_m)")
+        if (self.head_dim // (self.threads // self.block_m)) % 8:
+            raise ValueError(f"block_m={self.block_m} leaves each thread fewer than 8 columns of O "
+                             f"(16-byte stores) at head_dim {self.head_dim} with {self.warps} warps")
+        if self.block_n % (16 * self.warps):
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * warps="
+                             f"{16 * self.warps} (split-K: 16-key steps a warp)")
+        if self.q_splits < 0 or (self.q_splits != 1 and self.outer_loop != "kv"):
+            raise ValueError(f"q_splits={self.q_splits}: a count (0: fill the GPU), other than 1 "
+                             "only with outer_loop='kv' (with 'q' every query block is its own "
+                             "thread block)")
+        for rows in (self.block_m, self.block_n):
+            tiles.check_tile_copy(rows, self.head_dim, self.threads)
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(f"block_m={self.block_m}, block_n={self.block_n} need "
+                             f"{self.smem_bytes()} bytes of shared memory, more than "
+                             f"{MAX_SHARED_BYTES}")
+        return self
+
+
+OPTIONS = ("block_m", "block_n", "warps", "outer_loop", "deferred_rescale", "causal_skip",
+           "q_splits")
+
+# Alg.1 l.1 with M = 64 Ki 16-bit elements (128 KB of the 227 KB of shared memory an H100/H200
+# thread block may use): B_c = ceil(M / 4d) = 256 at d=64 and 128 at d=128, which are also the key
+# blocks of FA1's own kernels. B_r = min(B_c, d) would be 64 and 128, but under split-K every warp
+# holds a B_r x d partial P~ V in registers (B_r * d / 32 fp32 a lane: 256 at B_r=64, d=128, more
+# than the 255 a thread has), so B_r = 16, one m16 tile, as in FA1's kernels (16-row steps).
+DEFAULTS = {64: dict(block_m=16, block_n=256), 128: dict(block_m=16, block_n=128)}
+
+
+def default_config(head_dim, is_bf16, causal, **options):
+    """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options."""
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"fa1 has no option {', '.join(sorted(unknown))}; its options: {', '.join(OPTIONS)}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"fa1 supports head_dim in {HEAD_DIMS}, got {head_dim}")
+    chosen = {k: v for k, v in options.items() if v is not None}
+    return _config(head_dim, is_bf16, causal, tuple(sorted(chosen.items())))
+
+
+@lru_cache(maxsize=None)
+def _config(head_dim, is_bf16, causal, options):
+    return replace(Config(head_dim, is_bf16, causal), **dict(DEFAULTS[head_dim], **dict(options))).validate()
+
+
+@lru_cache(maxsize=None)
+def build(cfg):
+    """Compile-time constants of one configuration, closed over by its kernel."""
+    D, BR, BC, WARPS, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.warps, cfg.threads
+    KW, M_TILES = cfg.keys_per_warp, cfg.m_tiles
+    ROWS = 2 * M_TILES                               # rows a lane holds: 2 an m16 tile
+    IS_BF16, CAUSAL, DEFERRED = cfg.is_bf16, cfg.causal, cfg.deferred_rescale
+    OUTER_KV, SKIP = cfg.outer_loop == "kv", cfg.causal and cfg.causal_skip
+    STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
+    KV_TILE, Q_TILE, WARP_KEYS = BC * STRIDE, BR * STRIDE, KW * STRIDE
+    Q_START = 2 * KV_TILE                            # K_j | V_j | Q tile(s) | fp32 exchange area
+    O_STRIDE = D + 8                                 # partial P~ V rows, in floats (8 mod 32)
+    F32_START = (Q_START + cfg.q_buffers * Q_TILE) // 2
+    O_PART, RED = WARPS * BR * O_STRIDE, WARPS * BR
+    CHUNK = D // (THREADS // BR)                     # columns of O a thread owns
+    Q_FRAG, S_ACC = (M_TILES, 1, 4), (M_TILES, KW // 8, 4)   # Q_i streamed from its tile
+    P_FRAG, O_ACC = (M_TILES, KW // 16, 4), (M_TILES, D // 8, 4)
+    NEG_INF = float32(-math.inf)
+
+    @device_function
+    def scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane):
+        """l.9, first part, over this warp's keys of K_j: S_w = Q_i K_w^T (masked), and each row's
+        max over those keys published for the other warps."""
+        key0 = col0 + warp * KW
+        tiles.fill(s, float32(0))
+        tiles.gemm_abt_streamed(s, q_frag, q_s, 0, D // 16, k_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS],
+                                lane, STRIDE, True, IS_BF16)
+        if key0 + KW > n_k or (CAUSAL and key0 + KW - 1 > row0):
+            tiles.mask_scores(s, row0, key0, n_k, CAUSAL, lane)
+        for r in range(ROWS):
+            row_max = softmax.quad_max(softmax.lane_row_max(s, r >> 1, r & 1, NEG_INF))
+            splitk.publish(red_max, r, row_max, warp, lane, BR)
+
+    @device_function
+    def exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane, scale_log2):
+        """l.9, rest, and the P~ V of l.12 over this warp's keys (after a barrier): m~_ij gathered
+        from every warp's maxima, P~_w = exp(S_w - m~_ij), and the partial row sums and P~_w V_w
+        published for the owners of O_i."""
+        for r in range(ROWS):
+            m_blk = splitk.gather_max(red_max, splitk.block_row(r, lane), WARPS, BR)
+            part = softmax.exponentiate_row(s, r >> 1, r & 1, softmax.exp2_base(m_blk, scale_log2),
+                                            scale_log2)
+            splitk.publish(red_sum, r, softmax.quad_sum(part), warp, lane, BR)
+        tiles.accumulator_to_a(p, s, IS_BF16)
+        tiles.fill(o_w, float32(0))
+        tiles.gemm_ab(o_w, p, v_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS], lane, STRIDE, True,
+                      IS_BF16)
+        tiles.stage_accumulator_f32(o_part, o_w, warp * BR, lane, O_STRIDE)
+
+    @device_function
+    def update_rows(o_own, m_old, l_old, o_part, red_max, red_sum, row, c0, scale_log2):
+        """l.11-12 for the owned chunk of one row of O_i (after a barrier): the block's m~, l~ and
+        P~ V, summed over the warps, merged into (O, m, l). Returns (m_new, l_new)."""
+        m_blk = splitk.gather_max(red_max, row, WARPS, BR)
+        l_blk = splitk.gather_sum(red_sum, row, WARPS, BR)
+        m_new, l_new, alpha, beta = softmax.merge_statistics(m_old, l_old, m_blk, l_blk, scale_log2)
+        if not DEFERRED:   # l.12 as written: O stays normalised, diag(l_new)^-1 every step
+            inv = float32(1) / l_new
+            alpha, beta = alpha * l_old * inv, beta * inv
+        splitk.merge_partial_o(o_own, o_part, row, c0, alpha, beta, WARPS, BR, O_STRIDE)
+        return m_new, l_new
+
+    @device_function
+    def write_output(o32, lse, m_ws, l_ws, o_own, grow, c0, m_row, l_row, softmax_scale):
+        """O_i's owned chunk in the output dtype (deferred: normalised now, once) and the row's
+        L = m + log l; without deferral also FA1's saved statistics m and l."""
+        if DEFERRED:
+            inv = float32(1) / l_row
+            for c in range(CHUNK):
+                o_own[c] *= inv
+        splitk.store_row_chunk(o32, grow, c0, o_own, IS_BF16)
+        if c0 == 0:
+            lse[grow] = m_row * softmax_scale + math.log(l_row)
+            if not DEFERRED:
+                m_ws[grow] = m_row
+                l_ws[grow] = l_row
+
+    @kernel
+    def fa1_forward(q, k, v, o, lse, o_ws, m_ws, l_ws, n_q, n_k, kv_group, softmax_scale,
+                    scale_log2):
+        """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse, m_ws, l_ws:
+        (B, H, N_q) fp32; o_ws: (B, H, N_q, d) fp32, O between K/V blocks (outer_loop="kv")."""
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        q_bh, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
+        o_bh, lse_bh, m_bh, l_bh = o[b, h], lse[b, h], m_ws[b, h], l_ws[b, h]
+        smem = cuda.shared.array(0, uint16)
+        k_s, v_s = smem[0:KV_TILE], smem[KV_TILE:2 * KV_TILE]
+        f32 = cuda.shared.array(0, float32)
+        o_part = f32[F32_START:F32_START + O_PART]
+        red_max = f32[F32_START + O_PART:F32_START + O_PART + RED]
+        red_sum = f32[F32_START + O_PART + RED:F32_START + O_PART + 2 * RED]
+        row, c0 = splitk.owner_of(tid, THREADS, BR, D)    # the row and columns of O this thread owns
+        q_frag = cuda.local.array(Q_FRAG, uint32)
+        s = cuda.local.array(S_ACC, float32)
+        p = cuda.local.array(P_FRAG, uint32)
+        o_w = cuda.local.array(O_ACC, float32)
+        o_own = cuda.local.array(CHUNK, float32)
+        t_c = (n_k + BC - 1) // BC
+        t_r = (n_q + BR - 1) // BR
+
+        if OUTER_KV:
+            # Alg. 1 over this thread block's share of the query blocks (all of them: q_splits=1).
+            share = (t_r + cuda.gridDim.x - 1) // cuda.gridDim.x
+            i_begin = cuda.blockIdx.x * share
+            i_end = min(t_r, i_begin + share)
+            for j in range(t_c):                                   # l.5
+                col0 = j * BC
+                i_first = max(i_begin, col0 // BR) if SKIP else i_begin
+                if i_first < i_end:
+                    # l.6: K_j, V_j to SRAM (with the first Q_i), once every warp is done with the
+                    # previous ones.
+                    cuda.syncthreads()
+                    tiles.load_tile_async(k_s, k_h, col0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
+                    tiles.load_tile_async(v_s, v_h, col0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
+                    tiles.load_tile_async(smem[Q_START:Q_START + Q_TILE], q_bh, i_first * BR, n_q,
+                                          0, BR, D, STRIDE, True, tid, THREADS)
+                    ptx.cp_async_commit()
+                for i in range(i_first, i_end):                    # l.7
+                    row0 = i * BR
+                    q0 = Q_START + ((i - i_first) & 1) * Q_TILE
+                    ptx.cp_async_wait(0)   # Q_i landed; every warp is done with step i-1
+                    cuda.syncthreads()
+                    if i + 1 < i_end:      # Q_{i+1} into the other tile while step i computes
+                        nxt = Q_START + ((i + 1 - i_first) & 1) * Q_TILE
+                        tiles.load_tile_async(smem[nxt:nxt + Q_TILE], q_bh, row0 + BR, n_q, 0, BR, D,
+                                              STRIDE, True, tid, THREADS)
+                    ptx.cp_async_commit()
+                    # l.8: O_i, l_i, m_i from HBM; their first visit (j = 0) starts from l.2's values.
+                    grow = row0 + row
+                    m_old, l_old = NEG_INF, float32(0)
+                    for c in range(CHUNK):
+                        o_own[c] = float32(0)
+                    if j > 0 and grow < n_q:
+                        m_old, l_old = m_bh[grow], l_bh[grow]
+                        for c in range(CHUNK):
+                            o_own[c] = o_ws[b, h, grow, c0 + c]
+                    q_s = smem[q0:q0 + Q_TILE]
+                    scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane)
+                    cuda.syncthreads()
+                    exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
+                                       scale_log2)
+                    cuda.syncthreads()
+                    m_new, l_new = update_rows(o_own, m_old, l_old, o_part, red_max, red_sum, row,
+                                               c0, scale_log2)
+                    # l.12-13: back to HBM; after the last K/V block Q_i sees, O_i is the output.
+                    last = t_c - 1
+                    if SKIP:
+                        last = min(last, (row0 + BR - 1) // BC)
+                    if grow < n_q:
+                        if j == last:
+                            write_output(o_bh, lse_bh, m_bh, l_bh, o_own, grow, c0, m_new, l_new,
+                                         softmax_scale)
+                        else:
+                            for c in range(CHUNK):
+                                o_ws[b, h, grow, c0 + c] = o_own[c]
+                            if c0 == 0:
+                                m_bh[grow] = m_new
+                                l_bh[grow] = l_new
+        else:
+            # FA2's loop order: this thread block is query block i; O_i, l_i, m_i stay on chip.
+            i = cuda.gridDim.x - 1 - cuda.blockIdx.x if SKIP else cuda.blockIdx.x  # longest first
+            row0 = i * BR
+            if SKIP:
+                t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+            q_s = smem[Q_START:Q_START + Q_TILE]
+            tiles.load_tile_async(q_s, q_bh, row0, n_q, 0, BR, D, STRIDE, True, tid, THREADS)
+            tiles.load_tile_async(k_s, k_h, 0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
+            ptx.cp_async_commit()
+            tiles.load_tile_async(v_s, v_h, 0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
+            ptx.cp_async_commit()
+            m_row, l_row = NEG_INF, float32(0)
+            for c in range(CHUNK):
+                o_own[c] = float32(0)
+            for j in range(t_c):
+                col0 = j * BC
+                ptx.cp_async_wait(1)   # K_j landed; every warp is done with step j-1
+                cuda.syncthreads()
+                scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane)
+                ptx.cp_async_wait(0)   # V_j landed
+                cuda.syncthreads()     # ... and every warp is done with K_j: copy K_{j+1}
+                if j + 1 < t_c:
+                    tiles.load_tile_async(k_s, k_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
+                                          THREADS)
+                ptx.cp_async_commit()
+                exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
+                                   scale_log2)
+                cuda.syncthreads()     # every warp is done with V_j: copy V_{j+1}
+                if j + 1 < t_c:
+                    tiles.load_tile_async(v_s, v_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
+                                          THREADS)
+                ptx.cp_async_commit()
+                m_row, l_row = update_rows(o_own, m_row, l_row, o_part, red_max, red_sum, row, c0,
+                                           scale_log2)
+            grow = row0 + row
+            if grow < n_q:
+                write_output(o_bh, lse_bh, m_bh, l_bh, o_own, grow, c0, m_row, l_row, softmax_scale)
+
+    return fa1_forward
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
+    """FA1 forward; same arguments and results as variants.fa2.forward. options: see Config."""
+    prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
+                   head_dims=HEAD_DIMS, variant="fa1")
+    cfg = default_config(prob.head_dim, prob.is_bf16, causal, **options)
+    b, h, n_q = prob.batch, prob.heads, prob.n_q
+    t_r = (n_q + cfg.block_m - 1) // cfg.block_m
+    if cfg.outer_loop == "kv":
+        splits = cfg.q_splits or -(-RESIDENT * target.multiprocessor_count() // (b * h))
+        grid = (min(splits, t_r), b, h)
+        o_ws = prob.scratch((b, h, n_q, prob.head_dim), "float32")   # O between K/V blocks, fp32
+    else:
+        grid = (t_r, b, h)
+        o_ws = prob.scratch((1, 1, 1, prob.head_dim), "float32")     # not used
+    m_ws, l_ws = (prob.scratch((b, h, n_q), "float32") for _ in range(2))
+    launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
+           prob.q, prob.k, prob.v, prob.o32, prob.lse,
+           *(arrays.bits_view(arrays.describe(x), np.float32) for x in (o_ws, m_ws, l_ws)),
+           np.int32(n_q), np.int32(prob.n_k), np.int32(prob.kv_group),
+           np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
+    return prob.result()
+
+
+def compile_targets():
+    """(name, kernel, argument types, mma count in its PTX) of the configurations `forward`
+    launches by default, and of the ladder's other fa1 rungs (d=128, bf16)."""
+    ws4, ws3 = types.Array(types.float32, 4, "C"), LSE_TYPE
+    argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, ws4, ws3, ws3, types.int32,
+                types.int32, types.int32, types.float32, types.float32)
+    rungs = [dict(), dict(outer_loop="q"), dict(outer_loop="q", deferred_rescale=True)]
+    for head_dim in HEAD_DIMS:
+        for is_bf16 in (True, False):
+            for causal in (False, True):
+                ladder = is_bf16 and not causal and head_dim == 128
+                for options in rungs if ladder else rungs[:1]:
+                    cfg = default_config(head_dim, is_bf16, causal, **options)
+                    # Q K^T and P~ V over a warp's keys: m_tiles * (d/16 * K_w/8 + K_w/16 * d/8)
+                    mma = cfg.m_tiles * head_dim * cfg.keys_per_warp // 64
+                    tag = "".join(f" {k}={v}" for k, v in options.items())
+                    yield f"fa1 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}{tag}", \
+                        build(cfg), argtypes, mma
