@@ -50,6 +50,7 @@ def markdown(table, rungs):
 
 def plot(table, rungs, path, title=""):
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -63,12 +64,16 @@ def plot(table, rungs, path, title=""):
                     linestyle="--" if name == PEER else "-", color="black" if name == PEER else None,
                     label=name)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")   # the rungs span two orders of magnitude
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks([n for n, _ in points], [f"{n // 1024}k" if n >= 1024 else str(n) for n, _ in points])
         ax.set_title(f"head_dim {d}, {'causal' if causal else 'not causal'}")
         ax.set_xlabel("seqlen (batch x seqlen = 16k)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("forward TFLOP/s")
-    axes[0][-1].legend(fontsize=7, loc="upper left")
+    axes[0][-1].legend(fontsize=7, loc="lower left")
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
