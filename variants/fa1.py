@@ -4,12 +4,15 @@ conf/experiment/ladder.yaml, docs/performance.md).
 
     l.1   B_c = ceil(M / 4d), B_r = min(B_c, d)                     (DEFAULTS: the sizes used, and why)
     l.2   O = 0, l = 0, m = -inf in HBM
-    l.5   for 1 <= j <= T_c:  load K_j, V_j from HBM to SRAM
-    l.7     for 1 <= i <= T_r:  load Q_i, O_i, l_i, m_i from HBM to SRAM
-    l.9       S_ij = Q_i K_j^T; m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij)
+    l.5   for 1 <= j <= T_c:
+    l.6     load K_j, V_j from HBM to SRAM
+    l.7     for 1 <= i <= T_r:
+    l.8       load Q_i, O_i, l_i, m_i from HBM to SRAM
+    l.9       S_ij = Q_i K_j^T
+    l.10      m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij)
     l.11      m_new = max(m_i, m~_ij), l_new = e^(m_i - m_new) l_i + e^(m~_ij - m_new) l~_ij
-    l.12      O_i <- diag(l_new)^-1 (diag(l_i) e^(m_i - m_new) O_i + e^(m~_ij - m_new) P~_ij V_j)
-    l.13      l_i <- l_new, m_i <- m_new, all three written back to HBM
+    l.12      O_i <- diag(l_new)^-1 (diag(l_i) e^(m_i - m_new) O_i + e^(m~_ij - m_new) P~_ij V_j) to HBM
+    l.13      l_i <- l_new, m_i <- m_new to HBM
 
 On the hardware, as in FA1's CUDA kernels: one thread block per (batch, head); K_j and V_j stay in
 shared memory while the Q_i stream past them (Q_{i+1}'s copy overlaps step i); the warps split the
@@ -29,15 +32,14 @@ The switches, each a rung of the ladder in the order of the FA2 paper:
                          kernels' `num_splits`, which the FA2 paper's FA1 numbers had)
 """
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import arrays, ptx, softmax, splitk, tiles
+from common import arrays, configs, ptx, softmax, splitk, target, tiles
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
-from common import target
 from common.target import device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -121,20 +123,7 @@ OPTIONS = ("block_m", "block_n", "warps", "outer_loop", "deferred_rescale", "cau
 DEFAULTS = {64: dict(block_m=16, block_n=256), 128: dict(block_m=16, block_n=128)}
 
 
-def default_config(head_dim, is_bf16, causal, **options):
-    """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options."""
-    unknown = set(options) - set(OPTIONS)
-    if unknown:
-        raise ValueError(f"fa1 has no option {', '.join(sorted(unknown))}; its options: {', '.join(OPTIONS)}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"fa1 supports head_dim in {HEAD_DIMS}, got {head_dim}")
-    chosen = {k: v for k, v in options.items() if v is not None}
-    return _config(head_dim, is_bf16, causal, tuple(sorted(chosen.items())))
-
-
-@lru_cache(maxsize=None)
-def _config(head_dim, is_bf16, causal, options):
-    return replace(Config(head_dim, is_bf16, causal), **dict(DEFAULTS[head_dim], **dict(options))).validate()
+default_config = configs.default_config_function("fa1", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
 
 @lru_cache(maxsize=None)
@@ -158,8 +147,8 @@ def build(cfg):
 
     @device_function
     def scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane):
-        """l.9, first part, over this warp's keys of K_j: S_w = Q_i K_w^T (masked), and each row's
-        max over those keys published for the other warps."""
+        """l.9 and the start of l.10 over this warp's keys of K_j: S_w = Q_i K_w^T (masked), and each
+        row's max over those keys published for the other warps."""
         key0 = col0 + warp * KW
         tiles.fill(s, float32(0))
         tiles.gemm_abt_streamed(s, q_frag, q_s, 0, D // 16, k_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS],
@@ -172,9 +161,9 @@ def build(cfg):
 
     @device_function
     def exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane, scale_log2):
-        """l.9, rest, and the P~ V of l.12 over this warp's keys (after a barrier): m~_ij gathered
-        from every warp's maxima, P~_w = exp(S_w - m~_ij), and the partial row sums and P~_w V_w
-        published for the owners of O_i."""
+        """The rest of l.10, and the P~ V of l.12, over this warp's keys (after a barrier): m~_ij
+        gathered from every warp's maxima, P~_w = exp(S_w - m~_ij), and the partial row sums and
+        P~_w V_w published for the owners of O_i."""
         for r in range(ROWS):
             m_blk = splitk.gather_max(red_max, splitk.block_row(r, lane), WARPS, BR)
             part = softmax.exponentiate_row(s, r >> 1, r & 1, softmax.exp2_base(m_blk, scale_log2),
@@ -275,12 +264,14 @@ def build(cfg):
                         m_old, l_old = m_bh[grow], l_bh[grow]
                         for c in range(CHUNK):
                             o_own[c] = o_ws[b, h, grow, c0 + c]
+                    # l.9-10 over each warp's keys; maxima, sums and P~ V exchanged (split-K).
                     q_s = smem[q0:q0 + Q_TILE]
                     scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane)
                     cuda.syncthreads()
                     exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
                                        scale_log2)
                     cuda.syncthreads()
+                    # l.11-12 by the owners of O_i's rows.
                     m_new, l_new = update_rows(o_own, m_old, l_old, o_part, red_max, red_sum, row,
                                                c0, scale_log2)
                     # l.12-13: back to HBM; after the last K/V block Q_i sees, O_i is the output.
@@ -312,7 +303,7 @@ def build(cfg):
             m_row, l_row = NEG_INF, float32(0)
             for c in range(CHUNK):
                 o_own[c] = float32(0)
-            for j in range(t_c):
+            for j in range(t_c):   # l.9-12 for K_j, V_j as in the other loop order
                 col0 = j * BC
                 ptx.cp_async_wait(1)   # K_j landed; every warp is done with step j-1
                 cuda.syncthreads()

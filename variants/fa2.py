@@ -21,13 +21,13 @@ own kernels: K_{j+1} overlaps softmax and P V, V_{j+1} the next Q K^T, four barr
 `pipeline=False` waits for every copy. Defaults and what each switch is worth: docs/performance.md.
 """
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import ptx, softmax, tiles
+from common import configs, ptx, softmax, tiles
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import device_function, kernel, launch
 
@@ -92,20 +92,7 @@ DEFAULTS = {64: dict(block_m=128, block_n=64, kv_stages=2),
             128: dict(block_m=128, block_n=64, kv_stages=2, q_in_registers=False)}
 
 
-def default_config(head_dim, is_bf16, causal, **options):
-    """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options."""
-    unknown = set(options) - set(OPTIONS)
-    if unknown:
-        raise ValueError(f"fa2 has no option {', '.join(sorted(unknown))}; its options: {', '.join(OPTIONS)}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {head_dim}")
-    chosen = {k: v for k, v in options.items() if v is not None}
-    return _config(head_dim, is_bf16, causal, tuple(sorted(chosen.items())))
-
-
-@lru_cache(maxsize=None)
-def _config(head_dim, is_bf16, causal, options):
-    return replace(Config(head_dim, is_bf16, causal), **dict(DEFAULTS[head_dim], **dict(options))).validate()
+default_config = configs.default_config_function("fa2", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
 
 @lru_cache(maxsize=None)

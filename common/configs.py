@@ -1,0 +1,29 @@
+"""From a caller's keyword options to a variant's compile-time configuration, the same way for every
+variant: unknown options and head dims are refused by name, `None` means "the default", defaults
+come per head_dim, and each distinct configuration is built and validated once (it keys the
+kernel caches)."""
+from dataclasses import replace
+from functools import lru_cache
+
+
+def default_config_function(variant, config_class, defaults, option_names, head_dims):
+    """`default_config(head_dim, is_bf16, causal, **options)` for one variant: its Config with
+    defaults[head_dim], overridden by the options that are not None, validated."""
+
+    @lru_cache(maxsize=None)
+    def build(head_dim, is_bf16, causal, chosen):
+        base = config_class(head_dim, is_bf16, causal)
+        return replace(base, **dict(defaults[head_dim], **dict(chosen))).validate()
+
+    def default_config(head_dim, is_bf16, causal, **options):
+        """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options."""
+        unknown = set(options) - set(option_names)
+        if unknown:
+            raise ValueError(f"{variant} has no option {', '.join(sorted(unknown))}; its options: "
+                             f"{', '.join(option_names)}")
+        if head_dim not in head_dims:
+            raise ValueError(f"{variant} supports head_dim in {head_dims}, got {head_dim}")
+        chosen = {k: v for k, v in options.items() if v is not None}
+        return build(head_dim, is_bf16, causal, tuple(sorted(chosen.items())))
+
+    return default_config
