@@ -82,7 +82,7 @@ FA2_OPTIONS = [dict(pipeline=False), dict(kv_stages=1), dict(kv_stages=1, pipeli
                dict(block_m=64), dict(block_m=32, warps=2), dict(p_in_registers=False),
                dict(swizzle=False, q_in_registers=False, p_in_registers=False),
                dict(head_dim=128, q_in_registers=True, block_m=64, kv_stages=1),
-               dict(causal_skip=False)]
+               dict(causal_skip=False, block_m=64)]   # rows 0-63 then also visit keys 64-127
 
 
 @pytest.mark.parametrize("options", FA2_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))

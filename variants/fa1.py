@@ -78,10 +78,14 @@ class Config:
     def q_buffers(self):         # Q_{i+1} is prefetched into a second tile in the inner loop
         return 2 if self.outer_loop == "kv" else 1
 
+    @property
+    def partial_o_stride(self):  # floats a row of a warp's partial P~ V tile: 8 mod 32, so the 8
+        return self.head_dim + 8  # row groups of an accumulator store land in distinct banks
+
     def smem_bytes(self):
         stride = tiles.tile_row_stride(self.head_dim, True)
         tiles16 = stride * (2 * self.block_n + self.q_buffers * self.block_m)
-        f32 = self.warps * self.block_m * (self.head_dim + 8 + 2)   # partial P~ V, max, sum
+        f32 = self.warps * self.block_m * (self.partial_o_stride + 2)   # partial P~ V, max, sum
         return 2 * tiles16 + 4 * f32
 
     def validate(self):
@@ -137,7 +141,7 @@ def build(cfg):
     STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
     KV_TILE, Q_TILE, WARP_KEYS = BC * STRIDE, BR * STRIDE, KW * STRIDE
     Q_START = 2 * KV_TILE                            # K_j | V_j | Q tile(s) | fp32 exchange area
-    O_STRIDE = D + 8                                 # partial P~ V rows, in floats (8 mod 32)
+    O_STRIDE = cfg.partial_o_stride                  # partial P~ V rows, in floats
     F32_START = (Q_START + cfg.q_buffers * Q_TILE) // 2
     O_PART, RED = WARPS * BR * O_STRIDE, WARPS * BR
     CHUNK = D // (THREADS // BR)                     # columns of O a thread owns
