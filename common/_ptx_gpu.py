@@ -157,6 +157,28 @@ pack_bf16x2 = _make_pack("bf16")
 pack_f16x2 = _make_pack("f16")
 
 
+def _make_unpack(ptx_type):
+    text = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            f"cvt.f32.{ptx_type} $0, lo; cvt.f32.{ptx_type} $1, hi; }}")
+
+    @intrinsic
+    def unpack(typingctx, word):
+        sig = types.UniTuple(types.float32, 2)(word)
+
+        def codegen(context, builder, sig, args):
+            w = _as(context, builder, args[0], sig.args[0], types.uint32)
+            out = _asm(builder, [_f32] * 2, [w], text, "=f,=f,r")
+            return context.make_tuple(builder, sig.return_type, _unpack(builder, out, 2))
+
+        return sig, codegen
+
+    return unpack
+
+
+unpack_bf16x2 = _make_unpack("bf16")
+unpack_f16x2 = _make_unpack("f16")
+
+
 def _statement(builder, text):
     """Emit an operand-less instruction that orders memory (a barrier, a copy-group fence)."""
     _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)

@@ -220,6 +220,19 @@ pack_bf16x2 = _make_pack("bfloat16")
 pack_f16x2 = _make_pack("float16")
 
 
+def _make_unpack(dtype):
+    def unpack(word):
+        w = int(word)
+        lo, hi = halves_to_float([w & 0xFFFF, w >> 16], dtype)
+        return np.float32(lo), np.float32(hi)
+
+    return unpack
+
+
+unpack_bf16x2 = _make_unpack("bfloat16")
+unpack_f16x2 = _make_unpack("float16")
+
+
 def syncwarp():
     """No-op: what bar.warp.sync orders on the GPU (lanes' shared-memory writes before the warp's
     reads) already holds here, because every reader is a warp collective (ldmatrix) that waits for

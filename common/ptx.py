@@ -12,6 +12,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | syncwarp                             | bar.warp.sync                                          |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
+| unpack_bf16x2, unpack_f16x2          | mov.b32 {lo, hi}; cvt.f32.{bf16,f16} (both halves)     |
 | cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
 | ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
 """
@@ -31,6 +32,8 @@ syncwarp = _impl.syncwarp
 ex2_approx = _impl.ex2_approx
 pack_bf16x2 = _impl.pack_bf16x2
 pack_f16x2 = _impl.pack_f16x2
+unpack_bf16x2 = _impl.unpack_bf16x2
+unpack_f16x2 = _impl.unpack_f16x2
 cp_async_16 = _impl.cp_async_16
 cp_async_commit = _impl.cp_async_commit
 cp_async_wait = _impl.cp_async_wait

@@ -1,4 +1,5 @@
-"""Online softmax over the rows of an mma accumulator (FA2 Alg. 1 lines 9, 10, 12, 13).
+"""Online softmax over the rows of an mma accumulator (FA2 Alg. 1 lines 9, 10, 12, 13), and the
+softmax's backward (FA2 Alg. 2 lines 13 and 16: P rebuilt from L, dS = P o (dP - D)).
 
 In an m16n8 accumulator, lane (g = lane // 4, t = lane % 4) holds rows g and g + 8 of every m-tile,
 two columns per n-tile. A full row therefore lives in the 4 lanes of a quad: row-wise max and sum
@@ -112,3 +113,63 @@ def finalize(m_i, l_i, inv_l, lse, softmax_scale):
         else:
             inv_l[r] = float32(0)
             lse[r] = float32(-math.inf)
+
+
+# --------------------------------------------------------------------------- backward
+# The backward pass rebuilds P from the saved L = LSE instead of storing it (FA2 Alg. 2 l.13):
+# P = exp(scale * S - L) = 2^(S * scale*log2(e) - L*log2(e)); the kernels keep L*log2(e) ("lse2").
+# In S^T (keys x queries, the layout of the K/V-block-outer kernel) L and D are per column and are
+# read from shared memory; in S (queries x keys) they are per row and held in registers.
+
+
+@device_function
+def lse_log2(lse):
+    """L*log2(e) for P = 2^(S*scale*log2(e) - L*log2(e)); a row with L = -inf (every score masked)
+    gets +inf, so that its P is 0 rather than NaN."""
+    return float32(math.inf) if lse == float32(-math.inf) else lse * float32(LOG2E)
+
+
+@device_function
+def recompute_p_columns(s, lse2, lane, scale_log2):
+    """S^T <- P^T in place: P^T[r, c] = 2^(S^T[r, c] * scale*log2(e) - lse2[c]), lse2 a shared
+    array over the tile's columns (queries)."""
+    t2 = 2 * (lane & 3)
+    for n in range(s.shape[1]):
+        l0 = lse2[n * 8 + t2]
+        l1 = lse2[n * 8 + t2 + 1]
+        for m in range(s.shape[0]):
+            for h in range(2):
+                s[m, n, 2 * h] = ptx.ex2_approx(s[m, n, 2 * h] * scale_log2 - l0)
+                s[m, n, 2 * h + 1] = ptx.ex2_approx(s[m, n, 2 * h + 1] * scale_log2 - l1)
+
+
+@device_function
+def grad_columns(p, dp, d_vec, lane):
+    """dP^T <- dS^T = P^T o (dP^T - D) in place, D = rowsum(dO o O) a shared array over the
+    tile's columns (queries)."""
+    t2 = 2 * (lane & 3)
+    for n in range(p.shape[1]):
+        d0 = d_vec[n * 8 + t2]
+        d1 = d_vec[n * 8 + t2 + 1]
+        for m in range(p.shape[0]):
+            for h in range(2):
+                dp[m, n, 2 * h] = p[m, n, 2 * h] * (dp[m, n, 2 * h] - d0)
+                dp[m, n, 2 * h + 1] = p[m, n, 2 * h + 1] * (dp[m, n, 2 * h + 1] - d1)
+
+
+@device_function
+def recompute_p_rows(s, lse2, scale_log2):
+    """S <- P in place: P[r, c] = 2^(S[r, c] * scale*log2(e) - lse2[2m + h]) for the lane's rows."""
+    for m in range(s.shape[0]):
+        for n in range(s.shape[1]):
+            for j in range(4):
+                s[m, n, j] = ptx.ex2_approx(s[m, n, j] * scale_log2 - lse2[2 * m + (j >> 1)])
+
+
+@device_function
+def grad_rows(p, dp, d_rows):
+    """dP <- dS = P o (dP - D) in place, D[2m + h] for the lane's rows."""
+    for m in range(p.shape[0]):
+        for n in range(p.shape[1]):
+            for j in range(4):
+                dp[m, n, j] = p[m, n, j] * (dp[m, n, j] - d_rows[2 * m + (j >> 1)])

@@ -16,7 +16,7 @@ All helpers take their sizes from the shapes of the fragment arrays or from argu
 compile-time constants in the calling kernel, so they unroll completely.
 """
 import numpy as np
-from numba import int32
+from numba import cuda, int32
 
 from common import ptx
 from common.target import device_function
@@ -116,6 +116,20 @@ def load_a_fragments(a, m, tile, row0, lane, row_stride, swizzle):
     base = a_fragment_base(row0, lane, row_stride, swizzle)
     for kk in range(a.shape[1]):
         load_a_step(a, m, kk, tile, base, kk, swizzle)
+
+
+@device_function
+def load_a_fragments_transposed(a, m, tile, row0, lane, row_stride, swizzle):
+    """a[m, kk] <- the A operand for rows row0..row0+15 of A = T^T, where T is a row-major [k][m]
+    tile (dS read from a staged dS^T), for every k-step kk of `a`. ldmatrix.x4.trans reads the four
+    8x8 matrices (A rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) from T's rows k and
+    columns row0.. and hands each lane the transposed elements, i.e. exactly an A fragment."""
+    base = smem_offset(((lane >> 4) << 3) + (lane & 7), row0 + (((lane >> 3) & 1) << 3),
+                       row_stride, swizzle)
+    for kk in range(a.shape[1]):
+        x = ptx.ldmatrix_x4_trans(tile, base + kk * 16 * row_stride)
+        for j in range(4):
+            a[m, kk, j] = x[j]
 
 
 @device_function
@@ -243,6 +257,25 @@ def mask_scores(s, row0, col0, n_cols, causal, lane):
                         s[m, n, 2 * h + jj] = NEG_INF
 
 
+@device_function
+def mask_scores_transposed(s, row0, n_rows, col0, n_cols, causal, lane):
+    """mask_scores for S^T (rows are keys, columns queries, as in the backward pass): set s to -inf
+    where row >= n_rows, column >= n_cols, or column < row when causal (key after query). row0:
+    global key of the warp's first row; col0: global query of the tile's first column."""
+    t2 = 2 * (lane & 3)
+    for m in range(s.shape[0]):
+        for h in range(2):
+            row = row0 + m * 16 + (lane >> 2) + 8 * h
+            hi = n_cols - col0 - t2          # element (n, jj) is masked when 8n + jj >= hi ...
+            lo = row - col0 - t2 if causal else int32(-(1 << 30))   # ... or 8n + jj < lo
+            if row >= n_rows:
+                hi = int32(-(1 << 30))
+            for n in range(s.shape[1]):
+                for jj in range(2):
+                    if n * 8 + jj >= hi or n * 8 + jj < lo:
+                        s[m, n, 2 * h + jj] = NEG_INF
+
+
 # --------------------------------------------------------------------------- fragments -> global
 
 @device_function
@@ -253,6 +286,15 @@ def scale_rows(acc, row_scale):
         for n in range(acc.shape[1]):
             for j in range(4):
                 acc[m, n, j] *= row_scale[2 * m + (j >> 1)]
+
+
+@device_function
+def scale_accumulator(acc, factor):
+    """acc <- factor * acc."""
+    for m in range(acc.shape[0]):
+        for n in range(acc.shape[1]):
+            for j in range(4):
+                acc[m, n, j] *= factor
 
 
 @device_function
@@ -302,3 +344,15 @@ def store_accumulator_f32(dst, acc, row0, col0, n_rows, n_cols, scale, lane):
                 row, col = row0 + r, col0 + c
                 if row < n_rows and col < n_cols:
                     dst[row, col] = acc[m, n, j] * scale
+
+
+@device_function
+def atomic_add_accumulator_f32(dst, acc, row0, col0, n_rows, lane):
+    """dst[row, col] += acc for the elements in rows < n_rows, by fp32 atomic adds (red.global.add:
+    thread blocks adding into the same rows, FA2's dQ accumulation)."""
+    for m in range(acc.shape[0]):
+        for n in range(acc.shape[1]):
+            for j in range(4):
+                r, c = accumulator_position(m, n, j, lane)
+                if row0 + r < n_rows:
+                    cuda.atomic.add(dst, (row0 + r, col0 + c), acc[m, n, j])

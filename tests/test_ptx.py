@@ -151,6 +151,25 @@ def test_ex2_and_packing(rng):
 
 
 @cuda.jit
+def unpack_kernel(words, bf, hf):
+    i = cuda.threadIdx.x
+    bf[i, 0], bf[i, 1] = ptx.unpack_bf16x2(words[i])
+    hf[i, 0], hf[i, 1] = ptx.unpack_f16x2(words[i])
+
+
+def test_unpacking_inverts_packing(rng):
+    halves = rng.integers(0, 2**16, (64, 2), dtype=np.uint16)
+    for dtype in ("bfloat16", "float16"):   # no NaN/inf patterns: they need not round-trip bitwise
+        x = sem.halves_to_float(halves, dtype)
+        halves[~np.isfinite(x)] = 0
+    words = np.ascontiguousarray(halves).view(np.uint32)[:, 0]
+    bf, hf = np.zeros((64, 2), np.float32), np.zeros((64, 2), np.float32)
+    unpack_kernel[1, 64](words, bf, hf)
+    np.testing.assert_array_equal(bf, sem.halves_to_float(halves, "bfloat16").astype(np.float32))
+    np.testing.assert_array_equal(hf, sem.halves_to_float(halves, "float16").astype(np.float32))
+
+
+@cuda.jit
 def copy_kernel(src, out32, dst, valid_rows):
     """cp.async each 16-byte chunk of src into shared memory (rows >= valid_rows zero-filled), then
     ld.shared.v4 / st.global.v4 it back out."""

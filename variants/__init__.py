@@ -6,6 +6,12 @@
 q: (batch, seqlen_q, heads, head_dim), k and v: (batch, seqlen_k, heads_kv, head_dim), as in
 flash_attn_func; fp16 or bf16 CuPy arrays, Numba device arrays or torch CUDA tensors (no copies).
 Returns o like q and lse (batch, heads, seqlen_q) float32, the log-sum-exp of each row's scores.
+
+    dq, dk, dv = backward(do, q, k, v, o, lse, variant="fa2", causal=True)
+
+is the backward pass (recomputing P from lse, nothing N x N stored except by `standard`), and
+`attention(q, k, v, variant=..., causal=...)` (variants/autograd.py) the same two as a
+torch.autograd.Function for torch CUDA tensors.
 """
 from importlib import import_module
 
@@ -26,3 +32,10 @@ def get(name):
 def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention forward with the named variant; options are that variant's tuning knobs."""
     return get(variant).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
+
+
+def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=None, **options):
+    """Attention backward with the named variant: (dq, dk, dv) like (q, k, v), from the forward's
+    inputs and outputs (o, lse) and dO (like o). options: the variant's backward knobs."""
+    return get(variant).backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                                 **options)

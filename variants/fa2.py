@@ -27,6 +27,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
+from common import backward as bwd
 from common import configs, ptx, softmax, tiles
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import device_function, kernel, launch
@@ -274,3 +275,403 @@ def compile_targets():
                 mma = cfg.m_tiles * head_dim * cfg.block_n // 64
                 yield f"fa2 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}", \
                     build(cfg), argtypes, mma
+
+
+# =========================================================================== backward
+# FA2 Algorithm 2: given Q, K, V, O, L and dO, return dQ, dK, dV without ever storing an N x N
+# matrix; P is recomputed from Q, K and L (recomputation, FlashAttention's fourth technique).
+#
+#   l.4   D = rowsum(dO o O)                                   (common/backward.py: preprocess)
+#   l.5   for 1 <= j <= T_c  (the grid: one thread block per K/V block j, batch, K/V head)
+#   l.6     load K_j, V_j to SRAM;  l.7  dK_j = 0, dV_j = 0 on chip
+#   l.8     for 1 <= i <= T_r  (causal: only blocks i that reach the diagonal of block j)
+#   l.9       load Q_i, dO_i, L_i, D_i to SRAM
+#   l.10      S_i^(j) = Q_i K_j^T;  l.11  P_i^(j) = exp(S_ij - L_i)
+#   l.12      dV_j += (P_i^(j))^T dO_i
+#   l.13      dP_i^(j) = dO_i V_j^T;  l.14  dS_i^(j) = P_i^(j) o (dP_i^(j) - D_i)
+#   l.15      dQ_i += dS_i^(j) K_j   (read-modify-write in HBM: fp32 atomics here, `dq="atomic"`)
+#   l.16      dK_j += (dS_i^(j))^T Q_i
+#   l.17    write dK_j, dV_j to HBM
+#
+# Warps split the block's keys (split-K^T: warp w owns keys [16*M*w, 16*M*(w+1)) of K_j and their
+# rows of dK_j, dV_j), so every product but one lands in the warp's own registers: the kernel
+# computes S^T = K_j Q_i^T and dP^T = V_j dO_i^T (keys x queries), whose accumulators re-pack straight
+# into the A operands of dV_j += P^T dO_i and dK_j += dS^T Q_i. dQ_i += dS K_j needs every warp's
+# keys: dS^T is staged in shared memory (one barrier) and read back transposed (ldmatrix.trans).
+# `dq="separate"` instead leaves dQ to a second kernel with the query blocks outer (one thread block
+# per Q_i, looping over K/V blocks, as the forward): deterministic, at the price of recomputing S
+# and dP once more.
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Compile-time shape of the backward kernels. block_n = B_c (keys a thread block owns),
+    block_m = B_r (queries per inner step)."""
+    head_dim: int
+    is_bf16: bool
+    causal: bool
+    block_m: int = 64          # B_r
+    block_n: int = 128         # B_c
+    warps: int = 8             # each warp owns block_n / warps keys
+    dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel)
+    causal_skip: bool = True   # causal: never visit query blocks entirely above the diagonal
+    swizzle: bool = True
+    kv_in_registers: bool = False   # K_j, V_j A fragments held in registers through the i loop
+    dq_block_m: int = 64       # the separate dQ kernel: queries a thread block owns,
+    dq_block_n: int = 64       # keys per inner step,
+    dq_warps: int = 4          # and warps (split-Q, as the forward)
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def m_tiles(self):      # m16 tiles of keys per warp
+        return self.block_n // (16 * self.warps)
+
+    @property
+    def dq_split(self):
+        """(WQ, WD): the warps' grid over dQ_i (B_r x d) in the fused dQ product."""
+        wq = min(self.warps, self.block_m // 16)
+        return wq, self.warps // wq
+
+    def smem_bytes(self):
+        d = tiles.tile_row_stride(self.head_dim, self.swizzle)
+        ds = self.block_n * tiles.tile_row_stride(self.block_m, self.swizzle) \
+            if self.dq == "atomic" else 0
+        return 2 * (d * (2 * self.block_n + 4 * self.block_m) + ds) + 4 * 4 * self.block_m
+
+    def dq_smem_bytes(self):
+        d = tiles.tile_row_stride(self.head_dim, self.swizzle)
+        return 2 * d * (2 * self.dq_block_m + 4 * self.dq_block_n)
+
+    def validate(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        if self.dq not in ("atomic", "separate"):
+            raise ValueError(f"dq must be 'atomic' or 'separate', got {self.dq!r}")
+        if self.block_n % (16 * self.warps):
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * warps={16 * self.warps}")
+        if self.block_m % 16:
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 16")
+        for rows in (self.block_m, self.block_n):
+            tiles.check_tile_copy(rows, self.head_dim, self.threads)
+        if self.dq == "atomic":
+            tiles.tile_row_stride(self.block_m, self.swizzle)   # the dS^T tile
+            wq, wd = self.dq_split
+            cols = self.head_dim // wd
+            if wq * wd != self.warps or (self.block_m // 16) % wq or cols % (64 if self.swizzle else 16):
+                raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.head_dim} "
+                                 "dQ block into whole m16 tiles and column slices of 64")
+        else:
+            if self.dq_block_m % (16 * self.dq_warps) or self.dq_block_n % 16:
+                raise ValueError(f"dq_block_m={self.dq_block_m} must be a multiple of 16 * "
+                                 f"dq_warps={16 * self.dq_warps}, dq_block_n of 16")
+            for rows in (self.dq_block_m, self.dq_block_n):
+                tiles.check_tile_copy(rows, self.head_dim, 32 * self.dq_warps)
+        return self
+
+
+BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "causal_skip", "swizzle",
+                    "kv_in_registers", "dq_block_m", "dq_block_n", "dq_warps")
+
+# B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
+# thread) and B_r = 64 queries a step, FA2's own tile at both head dims.
+BACKWARD_DEFAULTS = {64: dict(kv_in_registers=True), 128: dict()}
+
+default_backward_config = configs.default_config_function(
+    "fa2 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
+
+
+@lru_cache(maxsize=None)
+def build_backward(cfg):
+    """The K/V-block-outer kernel of Algorithm 2 (dK, dV, and with dq="atomic" dQ)."""
+    D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
+    M = cfg.m_tiles
+    IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
+    SKIP = cfg.causal and cfg.causal_skip
+    ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
+    STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if ATOMIC else 0
+    KV_TILE, QO_TILE, DS_TILE = BC * STRIDE, BR * STRIDE, BC * DS_STRIDE
+    # Shared memory (16-bit units): K_j | V_j | 2 stages x (Q_i | dO_i) | dS^T | fp32: 2 x (L2, D).
+    V0, QO0 = KV_TILE, 2 * KV_TILE
+    DS0 = QO0 + 4 * QO_TILE
+    STAT0 = (DS0 + DS_TILE) // 2
+    WQ, WD = cfg.dq_split if ATOMIC else (1, 1)
+    MQ, DQ_COLS = BR // WQ // 16, D // WD
+    KV_FRAG = (M, D // 16 if KV_IN_REGISTERS else 1, 4)
+    ST_ACC, P_FRAG, DKV_ACC = (M, BR // 8, 4), (M, BR // 16, 4), (M, D // 8, 4)
+    DQ_ACC, DS_FRAG = (max(MQ, 1), DQ_COLS // 8, 4), (max(MQ, 1), BC // 16, 4)
+
+    @device_function
+    def step_position(step, i0, n_i, h_kv, kv_group):
+        """Inner step -> (query head, query block i): every query head of the K/V head's group,
+        each over the query blocks i0.. that block j meets."""
+        hh = step // n_i
+        return h_kv * kv_group + hh, i0 + step - hh * n_i
+
+    @device_function
+    def load_q_do(smem, stage, q, do, b, h, i, n_q, tid):
+        """Start the cp.async copies of Q_i and dO_i into stage `stage`."""
+        base = QO0 + stage * 2 * QO_TILE
+        tiles.load_tile_async(smem[base:base + QO_TILE], q[b, h], i * BR, n_q, 0, BR, D, STRIDE,
+                              SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(smem[base + QO_TILE:base + 2 * QO_TILE], do[b, h], i * BR, n_q, 0,
+                              BR, D, STRIDE, SWIZZLE, tid, THREADS)
+
+    @device_function
+    def load_stats(lse, d_vec, b, h, i, n_q, tid):
+        """L_i * log2(e) and D_i of row tid of block i (0 past n_q: masked anyway)."""
+        row = i * BR + tid
+        if row < n_q:
+            return softmax.lse_log2(lse[b, h, row]), d_vec[b, h, row]
+        return float32(0), float32(0)
+
+    @kernel
+    def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
+                        softmax_scale, scale_log2):
+        """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
+        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views."""
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        j, b, h_kv = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z   # l.5: the grid
+        key0 = j * BC
+        warp_key = warp * 16 * M           # this warp's first key in K_j
+        smem = cuda.shared.array(0, uint16)
+        smem32 = cuda.shared.array(0, uint32)
+        stats = cuda.shared.array(0, float32)
+        k_s = smem[0:KV_TILE]
+        v_s = smem[V0:V0 + KV_TILE]
+        ds_s = smem[DS0:DS0 + DS_TILE]
+        ds_s32 = smem32[DS0 // 2:(DS0 + DS_TILE) // 2]
+
+        # The query blocks block j meets: causal skips those entirely above the diagonal.
+        t_r = (n_q + BR - 1) // BR
+        i0 = key0 // BR if SKIP else 0
+        n_i = t_r - i0
+        n_steps = kv_group * n_i
+
+        # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
+        tiles.load_tile_async(k_s, k[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(v_s, v[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        h, i = step_position(0, i0, n_i, h_kv, kv_group)
+        load_q_do(smem, 0, q, do, b, h, i, n_q, tid)
+        ptx.cp_async_commit()
+        if tid < BR:
+            lse2_0, d_0 = load_stats(lse, d_vec, b, h, i, n_q, tid)
+            stats[STAT0 + tid] = lse2_0
+            stats[STAT0 + BR + tid] = d_0
+
+        # l.7: dK_j = 0, dV_j = 0, on chip.
+        dk = cuda.local.array(DKV_ACC, float32)
+        dv = cuda.local.array(DKV_ACC, float32)
+        tiles.fill(dk, float32(0))
+        tiles.fill(dv, float32(0))
+        kf = cuda.local.array(KV_FRAG, uint32)
+        vf = cuda.local.array(KV_FRAG, uint32)
+        s = cuda.local.array(ST_ACC, float32)
+        dp = cuda.local.array(ST_ACC, float32)
+        pa = cuda.local.array(P_FRAG, uint32)
+        dsa = cuda.local.array(DS_FRAG, uint32)
+        dq = cuda.local.array(DQ_ACC, float32)
+        dq_row = (warp // WD) * 16 * MQ     # this warp's part of dQ_i: rows, and columns of K_j
+        dq_col = (warp % WD) * DQ_COLS
+        if KV_IN_REGISTERS:                 # K_j, V_j's A fragments of the warp's keys, once
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()
+            for m in range(M):
+                tiles.load_a_fragments(kf, m, k_s, warp_key + 16 * m, lane, STRIDE, SWIZZLE)
+                tiles.load_a_fragments(vf, m, v_s, warp_key + 16 * m, lane, STRIDE, SWIZZLE)
+
+        for step in range(n_steps):     # l.8 (over the group's query heads too, for GQA)
+            stage = step & 1
+            qo = QO0 + stage * 2 * QO_TILE
+            q_s = smem[qo:qo + QO_TILE]
+            do_s = smem[qo + QO_TILE:qo + 2 * QO_TILE]
+            st = STAT0 + stage * 2 * BR
+            lse2_s = stats[st:st + BR]
+            d_s = stats[st + BR:st + 2 * BR]
+            # l.9: Q_i, dO_i (and K_j, V_j at the first step) have landed and every warp is done
+            # with the other stage: start copying step+1's Q, dO there (and read its L, D).
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()
+            h, i = step_position(step, i0, n_i, h_kv, kv_group)
+            more = step + 1 < n_steps
+            next_lse2 = float32(0)
+            next_d = float32(0)
+            if more:
+                h1, i1 = step_position(step + 1, i0, n_i, h_kv, kv_group)
+                load_q_do(smem, 1 - stage, q, do, b, h1, i1, n_q, tid)
+                if tid < BR:
+                    next_lse2, next_d = load_stats(lse, d_vec, b, h1, i1, n_q, tid)
+            ptx.cp_async_commit()
+            q0 = i * BR
+
+            # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i).
+            tiles.fill(s, float32(0))
+            if KV_IN_REGISTERS:
+                tiles.gemm_abt(s, kf, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            else:
+                tiles.gemm_abt_streamed(s, kf, k_s, warp_key, D // 16, q_s, lane, STRIDE, SWIZZLE,
+                                        IS_BF16)
+            if q0 + BR > n_q or key0 + BC > n_k or (CAUSAL and q0 < key0 + BC - 1):
+                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, CAUSAL, lane)
+            softmax.recompute_p_columns(s, lse2_s, lane, scale_log2)
+            # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
+            tiles.fill(dp, float32(0))
+            if KV_IN_REGISTERS:
+                tiles.gemm_abt(dp, vf, do_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            else:
+                tiles.gemm_abt_streamed(dp, vf, v_s, warp_key, D // 16, do_s, lane, STRIDE,
+                                        SWIZZLE, IS_BF16)
+            softmax.grad_columns(s, dp, d_s, lane)
+            # l.12: dV_j += P^T dO_i, P^T straight from its accumulator into A fragments.
+            tiles.accumulator_to_a(pa, s, IS_BF16)
+            tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
+            tiles.accumulator_to_a(pa, dp, IS_BF16)
+            tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            if ATOMIC:
+                # l.15: dQ_i += dS K_j. dS^T goes through shared memory, so that each warp can
+                # take whole rows of dS (all of K_j's keys) for its part of dQ_i.
+                tiles.stage_accumulator(ds_s32, dp, warp_key, lane, DS_STRIDE, SWIZZLE, IS_BF16)
+                cuda.syncthreads()
+                for m in range(MQ):
+                    tiles.load_a_fragments_transposed(dsa, m, ds_s, dq_row + 16 * m, lane,
+                                                      DS_STRIDE, SWIZZLE)
+                tiles.fill(dq, float32(0))
+                tiles.gemm_ab(dq, dsa, k_s[dq_col:], lane, STRIDE, SWIZZLE, IS_BF16)
+                tiles.atomic_add_accumulator_f32(dq_acc[b, h], dq, q0 + dq_row, dq_col, n_q, lane)
+            if more and tid < BR:   # step+1's L, D: its stage's statistics are free since the barrier
+                nst = STAT0 + (1 - stage) * 2 * BR
+                stats[nst + tid] = next_lse2
+                stats[nst + BR + tid] = next_d
+
+        # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
+        cuda.syncthreads()
+        tiles.scale_accumulator(dk, softmax_scale)
+        tiles.stage_accumulator(smem32[0:KV_TILE // 2], dk, warp_key, lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.stage_accumulator(smem32[V0 // 2:(V0 + KV_TILE) // 2], dv, warp_key, lane, STRIDE,
+                                SWIZZLE, IS_BF16)
+        cuda.syncthreads()
+        tiles.store_tile(dk32[b, h_kv], smem32[0:KV_TILE // 2], key0, n_k, BC, D, STRIDE, SWIZZLE,
+                         tid, THREADS)
+        tiles.store_tile(dv32[b, h_kv], smem32[V0 // 2:(V0 + KV_TILE) // 2], key0, n_k, BC, D,
+                         STRIDE, SWIZZLE, tid, THREADS)
+
+    return fa2_backward_kv
+
+
+@lru_cache(maxsize=None)
+def build_backward_dq(cfg):
+    """dq="separate": dQ_i = softmax_scale * sum_j dS_i^(j) K_j with the query blocks outer (one
+    thread block per Q_i, warps split Q_i as in the forward), recomputing S and dP; no atomics, so
+    dQ is bitwise reproducible."""
+    D, BR, BC, THREADS = cfg.head_dim, cfg.dq_block_m, cfg.dq_block_n, 32 * cfg.dq_warps
+    M = BR // (16 * cfg.dq_warps)
+    IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
+    SKIP = cfg.causal and cfg.causal_skip
+    STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    Q_TILE, KV_TILE = BR * STRIDE, BC * STRIDE
+    DO0, KV0 = Q_TILE, 2 * Q_TILE
+    A_FRAG, S_ACC, P_FRAG, DQ_ACC = (M, 1, 4), (M, BC // 8, 4), (M, BC // 16, 4), (M, D // 8, 4)
+    ROWS = 2 * M
+
+    @kernel
+    def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, softmax_scale,
+                        scale_log2):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        k_h, v_h = k[b, h // kv_group], v[b, h // kv_group]
+        row0 = i * BR
+        warp_row = warp * 16 * M
+        smem = cuda.shared.array(0, uint16)
+        q_s = smem[0:Q_TILE]
+        do_s = smem[DO0:DO0 + Q_TILE]
+        t_c = (n_k + BC - 1) // BC
+        if SKIP:
+            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+        tiles.load_tile_async(q_s, q[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(do_s, do[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, 0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid,
+                              THREADS)
+        tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, 0, n_k, 0, BC, D, STRIDE,
+                              SWIZZLE, tid, THREADS)
+        ptx.cp_async_commit()
+        # L_i * log2(e) and D_i of the lane's rows, in registers.
+        lse2 = cuda.local.array(ROWS, float32)
+        d_rows = cuda.local.array(ROWS, float32)
+        for r in range(ROWS):
+            row = row0 + warp_row + 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)
+            lse2[r] = softmax.lse_log2(lse[b, h, row]) if row < n_q else float32(0)
+            d_rows[r] = d_vec[b, h, row] if row < n_q else float32(0)
+        a = cuda.local.array(A_FRAG, uint32)
+        s = cuda.local.array(S_ACC, float32)
+        dp = cuda.local.array(S_ACC, float32)
+        pa = cuda.local.array(P_FRAG, uint32)
+        dq = cuda.local.array(DQ_ACC, float32)
+        tiles.fill(dq, float32(0))
+        for j in range(t_c):
+            col0 = j * BC
+            kv = KV0 + (j & 1) * 2 * KV_TILE
+            k_s = smem[kv:kv + KV_TILE]
+            v_s = smem[kv + KV_TILE:kv + 2 * KV_TILE]
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()
+            if j + 1 < t_c:
+                nxt = KV0 + ((j + 1) & 1) * 2 * KV_TILE
+                tiles.load_tile_async(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, 0, BC, D,
+                                      STRIDE, SWIZZLE, tid, THREADS)
+                tiles.load_tile_async(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k,
+                                      0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+            ptx.cp_async_commit()
+            # l.10-11: S = Q_i K_j^T, P = exp(S - L_i); l.13-14: dP = dO_i V_j^T, dS = P o (dP - D_i)
+            tiles.fill(s, float32(0))
+            tiles.gemm_abt_streamed(s, a, q_s, warp_row, D // 16, k_s, lane, STRIDE, SWIZZLE,
+                                    IS_BF16)
+            if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > row0):
+                tiles.mask_scores(s, row0 + warp_row, col0, n_k, CAUSAL, lane)
+            softmax.recompute_p_rows(s, lse2, scale_log2)
+            tiles.fill(dp, float32(0))
+            tiles.gemm_abt_streamed(dp, a, do_s, warp_row, D // 16, v_s, lane, STRIDE, SWIZZLE,
+                                    IS_BF16)
+            softmax.grad_rows(s, dp, d_rows)
+            # l.15: dQ_i += dS K_j, dS straight from its accumulator into A fragments.
+            tiles.accumulator_to_a(pa, dp, IS_BF16)
+            tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
+        # dQ_i = softmax_scale * dQ_i to HBM, staged through the Q tile.
+        cuda.syncthreads()
+        q_s32 = cuda.shared.array(0, uint32)[0:Q_TILE // 2]
+        tiles.scale_accumulator(dq, softmax_scale)
+        tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
+        cuda.syncthreads()
+        tiles.store_tile(dq32[b, h], q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+
+    return fa2_backward_dq
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None, **options):
+    """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs
+    (o, lse) and dO = dLoss/dO (like o). options: see BackwardConfig and BACKWARD_OPTIONS."""
+    g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                             grads=grads, head_dims=HEAD_DIMS, variant="fa2")
+    prob = g.prob
+    cfg = default_backward_config(prob.head_dim, prob.is_bf16, causal, **options)
+    atomic = cfg.dq == "atomic"
+    bwd.preprocess(g, zero_dq=atomic)                                           # l.4
+    scale, scale_log2 = np.float32(prob.softmax_scale), \
+        np.float32(prob.softmax_scale * math.log2(math.e))
+    sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
+    grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
+    launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
+           prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
+           scale, scale_log2)
+    if atomic:
+        bwd.convert_dq(g)
+    else:
+        grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
+        launch(build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
+               prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2)
+    return g.result()

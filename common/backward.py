@@ -1,0 +1,153 @@
+"""What every variant's backward pass shares: checking its inputs, D = rowsum(dO o O), and dQ's fp32
+accumulator.
+
+FA2 Algorithm 2 (and FA1 Algorithm 4) take the forward's O and L = LSE with dO and return dQ, dK,
+dV. Around the variant's own kernels:
+  preprocess   D_i = rowsum(dO_i o O_i) (fp32, one warp a row: FA2 Alg. 2 l.4), and dQ's fp32
+               accumulator set to 0 when the variant adds into it (atomics or read-modify-write);
+  convert_dq   dQ = softmax_scale * accumulator, rounded to the input dtype, in q's layout.
+`prepare_backward` validates everything with errors that name the problem and returns the views.
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from common import arrays, ptx, tiles
+from common.problem import AttentionProblem, _BSHD_TO_BHSD, _check_layout, prepare
+from common.target import kernel, launch
+
+WARPS = 4            # rows per thread block of the row kernels (one warp a row)
+
+
+@dataclass
+class BackwardProblem:
+    """One backward call: the forward's problem (q, k, v, o, lse views) and the gradients'."""
+    prob: AttentionProblem
+    do: object          # (B, H, N_q, d) uint16 view of dO
+    do32: object        # (B, H, N_q, d/2) uint32 view of dO
+    dq_out: object
+    dk_out: object
+    dv_out: object
+    dq32: object        # (B, H, N_q, d/2) uint32 views of the outputs
+    dk32: object        # (B, H_kv, N_k, d/2)
+    dv32: object
+    d_vec: object = None     # (B, H, N_q) fp32: D = rowsum(dO o O)
+    dq_acc: object = None    # (B, H, N_q, d) fp32: dQ / softmax_scale, accumulated
+
+    def result(self):
+        return self.dq_out, self.dk_out, self.dv_out
+
+
+def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads=None):
+    """Check a backward call's arguments (q, k, v, o, lse as the forward took and returned them; dO
+    like o) and allocate (or check) dq, dk, dv shaped like q, k, v."""
+    prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=(o, lse),
+                   head_dims=head_dims, variant=variant)
+    d_do, d_q = arrays.describe(do, "do"), arrays.describe(q, "q")
+    if d_do.shape != d_q.shape or d_do.dtype != d_q.dtype:
+        raise ValueError(f"do must be {d_q.dtype} of shape {d_q.shape} (like q and o), got "
+                         f"{d_do.dtype} {d_do.shape}")
+    if d_do.library != d_q.library:
+        raise TypeError(f"do is a {d_do.library} array but q is {d_q.library}")
+    _check_layout(d_do, "do")
+    like = {"dq": q, "dk": k, "dv": v}
+    if grads is None:
+        grads = tuple(arrays.empty(prob.library, arrays.describe(x).shape, prob.dtype, like=q)
+                      for x in like.values())
+    views = []
+    for g, (name, x) in zip(grads, like.items()):
+        d_g, d_x = arrays.describe(g, name), arrays.describe(x)
+        if d_g.shape != d_x.shape or d_g.dtype != d_x.dtype:
+            raise ValueError(f"{name} must be {d_x.dtype} of shape {d_x.shape}, got {d_g.dtype} "
+                             f"{d_g.shape}")
+        _check_layout(d_g, name)
+        views.append(arrays.bits_view(d_g, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2))
+    return BackwardProblem(
+        prob=prob, do=arrays.bits_view(d_do, np.uint16, _BSHD_TO_BHSD),
+        do32=arrays.bits_view(d_do, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
+        dq_out=grads[0], dk_out=grads[1], dv_out=grads[2],
+        dq32=views[0], dk32=views[1], dv32=views[2])
+
+
+def scratch_view(prob, shape):
+    """An fp32 work array in the caller's library, as a kernel view."""
+    return arrays.bits_view(arrays.describe(prob.scratch(shape, "float32")), np.float32)
+
+
+# --------------------------------------------------------------------------- the row kernels
+
+@lru_cache(maxsize=None)
+def build_preprocess(head_dim, is_bf16, zero_dq):
+    """D = rowsum(dO o O) in fp32 (and, when zero_dq, the row of dQ's accumulator set to 0)."""
+    WORDS, D, ZERO_DQ, IS_BF16 = head_dim // 2, head_dim, zero_dq, is_bf16
+
+    @kernel
+    def preprocess(o32, do32, d_vec, dq_acc, n_q):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row = cuda.blockIdx.x * WARPS + warp
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        inside = row < n_q
+        r = row if inside else 0      # rows past n_q still take part in the shuffles
+        acc = float32(0)
+        for w in range(lane, WORDS, 32):
+            if IS_BF16:
+                o0, o1 = ptx.unpack_bf16x2(o32[b, h, r, w])
+                g0, g1 = ptx.unpack_bf16x2(do32[b, h, r, w])
+            else:
+                o0, o1 = ptx.unpack_f16x2(o32[b, h, r, w])
+                g0, g1 = ptx.unpack_f16x2(do32[b, h, r, w])
+            acc += o0 * g0 + o1 * g1
+        for offset in (16, 8, 4, 2, 1):
+            acc += ptx.shfl_xor_f32(acc, offset)
+        if inside:
+            if lane == 0:
+                d_vec[b, h, row] = acc
+            if ZERO_DQ:
+                for c in range(lane, D, 32):
+                    dq_acc[b, h, row, c] = float32(0)
+
+    return preprocess
+
+
+@lru_cache(maxsize=None)
+def build_convert_dq(head_dim, is_bf16):
+    """dQ = softmax_scale * accumulator, rounded to the 16-bit dtype, 4 bytes a lane a step."""
+    WORDS, IS_BF16 = head_dim // 2, is_bf16
+
+    @kernel
+    def convert_dq(dq_acc, dq32, n_q, softmax_scale):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row = cuda.blockIdx.x * WARPS + warp
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        if row < n_q:
+            for w in range(lane, WORDS, 32):
+                dq32[b, h, row, w] = tiles.pack_pair(dq_acc[b, h, row, 2 * w] * softmax_scale,
+                                                     dq_acc[b, h, row, 2 * w + 1] * softmax_scale,
+                                                     IS_BF16)
+
+    return convert_dq
+
+
+def _row_grid(prob):
+    return ((prob.n_q + WARPS - 1) // WARPS, prob.batch, prob.heads)
+
+
+def preprocess(g, zero_dq):
+    """Fill g.d_vec (allocating it) and, when zero_dq, a zeroed g.dq_acc."""
+    prob = g.prob
+    g.d_vec = scratch_view(prob, (prob.batch, prob.heads, prob.n_q))
+    shape = (prob.batch, prob.heads, prob.n_q, prob.head_dim) if zero_dq else (1, 1, 1, 1)
+    g.dq_acc = scratch_view(prob, shape)     # (1, 1, 1, 1): not used, one kernel signature
+    launch(build_preprocess(prob.head_dim, prob.is_bf16, bool(zero_dq)), _row_grid(prob),
+           32 * WARPS, 0, prob.stream, prob.o32, g.do32, g.d_vec, g.dq_acc, np.int32(prob.n_q))
+
+
+def convert_dq(g):
+    """g.dq_out <- softmax_scale * g.dq_acc in the input dtype."""
+    prob = g.prob
+    launch(build_convert_dq(prob.head_dim, prob.is_bf16), _row_grid(prob), 32 * WARPS, 0,
+           prob.stream, g.dq_acc, g.dq32, np.int32(prob.n_q), np.float32(prob.softmax_scale))
