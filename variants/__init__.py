@@ -22,6 +22,13 @@ REGISTRY = {
 }
 
 
+def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
+    """Differentiable attention for torch tensors (variants/autograd.py)."""
+    from variants.autograd import attention as autograd_attention
+    return autograd_attention(q, k, v, variant=variant, causal=causal, softmax_scale=softmax_scale,
+                              **options)
+
+
 def get(name):
     """The module of variant `name` (it has forward(q, k, v, *, causal, softmax_scale, **options))."""
     if name not in REGISTRY:

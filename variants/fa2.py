@@ -376,7 +376,7 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "causal_skip", "swizzle
 
 # B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
 # thread) and B_r = 64 queries a step, FA2's own tile at both head dims.
-BACKWARD_DEFAULTS = {64: dict(kv_in_registers=True), 128: dict()}
+BACKWARD_DEFAULTS = {64: dict(block_m=128, kv_in_registers=True), 128: dict()}
 
 default_backward_config = configs.default_config_function(
     "fa2 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)

@@ -9,6 +9,13 @@ the algorithm (HBM round trips of S and P), not a different code generator. S is
 exact softmax input); P in the input dtype, as the A operand of the P V product. Their rows are
 padded to a multiple of 64 columns (zeros in P) so that the P V loop runs over whole tiles.
 Extra memory: 6 bytes per score, B * H * N_q * ceil(N_k / 64) * 64 * 6 bytes.
+
+The backward pass (FA1 paper, Algorithm 3) materialises the same way, with S recomputed (the forward
+keeps nothing N x N once it returns):
+    Alg.3 l.1  S = softmax_scale Q K^T (the scores kernel) and dP = dO V^T (the same kernel on dO, V)
+    Alg.3 l.2-4  P = exp(S - L) and dS = P o (dP - D), D = rowsum(P o dP), one warp a row
+    Alg.3 l.3  dV = P^T dO;  l.5  dQ = dS K, dK = dS^T Q (the output kernel, A or A^T)
+Extra memory: 12 bytes per score (S and dP in fp32, P and dS in 16 bits).
 """
 import math
 from dataclasses import dataclass
@@ -18,6 +25,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import arrays, ptx, softmax, tiles
+from common import backward as bwd
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import kernel, launch
 
@@ -166,6 +174,136 @@ def build_output(cfg):
         tiles.store_tile(o32[b, h], o_s32, row0, n_q, TILE, D, V_STRIDE, SWIZZLE, tid, THREADS)
 
     return output, 2 * (P_TILE + V_TILE)
+
+
+@lru_cache(maxsize=None)
+def build_softmax_backward(causal, is_bf16):
+    """Alg.3 l.2-4: P = exp(S - L), D = rowsum(P o dP), dS = softmax_scale * P o (dP - D), one
+    warp a row; P and dS written in the 16-bit dtype (zeros in masked and padded columns)."""
+    CAUSAL, IS_BF16 = causal, is_bf16
+
+    @kernel
+    def softmax_backward(s, dp, lse, p32, ds32, n_q, n_k, softmax_scale):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row = cuda.blockIdx.x * WARPS + warp
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        inside = row < n_q
+        r = row if inside else 0
+        n_valid = n_k
+        if CAUSAL:
+            n_valid = min(n_k, r + 1)
+        lse2 = softmax.lse_log2(lse[b, h, r])
+        s_row, dp_row = s[b, h, r], dp[b, h, r]
+        d_sum = float32(0)
+        for c in range(lane, n_valid, 32):
+            d_sum += ptx.ex2_approx(s_row[c] * float32(softmax.LOG2E) - lse2) * dp_row[c]
+        for offset in (16, 8, 4, 2, 1):
+            d_sum += ptx.shfl_xor_f32(d_sum, offset)
+        if inside:
+            for c2 in range(lane, p32.shape[3], 32):
+                p_pair = cuda.local.array(2, float32)
+                ds_pair = cuda.local.array(2, float32)
+                for e in range(2):
+                    c = 2 * c2 + e
+                    p_pair[e] = float32(0)
+                    ds_pair[e] = float32(0)
+                    if c < n_valid:
+                        p_pair[e] = ptx.ex2_approx(s_row[c] * float32(softmax.LOG2E) - lse2)
+                        ds_pair[e] = p_pair[e] * (dp_row[c] - d_sum) * softmax_scale
+                p32[b, h, row, c2] = tiles.pack_pair(p_pair[0], p_pair[1], IS_BF16)
+                ds32[b, h, row, c2] = tiles.pack_pair(ds_pair[0], ds_pair[1], IS_BF16)
+
+    return softmax_backward
+
+
+@lru_cache(maxsize=None)
+def build_transposed_output(cfg):
+    """Alg.3 l.3 and l.5: dV = P^T dO and dK = dS^T Q, one 64-key block of the output per thread
+    block, looping over the K/V head's query heads and their 64-query tiles; the A operand (P^T or
+    dS^T) is read transposed from row-major P or dS tiles (ldmatrix.trans)."""
+    D, IS_BF16 = cfg.head_dim, cfg.is_bf16
+    X_STRIDE = tiles.tile_row_stride(TILE, SWIZZLE)
+    Y_STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    X_TILE, Y_TILE = TILE * X_STRIDE, TILE * Y_STRIDE
+    ACC, A_FRAG = (1, D // 8, 4), (1, TILE // 16, 4)
+
+    @kernel
+    def transposed_output(x, y, out32, n_q, n_k, kv_group):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        key0 = cuda.blockIdx.x * TILE
+        b, h_kv = cuda.blockIdx.y, cuda.blockIdx.z
+        smem = cuda.shared.array(0, uint16)
+        x_s = smem[0:X_TILE]
+        y_s = smem[X_TILE:X_TILE + Y_TILE]
+        acc = cuda.local.array(ACC, float32)
+        tiles.fill(acc, float32(0))
+        a = cuda.local.array(A_FRAG, uint32)
+        for h in range(h_kv * kv_group, (h_kv + 1) * kv_group):
+            for q0 in range(0, n_q, TILE):
+                tiles.load_tile_async(x_s, x[b, h], q0, n_q, key0, TILE, TILE, X_STRIDE, SWIZZLE,
+                                      tid, THREADS)
+                tiles.load_tile_async(y_s, y[b, h], q0, n_q, 0, TILE, D, Y_STRIDE, SWIZZLE, tid,
+                                      THREADS)
+                ptx.cp_async_commit()
+                ptx.cp_async_wait(0)
+                cuda.syncthreads()
+                tiles.load_a_fragments_transposed(a, 0, x_s, 16 * warp, lane, X_STRIDE, SWIZZLE)
+                tiles.gemm_ab(acc, a, y_s, lane, Y_STRIDE, SWIZZLE, IS_BF16)
+                cuda.syncthreads()
+        o_s32 = cuda.shared.array(0, uint32)[0:TILE * Y_STRIDE // 2]
+        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, Y_STRIDE, SWIZZLE, IS_BF16)
+        cuda.syncthreads()
+        tiles.store_tile(out32[b, h_kv], o_s32, key0, n_k, TILE, D, Y_STRIDE, SWIZZLE, tid, THREADS)
+
+    return transposed_output, 2 * (X_TILE + Y_TILE)
+
+
+def backward_workspace_bytes(batch, heads, n_q, n_k):
+    """HBM the backward needs beyond inputs and outputs: S and dP (fp32), P and dS (16-bit)."""
+    return batch * heads * n_q * padded_keys(n_k) * (4 + 4 + 2 + 2)
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None):
+    """Standard attention backward (every N x N matrix in HBM); arguments as fa2.backward."""
+    g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                             grads=grads, head_dims=HEAD_DIMS, variant="standard")
+    prob = g.prob
+    b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
+    if b * h > 65535:
+        raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
+    cfg = Config(prob.head_dim, prob.is_bf16)
+    n_pad = padded_keys(n_k)
+    views = {}
+    for name, dtype in (("s", "float32"), ("dp", "float32"), ("p", prob.dtype), ("ds", prob.dtype)):
+        d = arrays.describe(prob.scratch((b, h, n_q, n_pad), dtype))
+        views[name] = d
+    s_view = arrays.bits_view(views["s"], np.float32)
+    dp_view = arrays.bits_view(views["dp"], np.float32)
+    row_tiles = (n_q + TILE - 1) // TILE
+    sizes = (np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group))
+
+    scores, smem = build_scores(cfg)
+    launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,       # l.1
+           prob.q, prob.k, s_view, *sizes, np.float32(prob.softmax_scale))
+    launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
+           g.do, prob.v, dp_view, *sizes, np.float32(1))
+    launch(build_softmax_backward(prob.causal, prob.is_bf16), ((n_q + WARPS - 1) // WARPS, b, h),
+           THREADS, 0, prob.stream, s_view, dp_view, prob.lse,                            # l.2-4
+           arrays.bits_view(views["p"], np.uint32, last_dim_divisor=2),
+           arrays.bits_view(views["ds"], np.uint32, last_dim_divisor=2),
+           np.int32(n_q), np.int32(n_k), np.float32(prob.softmax_scale))
+    p16, ds16 = (arrays.bits_view(views[n], np.uint16) for n in ("p", "ds"))
+    output, smem = build_output(cfg)
+    launch(output, (row_tiles, b, h), THREADS, smem, prob.stream, ds16, prob.k, g.dq32, *sizes)
+    transposed, smem = build_transposed_output(cfg)
+    key_tiles = (n_k + TILE - 1) // TILE
+    launch(transposed, (key_tiles, b, prob.heads_kv), THREADS, smem, prob.stream,      # l.3
+           p16, g.do, g.dv32, *sizes)
+    launch(transposed, (key_tiles, b, prob.heads_kv), THREADS, smem, prob.stream,      # l.5
+           ds16, prob.q, g.dk32, *sizes)
+    return g.result()
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, out=None):

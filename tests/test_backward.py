@@ -1,0 +1,174 @@
+"""Every variant's backward pass against float64 gradients, and the FlashAttention protocol on a GPU.
+
+Gradients are poisoned with NaN before each launch, so an element a kernel does not write fails.
+Bounds, with u the dtype's unit roundoff: relative L2 error of dq, dk, dv <= 2u and max error
+<= 8u * max|reference| (a correct kernel measures ~0.6u: P and dS are rounded to the dtype once
+before their products). In the simulator the shapes are small and fa2 runs a small tile (2 warps,
+B_c = 32) so that the K/V loop, the query-block loop and ragged blocks all occur; on a GPU the
+default tiles run at awkward and real lengths.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+import variants
+from common import arrays, checks, inputs, reference
+from tests.conftest import ON_GPU
+
+SMALL = {} if ON_GPU else dict(block_n=32, warps=2, dq_block_m=32, dq_warps=2, dq_block_n=32)
+BACKWARD_VARIANTS = ["standard", "fa2"]
+
+
+def random_problem(rng, batch, seqlen, heads, head_dim, dtype, seqlen_k=None, heads_kv=None,
+                   library=None):
+    host = inputs.random_qkv(rng, batch, seqlen, heads, head_dim, dtype, seqlen_k=seqlen_k,
+                             heads_kv=heads_kv)
+    host += (rng.standard_normal(host[0].shape, dtype=np.float32).astype(host[0].dtype),)
+    library = library or inputs.default_library()
+    return host, tuple(inputs.to_device(x, library) for x in host), library
+
+
+def backward_and_check(rng, variant, *, batch=1, seqlen, heads=1, head_dim=64, dtype="bfloat16",
+                       causal, heads_kv=None, seqlen_k=None, softmax_scale=None, **options):
+    (q, k, v, do), dev, library = random_problem(rng, batch, seqlen, heads, head_dim, dtype,
+                                                 seqlen_k, heads_kv)
+    o, lse = variants.forward(*dev[:3], variant="fa2", causal=causal, softmax_scale=softmax_scale)
+    grads = tuple(inputs.poison(arrays.empty(library, x.shape, dtype, like=dev[0]))
+                  for x in (q, k, v))
+    if variant != "standard":
+        options = dict(SMALL, **options)
+    got = variants.backward(dev[3], *dev[:3], o, lse, variant=variant, causal=causal,
+                            softmax_scale=softmax_scale, grads=grads, **options)
+    assert all(a is b for a, b in zip(got, grads))
+    ref = reference.attention_backward(q, k, v, do, causal=causal, softmax_scale=softmax_scale)
+    u = checks.UNIT_ROUNDOFF[dtype]
+    for name, x, r in zip(("dq", "dk", "dv"), got, ref):
+        x = inputs.to_host(x).astype(np.float64)
+        rel = np.linalg.norm(x - r) / (np.linalg.norm(r) or 1.0)
+        max_err = np.abs(x - r).max()
+        assert np.isfinite(x).all() and rel <= 2 * u and max_err <= 8 * u * (np.abs(r).max() or 1), \
+            f"{variant} {name} {dtype} N={seqlen} d={head_dim} causal={causal} {options}: " \
+            f"rel_err {rel:.2e} ({rel / u:.2f} u), max_err {max_err:.2e}"
+    return got
+
+
+if ON_GPU:
+    CASES = list(itertools.product([1, 17, 97, 130, 1000], [False, True], ["bfloat16", "float16"],
+                                   [64, 128]))
+else:
+    # Pairwise over (length, causal, dtype) at d=64, and d=128 once each way; fa2's small tile
+    # makes 70 keys three K/V blocks (the last ragged) and 70 queries two query blocks.
+    CASES = [(70, False, "bfloat16", 64), (70, True, "float16", 64), (17, True, "bfloat16", 64),
+             (33, True, "bfloat16", 128)]
+
+
+@pytest.mark.parametrize("variant, seqlen, causal, dtype, head_dim",
+                         [(v, *c) for v in BACKWARD_VARIANTS for c in CASES
+                          if ON_GPU or v == "fa2" or c[0] < 70])
+def test_gradients_match_reference(rng, variant, seqlen, causal, dtype, head_dim):
+    backward_and_check(rng, variant, seqlen=seqlen, causal=causal, dtype=dtype, head_dim=head_dim,
+                       batch=2 if ON_GPU else 1, heads=3 if ON_GPU else 1)
+
+
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS)
+def test_gradients_grouped_query_heads(rng, variant):
+    """K/V heads shared by two query heads: dK, dV sum both heads' contributions."""
+    backward_and_check(rng, variant, batch=2, seqlen=40, heads=2, heads_kv=1, causal=True)
+
+
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS)
+def test_gradients_rectangular_with_custom_scale(rng, variant):
+    backward_and_check(rng, variant, seqlen=17, seqlen_k=90, dtype="float16", causal=False,
+                       softmax_scale=0.37)
+
+
+# The backward's switches: each must still give exact gradients.
+FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(causal_skip=False),
+                        dict(swizzle=False, kv_in_registers=False),
+                        dict(head_dim=128, dq="separate", kv_in_registers=True)]
+
+
+@pytest.mark.parametrize("options", FA2_BACKWARD_OPTIONS,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_fa2_backward_options(rng, options):
+    options = dict(options)
+    head_dim = options.pop("head_dim", 64)
+    backward_and_check(rng, "fa2", seqlen=130 if ON_GPU else 70, head_dim=head_dim, causal=True,
+                       dtype="float16", **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_real_size(rng, head_dim, causal):
+    backward_and_check(rng, "fa2", batch=2, seqlen=2048, heads=4, head_dim=head_dim, causal=causal)
+    backward_and_check(rng, "fa2", batch=1, seqlen=2048, heads=2, head_dim=head_dim, causal=causal,
+                       dq="separate")
+
+
+@pytest.mark.gpu
+def test_separate_dq_is_deterministic(rng):
+    """dq="separate" has no atomics: two runs give the same bits."""
+    _, dev, _ = random_problem(rng, 2, 1000, 4, 128, "bfloat16")
+    o, lse = variants.forward(*dev[:3], causal=True)
+    runs = [variants.backward(dev[3], *dev[:3], o, lse, causal=True, dq="separate")
+            for _ in range(3)]
+    for other in runs[1:]:
+        for x, y in zip(runs[0], other):
+            np.testing.assert_array_equal(inputs.to_host(x).view(np.uint16),
+                                          inputs.to_host(y).view(np.uint16))
+
+
+# --------------------------------------------------------------------------- torch
+
+def _plain_attention(torch, q, k, v, causal, upcast):
+    """Standard attention in torch, (B, N, H, d) layout; upcast: in fp32 (the FlashAttention
+    tests' reference), else every product in the inputs' dtype (the implementation to beat)."""
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = s.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).triu(1), -torch.inf)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_protocol(rng, variant, head_dim, causal):
+    """FlashAttention's test: the kernel's error against an fp32 reference is at most 3x that of a
+    plain bf16 implementation, for O and for every gradient (through variants.attention)."""
+    torch = pytest.importorskip("torch")
+    (_, _, _, do_h), dev, _ = random_problem(rng, 2, 1024, 4, head_dim, "bfloat16", library="torch")
+    q, k, v, do = dev
+    results = {}
+    for name in ("ours", "ref", "plain"):
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        if name == "ours":
+            o = variants.attention(*xs, variant=variant, causal=causal)
+        else:
+            o = _plain_attention(torch, *xs, causal=causal, upcast=name == "ref")
+        o.backward(do.to(o.dtype))
+        results[name] = [o.detach().float()] + [x.grad.float() for x in xs]
+    for what, ours, ref, plain in zip(("o", "dq", "dk", "dv"), *results.values()):
+        err, plain_err = (ours - ref).abs().max().item(), (plain - ref).abs().max().item()
+        assert err <= 3 * plain_err + 1e-5, f"{variant} {what}: max error {err:.3e} vs plain " \
+                                            f"bf16 {plain_err:.3e}"
+
+
+@pytest.mark.gpu
+def test_autograd_in_a_model(rng):
+    """Drop-in use: a projection, attention and a loss; gradients reach the projection's weight."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    x = torch.randn(2, 256, 512, device="cuda", dtype=torch.bfloat16)
+    proj = torch.nn.Linear(512, 3 * 512, device="cuda", dtype=torch.bfloat16)
+    q, k, v = proj(x).view(2, 256, 3, 8, 64).unbind(2)
+    o = variants.attention(q, k, v, variant="fa2", causal=True)
+    o.float().square().mean().backward()
+    assert proj.weight.grad is not None and torch.isfinite(proj.weight.grad).all()
+    assert proj.weight.grad.abs().sum() > 0
