@@ -30,6 +30,22 @@ def compare(o, lse, o_ref, lse_ref, dtype):
     return {"rel_err": rel, "max_err": max_err, "lse_err": lse_err, "ok": bool(ok)}
 
 
+def compare_gradients(got, ref, dtype):
+    """Relative L2 errors of (dq, dk, dv) against float64 gradients and whether they pass:
+    <= 2 u each, max error <= 8 u * max |reference|, no NaN (P and dS are rounded to the dtype
+    once before their products; a correct kernel measures ~0.6 u)."""
+    u = UNIT_ROUNDOFF[dtype]
+    out, ok = {}, True
+    for name, x, r in zip(("dq", "dk", "dv"), got, ref):
+        x = np.asarray(x, dtype=np.float64)
+        rel = float(np.linalg.norm(x - r) / (np.linalg.norm(r) or 1.0))
+        max_err = float(np.abs(x - r).max()) if x.size else 0.0
+        out[name] = rel
+        ok &= bool(np.isfinite(x).all()) and rel <= 2 * u and max_err <= 8 * u * (float(np.abs(r).max()) or 1.0)
+    out["ok"] = ok
+    return out
+
+
 def describe_failure(result):
     return (f"rel_err {result['rel_err']:.2e}, max_err {result['max_err']:.2e}, "
             f"lse_err {result['lse_err']:.2e}")

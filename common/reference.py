@@ -37,10 +37,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None):
     return (p @ vh).transpose(0, 2, 1, 3), lse
 
 
-def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None):
+def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_rows=1024):
     """float64 gradients (dq, dk, dv) of sum(O * dO) for O = attention(q, k, v): with P the
     softmax, dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(dO o O)), dQ = scale dS K,
-    dK = scale dS^T Q; K/V heads shared by a group of query heads sum the group's gradients."""
+    dK = scale dS^T Q; K/V heads shared by a group of query heads sum the group's gradients.
+    Every row's P, dP and dS depend on that row alone, so rows are taken `block_rows` at a time
+    (memory: block_rows x N_k per head, not N_q x N_k)."""
     b, n_q, h, d = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     if softmax_scale is None:
@@ -50,21 +52,26 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None):
     kh = np.repeat(np.asarray(k, dtype=np.float64), group, axis=2).transpose(0, 2, 1, 3)
     vh = np.repeat(np.asarray(v, dtype=np.float64), group, axis=2).transpose(0, 2, 1, 3)
     doh = np.asarray(do, dtype=np.float64).transpose(0, 2, 1, 3)
-    s = (qh @ kh.transpose(0, 1, 3, 2)) * softmax_scale
-    if causal:
-        s = np.where(np.arange(n_k)[None, :] > np.arange(n_q)[:, None], -np.inf, s)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m)
-    l = e.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.where(l > 0, e / l, 0.0)
-    o = p @ vh
-    dv = p.transpose(0, 1, 3, 2) @ doh
-    dp = doh @ vh.transpose(0, 1, 3, 2)
-    ds = p * (dp - (doh * o).sum(axis=-1, keepdims=True))
-    dq = softmax_scale * ds @ kh
-    dk = softmax_scale * ds.transpose(0, 1, 3, 2) @ qh
+    dq = np.zeros_like(qh)
+    dk = np.zeros_like(kh)
+    dv = np.zeros_like(vh)
+    for r0 in range(0, n_q, block_rows):
+        rows = np.arange(r0, min(n_q, r0 + block_rows))
+        qb, dob = qh[:, :, rows], doh[:, :, rows]
+        s = (qb @ kh.transpose(0, 1, 3, 2)) * softmax_scale
+        if causal:
+            s = np.where(np.arange(n_k)[None, :] > rows[:, None], -np.inf, s)
+        m = s.max(axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m)
+        l = e.sum(axis=-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.where(l > 0, e / l, 0.0)
+        ob = p @ vh
+        dv += p.transpose(0, 1, 3, 2) @ dob
+        ds = p * (dob @ vh.transpose(0, 1, 3, 2) - (dob * ob).sum(axis=-1, keepdims=True))
+        dq[:, :, rows] = softmax_scale * ds @ kh
+        dk += softmax_scale * ds.transpose(0, 1, 3, 2) @ qb
 
     def per_kv_head(x):      # (B, H, N_k, d) -> (B, N_k, H_kv, d), summed over each group
         return x.reshape(b, h_kv, group, n_k, d).sum(axis=2).transpose(0, 2, 1, 3)

@@ -41,3 +41,36 @@ def forward_fn(name, causal, softmax_scale, gqa):
 def is_out_of_memory(exc):
     import torch
     return isinstance(exc, torch.OutOfMemoryError)
+
+
+def pass_fn(pass_, forward, sets):
+    """fn(i) -> (o, None, grads) timing one pass of a peer on input set i (see run.pass_fn): the
+    backward is torch.autograd.grad of O with dO; for pass bwd the forward's graph is built once
+    per set beforehand and kept (retain_graph), so only the backward is timed."""
+    import torch
+
+    leaves = [tuple(x.detach().requires_grad_() for x in s[:3]) + (s[3],) if len(s) > 3 else s
+              for s in sets]
+    graphs = {}
+
+    def fn(i):
+        q, k, v, *rest = leaves[i % len(leaves)]
+        if pass_ == "fwd":
+            with torch.no_grad():
+                return forward(q, k, v), None, None
+        if pass_ == "bwd":
+            if i % len(leaves) not in graphs:
+                graphs[i % len(leaves)] = forward(q, k, v)
+            o = graphs[i % len(leaves)]
+            return o, None, torch.autograd.grad(o, (q, k, v), rest[0], retain_graph=True)
+        o = forward(q, k, v)
+        return o, None, torch.autograd.grad(o, (q, k, v), rest[0])
+
+    def prime():
+        """bwd: build every set's forward graph now, outside any timing."""
+        for j in range(len(leaves)):
+            if j not in graphs:
+                graphs[j] = forward(*leaves[j][:3])
+
+    fn.prime = prime
+    return fn

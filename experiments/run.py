@@ -4,12 +4,18 @@
     python experiments/run.py variant=standard problem.seqlen=2048 dtype=fp16
     python experiments/run.py -m variant=standard,fa2 problem.seqlen=1024,4096
     python experiments/run.py -m experiment=fa2_grid
+    python experiments/run.py pass=fwd_bwd          # forward + backward (or pass=bwd: backward only)
 
 Each job: compose the config -> draw inputs (fresh seed unless seed=...) -> run the variant ->
 compare with the float64 reference -> time it (CUDA events, warm-up, median) -> when torch sees a
 GPU, check and time the torch SDPA backends on the same tensors -> print a table -> write one CSV
 row per kernel to results.csv in Hydra's output directory (and, in a sweep, to the sweep's
 results.csv). Without a CUDA GPU the same kernels run in Numba's CUDA simulator on a small problem.
+
+`pass` picks what is timed: fwd (the forward), bwd (the backward alone, from a forward run
+beforehand; SDPA's through torch.autograd.grad with the graph kept) or fwd_bwd (both). With a
+backward, dq, dk, dv of batch 0's first K/V head (and its query heads) are checked against float64
+too, and with torch inputs the peak device memory a call allocates beyond its inputs is recorded.
 """
 import csv
 import math
@@ -34,7 +40,10 @@ import common  # noqa: E402  (light: chooses GPU or simulator before numba loads
 COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "fwd_ms",
            "fwd_tflops", "gpu", "seqlen_k", "heads_kv", "fwd_ms_min", "fwd_ms_max", "reps",
            "rel_err", "max_err", "lse_err", "check", "status", "mode", "library", "options",
-           "label", "seed", "job"]
+           "label", "seed", "job",
+           # the pass timed (fwd, bwd, fwd_bwd) and its times (fwd_* above: pass=fwd only)
+           "pass", "ms", "tflops", "ms_min", "ms_max", "dq_err", "dk_err", "dv_err", "peak_mem_mib"]
+PASSES = ("fwd", "bwd", "fwd_bwd")
 
 SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a small problem, and "
               "are checked against float64 exactly as on a GPU.\nThe times printed are the "
@@ -46,7 +55,9 @@ def main(cfg: DictConfig):
     mode = _select_backend(cfg.device)
     rows = run_job(cfg, mode)
     _write_rows(rows)
-    bad = [r for r in rows if r["check"] == "FAIL" or r["status"].startswith("error")]
+    # The job fails on its own kernel's errors; a peer's failed check is recorded, not raised.
+    bad = [r for r in rows if r["status"].startswith("error") or
+           (r["check"] == "FAIL" and r["variant"] == cfg.variant.name)]
     if bad and cfg.bench.fail_on_error:
         names = ", ".join(f"{r['variant']} ({r['status']}, check {r['check']})" for r in bad)
         raise RuntimeError(f"failed: {names}")
@@ -92,103 +103,178 @@ def run_job(cfg, mode):
 
     prob = resolve_problem(cfg, mode)
     dtype = cfg.dtype.name
+    pass_ = cfg.get("pass") or "fwd"
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {', '.join(PASSES)}, got {pass_!r}")
+    backward = pass_ != "fwd"
     seed = int(cfg.seed) if cfg.seed is not None else inputs.fresh_seed()
     rng = np.random.default_rng(seed)
     library = inputs.default_library() if cfg.library == "auto" else cfg.library
     if mode == "sim":
         print(SIM_BANNER)
-    print(f"{target.describe()} | {prob} | {dtype} | inputs: {library} | seed {seed}")
+    print(f"{target.describe()} | {prob} | {dtype} | pass {pass_} | inputs: {library} | seed {seed}")
 
     shape = dict(batch=prob["batch"], seqlen=prob["seqlen"], heads=prob["heads"],
                  head_dim=prob["head_dim"], dtype=dtype, seqlen_k=prob["seqlen_k"],
                  heads_kv=prob["heads_kv"])
-    host = inputs.random_qkv(rng, **shape)
+
+    def draw():
+        qkv = inputs.random_qkv(rng, **shape)
+        if backward:   # dO, like q
+            qkv += (rng.standard_normal(qkv[0].shape, dtype=np.float32).astype(qkv[0].dtype),)
+        return qkv
+
+    host = draw()
     # Rotate input sets so that repeated timing runs do not all hit a warm L2 cache.
     set_bytes = sum(x.nbytes for x in host)
     n_sets = 1 if mode == "sim" else int(min(cfg.bench.max_input_sets,
                                              max(1, math.ceil(cfg.bench.rotate_bytes / set_bytes))))
     sets = [tuple(inputs.to_device(x, library) for x in host)]
-    sets += [tuple(inputs.to_device(x, library) for x in inputs.random_qkv(rng, **shape))
-             for _ in range(n_sets - 1)]
+    sets += [tuple(inputs.to_device(x, library) for x in draw()) for _ in range(n_sets - 1)]
 
     n_q = prob["seqlen"]
     check_rows = np.arange(n_q)
     if n_q > cfg.bench.check_rows:
         check_rows = np.unique(np.concatenate([[0, n_q - 1], rng.choice(n_q, cfg.bench.check_rows,
                                                                         replace=False)]))
-    ref = reference.attention(*host, causal=prob["causal"], softmax_scale=prob["softmax_scale"],
+    ref = reference.attention(*host[:3], causal=prob["causal"], softmax_scale=prob["softmax_scale"],
                               rows=check_rows)
+    grad_ref = None
+    if backward:   # batch 0, K/V head 0 and the query heads that share it
+        group = prob["heads"] // prob["heads_kv"]
+        q, k, v, do = host
+        grad_ref = reference.attention_backward(q[:1, :, :group], k[:1, :, :1], v[:1, :, :1],
+                                                do[:1, :, :group], causal=prob["causal"],
+                                                softmax_scale=prob["softmax_scale"])
 
-    ctx = dict(prob=prob, dtype=dtype, sets=sets, ref=ref, check_rows=check_rows, mode=mode,
-               library=library, seed=seed, gpu=target.describe(), bench=cfg.bench,
-               job=_job_name(), label=cfg.get("label") or "")
-    options = {k: v for k, v in OmegaConf.to_container(cfg.variant.get("options", {})).items()
-               if v is not None}
+    ctx = dict(prob=prob, dtype=dtype, sets=sets, ref=ref, grad_ref=grad_ref, check_rows=check_rows,
+               mode=mode, library=library, seed=seed, gpu=target.describe(), bench=cfg.bench,
+               job=_job_name(), label=cfg.get("label") or "", pass_=pass_)
+    options = _options(cfg.variant.get("options", {}))
+    backward_options = _options(cfg.variant.get("backward_options", {}))
     module = variants.get(cfg.variant.name)
+    if backward and not hasattr(module, "backward"):
+        raise ValueError(f"pass={pass_}: variant {cfg.variant.name} has no backward pass")
+    scale, causal = prob["softmax_scale"], prob["causal"]
 
-    def ours(q, k, v):
-        return module.forward(q, k, v, causal=prob["causal"], softmax_scale=prob["softmax_scale"],
-                              **options)
+    def ours_forward(q, k, v, *_):
+        return module.forward(q, k, v, causal=causal, softmax_scale=scale, **options)
 
-    rows = [measure(cfg.variant.name, ours, ctx, options=options,
-                    workspace=_workspace(module, prob))]
+    def ours_backward(q, k, v, do, o, lse):
+        return module.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale,
+                               **backward_options)
+
+    shown = dict(options, **{f"bwd.{k}": v for k, v in backward_options.items()}) if backward \
+        else options
+    rows = [measure(cfg.variant.name, pass_fn(pass_, ours_forward, ours_backward, sets), ctx,
+                    options=shown, workspace=_workspace(module, prob, backward))]
     peer_jobs = cfg.bench.peer_variants
     if peers.available() and mode == "gpu" and library == "torch" and (
             peer_jobs is None or cfg.variant.name in peer_jobs):
         for name in cfg.bench.peers:
-            fn = peers.forward_fn(name, prob["causal"], prob["softmax_scale"],
-                                  gqa=prob["heads"] != prob["heads_kv"])
-            rows.append(measure(name, fn, ctx))
+            fn = peers.forward_fn(name, causal, scale, gqa=prob["heads"] != prob["heads_kv"])
+            rows.append(measure(name, peers.pass_fn(pass_, fn, sets), ctx))
     print_table(rows)
     return rows
 
 
-def _workspace(module, prob):
-    fn = getattr(module, "workspace_bytes", None)
-    return fn(prob["batch"], prob["heads"], prob["seqlen"], prob["seqlen_k"]) if fn else 0
+def _options(node):
+    return {k: v for k, v in OmegaConf.to_container(node).items() if v is not None}
+
+
+def pass_fn(pass_, forward, backward, sets):
+    """fn(i) running the timed pass on input set i, returning (o, lse, grads): fwd runs forward;
+    bwd runs backward from a forward made once per set beforehand (lazily, outside the timing);
+    fwd_bwd runs both."""
+    saved = {}
+
+    def fn(i):
+        q, k, v, *rest = sets[i % len(sets)]
+        if pass_ == "fwd":
+            o, lse = forward(q, k, v)
+            return o, lse, None
+        if pass_ == "bwd":
+            if i % len(sets) not in saved:
+                saved[i % len(sets)] = forward(q, k, v)
+            o, lse = saved[i % len(sets)]
+        else:
+            o, lse = forward(q, k, v)
+        return o, lse, backward(q, k, v, rest[0], o, lse)
+
+    def prime():
+        """bwd: run the forward of every input set now, outside any timing."""
+        for j in range(len(sets)):
+            if j not in saved:
+                saved[j] = forward(*sets[j][:3])
+
+    fn.prime = prime
+    return fn
+
+
+def _workspace(module, prob, backward):
+    shape = (prob["batch"], prob["heads"], prob["seqlen"], prob["seqlen_k"])
+    total = 0
+    for name in ("workspace_bytes", "backward_workspace_bytes") if backward else ("workspace_bytes",):
+        fn = getattr(module, name, None)
+        total = max(total, fn(*shape) if fn else 0)
+    return total
 
 
 def measure(name, fn, ctx, options=None, workspace=0):
-    """Check fn on the first input set, then time it rotating over all sets: one CSV row."""
+    """Check fn on the first input set, then time it rotating over all sets: one CSV row.
+    fn(i) -> (o, lse or None, (dq, dk, dv) or None), see pass_fn."""
     from common import checks, flops, inputs, timing
 
-    prob, bench = ctx["prob"], ctx["bench"]
+    prob, bench, pass_ = ctx["prob"], ctx["bench"], ctx["pass_"]
     row = dict(variant=name, dtype=ctx["dtype"], head_dim=prob["head_dim"],
                causal=prob["causal"], seqlen=prob["seqlen"], batch=prob["batch"],
                heads=prob["heads"], gpu=ctx["gpu"], seqlen_k=prob["seqlen_k"],
                heads_kv=prob["heads_kv"], mode=ctx["mode"], library=ctx["library"],
                options=";".join(f"{k}={v}" for k, v in (options or {}).items()),
-               label=ctx["label"], seed=ctx["seed"], job=ctx["job"], check="", status="ok")
+               label=ctx["label"], seed=ctx["seed"], job=ctx["job"], check="", status="ok",
+               **{"pass": pass_})
     free = _free_device_bytes(ctx)
     if workspace and free is not None and workspace > free:
         row["status"] = f"skipped: needs {workspace / 2**30:.1f} GiB of work memory"
         return row
-    sets = ctx["sets"]
     try:
+        if pass_ == "bwd":
+            fn.prime()   # the forwards the backward starts from, outside memory and timing
         started = time.perf_counter()
-        out = fn(*sets[0])
+        with _peak_memory(ctx["library"]) as peak:
+            o, lse, grads = fn(0)
         first_ms = (time.perf_counter() - started) * 1e3
-        o, lse = out if isinstance(out, tuple) else (out, None)
+        if peak.mib is not None:
+            row["peak_mem_mib"] = f"{peak.mib:.1f}"
         has_lse = lse is not None   # torch SDPA does not return the log-sum-exp
         rows_ = ctx["check_rows"]
         o_host = inputs.to_host(o)[:, rows_]
         lse_host = inputs.to_host(lse)[:, :, rows_] if has_lse else ctx["ref"][1]
         result = checks.compare(o_host, lse_host, *ctx["ref"], ctx["dtype"])
-        del out, o, lse
+        ok = result["ok"]
+        if grads is not None:
+            group = prob["heads"] // prob["heads_kv"]
+            got = [inputs.to_host(g)[:1, :, :n] for g, n in zip(grads, (group, 1, 1))]
+            errors = checks.compare_gradients(got, ctx["grad_ref"], ctx["dtype"])
+            row.update({f"{g}_err": f"{errors[g]:.3e}" for g in ("dq", "dk", "dv")})
+            ok = ok and errors["ok"]
+        del o, lse, grads
         row.update(rel_err=f"{result['rel_err']:.3e}", max_err=f"{result['max_err']:.3e}",
                    lse_err=f"{result['lse_err']:.3e}" if has_lse else "",
-                   check="ok" if result["ok"] else "FAIL")
+                   check="ok" if ok else "FAIL")
         if ctx["mode"] == "sim":   # one simulated run is slow enough; its time means nothing
             t = timing.Timing(first_ms, first_ms, first_ms, 1, simulated=True)
         else:
-            t = timing.benchmark(lambda i: fn(*sets[i % len(sets)]), warmup=bench.warmup,
-                                 min_reps=bench.min_reps, max_reps=bench.max_reps,
-                                 target_ms=bench.target_ms)
+            t = timing.benchmark(fn, warmup=bench.warmup, min_reps=bench.min_reps,
+                                 max_reps=bench.max_reps, target_ms=bench.target_ms)
         total = flops.attention_flops(prob["batch"], prob["heads"], prob["seqlen"],
-                                      prob["seqlen_k"], prob["head_dim"], prob["causal"])
-        row.update(fwd_ms=f"{t.median_ms:.4f}", fwd_ms_min=f"{t.min_ms:.4f}",
-                   fwd_ms_max=f"{t.max_ms:.4f}", reps=t.reps,
-                   fwd_tflops="" if t.simulated else f"{total / t.median_ms / 1e9:.1f}")
+                                      prob["seqlen_k"], prob["head_dim"], prob["causal"], pass_)
+        tflops = "" if t.simulated else f"{total / t.median_ms / 1e9:.1f}"
+        row.update(ms=f"{t.median_ms:.4f}", ms_min=f"{t.min_ms:.4f}", ms_max=f"{t.max_ms:.4f}",
+                   reps=t.reps, tflops=tflops)
+        if pass_ == "fwd":
+            row.update(fwd_ms=row["ms"], fwd_ms_min=row["ms_min"], fwd_ms_max=row["ms_max"],
+                       fwd_tflops=tflops)
     except Exception as exc:  # one kernel's failure must not hide the others' rows
         if _is_out_of_memory(exc):
             row["status"] = "oom"
@@ -197,6 +283,29 @@ def measure(name, fn, ctx, options=None, workspace=0):
             row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         _release_memory(ctx["library"])
     return row
+
+
+class _peak_memory:
+    """Peak device memory allocated inside the block beyond what was allocated before it, in MiB
+    (torch's caching allocator sees every allocation of torch inputs' calls; None otherwise)."""
+
+    def __init__(self, library):
+        self.library, self.mib = library, None
+
+    def __enter__(self):
+        if self.library == "torch":
+            import torch
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        if self.library == "torch" and exc[0] is None:
+            import torch
+            torch.cuda.synchronize()
+            self.mib = (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        return False
 
 
 def _is_out_of_memory(exc):
@@ -222,8 +331,8 @@ def _release_memory(library):
 
 
 def print_table(rows):
-    cols = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "fwd_ms",
-            "fwd_tflops", "rel_err", "check", "status"]
+    cols = ["variant", "pass", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "ms",
+            "tflops", "rel_err", "dq_err", "peak_mem_mib", "check", "status"]
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
     print("  ".join(c.rjust(widths[c]) for c in cols))
     for r in rows:

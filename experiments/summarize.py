@@ -1,5 +1,5 @@
-"""Summarise results.csv files: forward TFLOP/s per problem, one column per kernel, and fa2's ratio
-to torch SDPA's FlashAttention-2 backend.
+"""Summarise results.csv files: TFLOP/s per problem and pass (fwd, bwd, fwd_bwd), one column per
+kernel, and fa2's ratio to torch SDPA's FlashAttention-2 backend.
 
     python experiments/summarize.py multirun/<date>/<time>/results.csv [more.csv ...]
     python experiments/summarize.py --options results.csv    # one line per option setting (ablations)
@@ -22,23 +22,28 @@ def load(paths):
     return rows
 
 
+def tflops(r):
+    """A row's TFLOP/s for its pass (rows written before the `pass` column: the forward's)."""
+    return r.get("tflops") or r.get("fwd_tflops") or ""
+
+
 def table(rows):
     cells = defaultdict(list)
     status = {}
     for r in rows:
-        key = (r["dtype"], int(r["head_dim"]), r["causal"], int(r["seqlen"]))
-        if r["fwd_tflops"]:
-            cells[key, r["variant"]].append(float(r["fwd_tflops"]))
+        key = (r.get("pass") or "fwd", r["dtype"], int(r["head_dim"]), r["causal"], int(r["seqlen"]))
+        if tflops(r):
+            cells[key, r["variant"]].append(float(tflops(r)))
         elif r["status"] != "ok":
             status[key, r["variant"]] = r["status"].split(":")[0]
         if r.get("check") == "FAIL":
             status[key, r["variant"]] = "FAIL"
     kernels = [k for k in ORDER if any(v == k for _, v in list(cells) + list(status))]
     keys = sorted({k for k, _ in list(cells) + list(status)})
-    header = ["dtype", "hd", "causal", "seqlen"] + kernels + ["fa2/flash"]
+    header = ["pass", "dtype", "hd", "causal", "seqlen"] + kernels + ["fa2/flash"]
     lines = [header]
     for key in keys:
-        line = [key[0], str(key[1]), key[2], str(key[3])]
+        line = [key[0], key[1], str(key[2]), key[3], str(key[4])]
         for k in kernels:
             if (key, k) in status and status[key, k] == "FAIL":
                 line.append("FAIL")
@@ -55,12 +60,14 @@ def table(rows):
 
 def options_table(rows):
     """One line per (problem, variant, options): for tile sweeps and ablations."""
-    header = ["dtype", "hd", "causal", "seqlen", "variant", "options", "TFLOP/s", "ms", "check"]
+    header = ["pass", "dtype", "hd", "causal", "seqlen", "variant", "options", "TFLOP/s", "ms",
+              "peak MiB", "check"]
     lines = [header]
-    for r in sorted(rows, key=lambda r: (r["dtype"], int(r["head_dim"]), r["causal"],
-                                         int(r["seqlen"]), r["variant"], r["options"])):
-        lines.append([r["dtype"], r["head_dim"], r["causal"], r["seqlen"], r["variant"],
-                      r["options"] or "-", r["fwd_tflops"] or r["status"], r["fwd_ms"] or "-",
+    for r in sorted(rows, key=lambda r: (r.get("pass") or "fwd", r["dtype"], int(r["head_dim"]),
+                                         r["causal"], int(r["seqlen"]), r["variant"], r["options"])):
+        lines.append([r.get("pass") or "fwd", r["dtype"], r["head_dim"], r["causal"], r["seqlen"],
+                      r["variant"], r["options"] or "-", tflops(r) or r["status"],
+                      r.get("ms") or r["fwd_ms"] or "-", r.get("peak_mem_mib") or "-",
                       r["check"] or "-"])
     widths = [max(len(l[i]) for l in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines)

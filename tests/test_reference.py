@@ -53,3 +53,23 @@ def test_rectangular_and_default_scale(rng):
     o_n, lse_n = naive(q, k, v, False, 1 / 4)
     np.testing.assert_allclose(o, o_n, rtol=1e-12)
     np.testing.assert_allclose(lse, lse_n, rtol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_gradients_match_finite_differences(rng, causal):
+    """attention_backward is the gradient of sum(O * dO): central differences in float64, with
+    row blocks smaller than the problem (the blocked path) and a K/V head shared by two heads."""
+    n_k = 5 if causal else 6
+    q, k, v, do = (rng.standard_normal(s) for s in [(1, 5, 2, 4), (1, n_k, 1, 4), (1, n_k, 1, 4),
+                                                       (1, 5, 2, 4)])
+    grads = reference.attention_backward(q, k, v, do, causal=causal, block_rows=2)
+    eps = 1e-6
+    for x, g in zip((q, k, v), grads):
+        for idx in [(0, 0, 0, 0), (0, 3, x.shape[2] - 1, 2), (0, x.shape[1] - 1, 0, 3)]:
+            values = []
+            for step in (eps, -eps):
+                moved = x.copy()
+                moved[idx] += step
+                args = [moved if y is x else y for y in (q, k, v)]
+                values.append((reference.attention(*args, causal=causal)[0] * do).sum())
+            assert abs((values[0] - values[1]) / (2 * eps) - g[idx]) < 1e-6

@@ -44,5 +44,9 @@ def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **optio
 def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention backward with the named variant: (dq, dk, dv) like (q, k, v), from the forward's
     inputs and outputs (o, lse) and dO (like o). options: the variant's backward knobs."""
-    return get(variant).backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                                 **options)
+    module = get(variant)
+    if not hasattr(module, "backward"):
+        raise ValueError(f"variant {variant!r} has no backward pass; these do: "
+                         f"{', '.join(n for n in REGISTRY if hasattr(get(n), 'backward'))}")
+    return module.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                           **options)

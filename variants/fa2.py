@@ -297,7 +297,8 @@ def compile_targets():
 # rows of dK_j, dV_j), so every product but one lands in the warp's own registers: the kernel
 # computes S^T = K_j Q_i^T and dP^T = V_j dO_i^T (keys x queries), whose accumulators re-pack straight
 # into the A operands of dV_j += P^T dO_i and dK_j += dS^T Q_i. dQ_i += dS K_j needs every warp's
-# keys: dS^T is staged in shared memory (one barrier) and read back transposed (ldmatrix.trans).
+# keys: dS^T is staged in shared memory and read back transposed (ldmatrix.trans) one step later,
+# after the barrier that step needs anyway (two dS^T buffers), so the product costs no barrier.
 # `dq="separate"` instead leaves dQ to a second kernel with the query blocks outer (one thread block
 # per Q_i, looping over K/V blocks, as the forward): deterministic, at the price of recomputing S
 # and dP once more.
@@ -336,7 +337,7 @@ class BackwardConfig:
 
     def smem_bytes(self):
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
-        ds = self.block_n * tiles.tile_row_stride(self.block_m, self.swizzle) \
+        ds = 2 * self.block_n * tiles.tile_row_stride(self.block_m, self.swizzle) \
             if self.dq == "atomic" else 0
         return 2 * (d * (2 * self.block_n + 4 * self.block_m) + ds) + 4 * 4 * self.block_m
 
@@ -393,15 +394,16 @@ def build_backward(cfg):
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if ATOMIC else 0
     KV_TILE, QO_TILE, DS_TILE = BC * STRIDE, BR * STRIDE, BC * DS_STRIDE
-    # Shared memory (16-bit units): K_j | V_j | 2 stages x (Q_i | dO_i) | dS^T | fp32: 2 x (L2, D).
+    # Shared memory (16-bit units): K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | fp32: 2 x (L2, D).
     V0, QO0 = KV_TILE, 2 * KV_TILE
     DS0 = QO0 + 4 * QO_TILE
-    STAT0 = (DS0 + DS_TILE) // 2
+    STAT0 = (DS0 + 2 * DS_TILE) // 2
     WQ, WD = cfg.dq_split if ATOMIC else (1, 1)
     MQ, DQ_COLS = BR // WQ // 16, D // WD
     KV_FRAG = (M, D // 16 if KV_IN_REGISTERS else 1, 4)
     ST_ACC, P_FRAG, DKV_ACC = (M, BR // 8, 4), (M, BR // 16, 4), (M, D // 8, 4)
     DQ_ACC, DS_FRAG = (max(MQ, 1), DQ_COLS // 8, 4), (max(MQ, 1), BC // 16, 4)
+    STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
     @device_function
     def step_position(step, i0, n_i, h_kv, kv_group):
@@ -420,12 +422,25 @@ def build_backward(cfg):
                               BR, D, STRIDE, SWIZZLE, tid, THREADS)
 
     @device_function
-    def load_stats(lse, d_vec, b, h, i, n_q, tid):
-        """L_i * log2(e) and D_i of row tid of block i (0 past n_q: masked anyway)."""
-        row = i * BR + tid
-        if row < n_q:
+    def load_stats(lse, d_vec, b, h, i, n_q, r):
+        """L_i * log2(e) and D_i of row r of block i (0 past the block or n_q: masked anyway)."""
+        row = i * BR + r
+        if r < BR and row < n_q:
             return softmax.lse_log2(lse[b, h, row]), d_vec[b, h, row]
         return float32(0), float32(0)
+
+    @device_function
+    def update_dq(smem, k_s, dq_acc_bh, buf, q0, n_q, dq, dsa, warp, lane):
+        """l.15 for the step that staged dS^T in buffer `buf`: dQ_i += dS K_j, this warp's rows
+        and columns of it, added to dQ's fp32 accumulator in HBM by atomics (other thread blocks
+        add the other K/V blocks' terms)."""
+        ds_s = smem[DS0 + buf * DS_TILE:DS0 + (buf + 1) * DS_TILE]
+        row, col = (warp // WD) * 16 * MQ, (warp % WD) * DQ_COLS
+        for m in range(MQ):
+            tiles.load_a_fragments_transposed(dsa, m, ds_s, row + 16 * m, lane, DS_STRIDE, SWIZZLE)
+        tiles.fill(dq, float32(0))
+        tiles.gemm_ab(dq, dsa, k_s[col:], lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.atomic_add_accumulator_f32(dq_acc_bh, dq, q0 + row, col, n_q, lane)
 
     @kernel
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
@@ -442,8 +457,6 @@ def build_backward(cfg):
         stats = cuda.shared.array(0, float32)
         k_s = smem[0:KV_TILE]
         v_s = smem[V0:V0 + KV_TILE]
-        ds_s = smem[DS0:DS0 + DS_TILE]
-        ds_s32 = smem32[DS0 // 2:(DS0 + DS_TILE) // 2]
 
         # The query blocks block j meets: causal skips those entirely above the diagonal.
         t_r = (n_q + BR - 1) // BR
@@ -455,12 +468,13 @@ def build_backward(cfg):
         tiles.load_tile_async(k_s, k[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
         tiles.load_tile_async(v_s, v[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
         h, i = step_position(0, i0, n_i, h_kv, kv_group)
+        q0 = i * BR                        # first query of Q_i
         load_q_do(smem, 0, q, do, b, h, i, n_q, tid)
         ptx.cp_async_commit()
-        if tid < BR:
-            lse2_0, d_0 = load_stats(lse, d_vec, b, h, i, n_q, tid)
-            stats[STAT0 + tid] = lse2_0
-            stats[STAT0 + BR + tid] = d_0
+        for r in range(tid, BR, THREADS):
+            lse2_0, d_0 = load_stats(lse, d_vec, b, h, i, n_q, r)
+            stats[STAT0 + r] = lse2_0
+            stats[STAT0 + BR + r] = d_0
 
         # l.7: dK_j = 0, dV_j = 0, on chip.
         dk = cuda.local.array(DKV_ACC, float32)
@@ -474,8 +488,8 @@ def build_backward(cfg):
         pa = cuda.local.array(P_FRAG, uint32)
         dsa = cuda.local.array(DS_FRAG, uint32)
         dq = cuda.local.array(DQ_ACC, float32)
-        dq_row = (warp // WD) * 16 * MQ     # this warp's part of dQ_i: rows, and columns of K_j
-        dq_col = (warp % WD) * DQ_COLS
+        next_lse2 = cuda.local.array(STATS_PER_THREAD, float32)
+        next_d = cuda.local.array(STATS_PER_THREAD, float32)
         if KV_IN_REGISTERS:                 # K_j, V_j's A fragments of the warp's keys, once
             ptx.cp_async_wait(0)
             cuda.syncthreads()
@@ -495,15 +509,16 @@ def build_backward(cfg):
             # with the other stage: start copying step+1's Q, dO there (and read its L, D).
             ptx.cp_async_wait(0)
             cuda.syncthreads()
+            if ATOMIC and step > 0:   # l.15 of the previous step, its dS^T now visible to all warps
+                update_dq(smem, k_s, dq_acc[b, h], 1 - stage, q0, n_q, dq, dsa, warp, lane)
             h, i = step_position(step, i0, n_i, h_kv, kv_group)
             more = step + 1 < n_steps
-            next_lse2 = float32(0)
-            next_d = float32(0)
             if more:
                 h1, i1 = step_position(step + 1, i0, n_i, h_kv, kv_group)
                 load_q_do(smem, 1 - stage, q, do, b, h1, i1, n_q, tid)
-                if tid < BR:
-                    next_lse2, next_d = load_stats(lse, d_vec, b, h1, i1, n_q, tid)
+                for r in range(STATS_PER_THREAD):
+                    next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h1, i1, n_q,
+                                                         tid + r * THREADS)
             ptx.cp_async_commit()
             q0 = i * BR
 
@@ -532,23 +547,23 @@ def build_backward(cfg):
             tiles.accumulator_to_a(pa, dp, IS_BF16)
             tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
             if ATOMIC:
-                # l.15: dQ_i += dS K_j. dS^T goes through shared memory, so that each warp can
-                # take whole rows of dS (all of K_j's keys) for its part of dQ_i.
-                tiles.stage_accumulator(ds_s32, dp, warp_key, lane, DS_STRIDE, SWIZZLE, IS_BF16)
-                cuda.syncthreads()
-                for m in range(MQ):
-                    tiles.load_a_fragments_transposed(dsa, m, ds_s, dq_row + 16 * m, lane,
-                                                      DS_STRIDE, SWIZZLE)
-                tiles.fill(dq, float32(0))
-                tiles.gemm_ab(dq, dsa, k_s[dq_col:], lane, STRIDE, SWIZZLE, IS_BF16)
-                tiles.atomic_add_accumulator_f32(dq_acc[b, h], dq, q0 + dq_row, dq_col, n_q, lane)
-            if more and tid < BR:   # step+1's L, D: its stage's statistics are free since the barrier
+                # l.15 needs whole rows of dS (every warp's keys) for each warp's part of dQ_i:
+                # stage dS^T in shared memory; the product runs after the next barrier.
+                ds = DS0 + stage * DS_TILE
+                tiles.stage_accumulator(smem32[ds // 2:(ds + DS_TILE) // 2], dp, warp_key, lane,
+                                        DS_STRIDE, SWIZZLE, IS_BF16)
+            if more:   # step+1's L, D: its stage's statistics are free since the barrier
                 nst = STAT0 + (1 - stage) * 2 * BR
-                stats[nst + tid] = next_lse2
-                stats[nst + BR + tid] = next_d
+                for r in range(STATS_PER_THREAD):
+                    if tid + r * THREADS < BR:
+                        stats[nst + tid + r * THREADS] = next_lse2[r]
+                        stats[nst + BR + tid + r * THREADS] = next_d[r]
 
-        # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         cuda.syncthreads()
+        if ATOMIC and n_steps > 0:   # l.15 of the last step
+            update_dq(smem, k_s, dq_acc[b, h], (n_steps - 1) & 1, q0, n_q, dq, dsa, warp, lane)
+            cuda.syncthreads()
+        # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         tiles.scale_accumulator(dk, softmax_scale)
         tiles.stage_accumulator(smem32[0:KV_TILE // 2], dk, warp_key, lane, STRIDE, SWIZZLE, IS_BF16)
         tiles.stage_accumulator(smem32[V0 // 2:(V0 + KV_TILE) // 2], dv, warp_key, lane, STRIDE,
