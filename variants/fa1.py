@@ -39,6 +39,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
 from common import arrays, configs, ptx, softmax, splitk, target, tiles
+from common import backward as bwd
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import device_function, kernel, launch
 
@@ -355,6 +356,37 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
            np.int32(n_q), np.int32(prob.n_k), np.int32(prob.kv_group),
            np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
     return prob.result()
+
+
+# --------------------------------------------------------------------------- backward
+# FA1 Algorithm 4 and FA2 Algorithm 2 compute the same products per (K/V block j, query block i):
+# S, P from the saved statistics, dV_j += P^T dO_i, dP, dS, dQ_i += dS K_j (read-modify-write in
+# HBM), dK_j += dS^T Q_i. What FA2 changed is the schedule: Alg. 4 walks every j inside one thread
+# block per (batch, head) (l.5), Alg. 2 makes j the grid. So fa1's backward is fa2's kernel run in
+# Alg. 4's schedule (kv_blocks="sequential": the block's own fp32 adds into dQ in HBM are Alg. 4's
+# read-modify-write, l.21), with fa1's causal default (no block skipping). Two details differ from
+# the paper's listing and are shared with fa2: D_i = rowsum(dO_i o O_i) (Alg. 4 l.19, inside the
+# loop) comes from one pass before it, and P is rebuilt from L = m + log l, which equals
+# diag(l)^-1 exp(S - m) (l.13-14).
+
+BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "causal_skip", "swizzle", "kv_in_registers")
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None, **options):
+    """FA1 backward (Algorithm 4's schedule); arguments as variants.fa2.backward. options: the tile
+    of fa2's backward kernel (BACKWARD_OPTIONS), causal_skip False unless set."""
+    from variants import fa2
+    unknown = set(options) - set(BACKWARD_OPTIONS)
+    if unknown:
+        raise ValueError(f"fa1 backward has no option {', '.join(sorted(unknown))}; its options: "
+                         f"{', '.join(BACKWARD_OPTIONS)}")
+    g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                             grads=grads, head_dims=HEAD_DIMS, variant="fa1")
+    options = {k: v for k, v in options.items() if v is not None}
+    options.setdefault("causal_skip", False)
+    cfg = fa2.default_backward_config(g.prob.head_dim, g.prob.is_bf16, causal, dq="atomic",
+                                      kv_blocks="sequential", **options)
+    return fa2.run_backward(g, cfg)
 
 
 def compile_targets():

@@ -313,13 +313,16 @@ class BackwardConfig:
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / warps keys
-    dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel)
+    dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel); the
+                               # defaults (BACKWARD_DEFAULTS) choose "separate"
     causal_skip: bool = True   # causal: never visit query blocks entirely above the diagonal
     swizzle: bool = True
     kv_in_registers: bool = False   # K_j, V_j A fragments held in registers through the i loop
     dq_block_m: int = 64       # the separate dQ kernel: queries a thread block owns,
     dq_block_n: int = 64       # keys per inner step,
     dq_warps: int = 4          # and warps (split-Q, as the forward)
+    kv_blocks: str = "parallel"     # "parallel": a thread block per K/V block (FA2) | "sequential":
+                                    # one per (batch, K/V head) walking them all (FA1 Alg. 4)
 
     @property
     def threads(self):
@@ -350,6 +353,11 @@ class BackwardConfig:
             raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
         if self.dq not in ("atomic", "separate"):
             raise ValueError(f"dq must be 'atomic' or 'separate', got {self.dq!r}")
+        if self.kv_blocks not in ("parallel", "sequential"):
+            raise ValueError(f"kv_blocks must be 'parallel' or 'sequential', got {self.kv_blocks!r}")
+        if self.kv_blocks == "sequential" and self.dq != "atomic":
+            raise ValueError("kv_blocks='sequential' (FA1's schedule) accumulates dQ in its own "
+                             "kernel: it needs dq='atomic'")
         if self.block_n % (16 * self.warps):
             raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * warps={16 * self.warps}")
         if self.block_m % 16:
@@ -373,11 +381,16 @@ class BackwardConfig:
 
 
 BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "causal_skip", "swizzle",
-                    "kv_in_registers", "dq_block_m", "dq_block_n", "dq_warps")
+                    "kv_in_registers", "dq_block_m", "dq_block_n", "dq_warps", "kv_blocks")
 
 # B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
-# thread) and B_r = 64 queries a step, FA2's own tile at both head dims.
-BACKWARD_DEFAULTS = {64: dict(block_m=128, kv_in_registers=True), 128: dict()}
+# thread), B_r = 64 queries a step at d=128 (FA2's own tile) and 128 at d=64 (so that the 8 warps
+# split dQ_i in whole m16 tiles). dQ by the separate kernel: 9-16% faster than the atomics on an H100
+# (docs/performance.md, conf/experiment/bwd_dq.yaml).
+# The dQ kernel at d=64 takes two m16 tiles of queries a warp (B_r = 128 over 4 warps), so each K
+# and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
+BACKWARD_DEFAULTS = {64: dict(block_m=128, kv_in_registers=True, dq="separate", dq_block_m=128),
+                     128: dict(dq="separate")}
 
 default_backward_config = configs.default_config_function(
     "fa2 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
@@ -391,6 +404,7 @@ def build_backward(cfg):
     IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
     SKIP = cfg.causal and cfg.causal_skip
     ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
+    SEQUENTIAL = cfg.kv_blocks == "sequential"
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if ATOMIC else 0
     KV_TILE, QO_TILE, DS_TILE = BC * STRIDE, BR * STRIDE, BC * DS_STRIDE
@@ -442,14 +456,12 @@ def build_backward(cfg):
         tiles.gemm_ab(dq, dsa, k_s[col:], lane, STRIDE, SWIZZLE, IS_BF16)
         tiles.atomic_add_accumulator_f32(dq_acc_bh, dq, q0 + row, col, n_q, lane)
 
-    @kernel
-    def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
-                        softmax_scale, scale_log2):
-        """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
-        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views."""
+    @device_function
+    def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
+                 softmax_scale, scale_log2):
+        """l.6-17 for K/V block j of batch b, K/V head h_kv."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
-        j, b, h_kv = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z   # l.5: the grid
         key0 = j * BC
         warp_key = warp * 16 * M           # this warp's first key in K_j
         smem = cuda.shared.array(0, uint16)
@@ -574,6 +586,21 @@ def build_backward(cfg):
         tiles.store_tile(dv32[b, h_kv], smem32[V0 // 2:(V0 + KV_TILE) // 2], key0, n_k, BC, D,
                          STRIDE, SWIZZLE, tid, THREADS)
 
+    @kernel
+    def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
+                        softmax_scale, scale_log2):
+        """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
+        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views."""
+        b, h_kv = cuda.blockIdx.y, cuda.blockIdx.z
+        if SEQUENTIAL:   # FA1 Alg. 4: one thread block walks every K/V block j in turn
+            for j in range((n_k + BC - 1) // BC):
+                kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
+                         kv_group, softmax_scale, scale_log2)
+                cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
+        else:            # l.5: "for 1 <= j <= T_c" is the grid
+            kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
+                     n_k, kv_group, softmax_scale, scale_log2)
+
     return fa2_backward_kv
 
 
@@ -672,14 +699,21 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=Non
     (o, lse) and dO = dLoss/dO (like o). options: see BackwardConfig and BACKWARD_OPTIONS."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa2")
+    cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, causal, **options)
+    return run_backward(g, cfg)
+
+
+def run_backward(g, cfg):
+    """Launch Algorithm 2 (or, with cfg.kv_blocks="sequential", FA1's schedule of it) for the
+    checked problem `g` (common.backward.prepare_backward)."""
     prob = g.prob
-    cfg = default_backward_config(prob.head_dim, prob.is_bf16, causal, **options)
     atomic = cfg.dq == "atomic"
     bwd.preprocess(g, zero_dq=atomic)                                           # l.4
     scale, scale_log2 = np.float32(prob.softmax_scale), \
         np.float32(prob.softmax_scale * math.log2(math.e))
     sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
-    grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
+    kv_blocks = 1 if cfg.kv_blocks == "sequential" else (prob.n_k + cfg.block_n - 1) // cfg.block_n
+    grid = (kv_blocks, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
            scale, scale_log2)
