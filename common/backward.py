@@ -151,3 +151,16 @@ def convert_dq(g):
     prob = g.prob
     launch(build_convert_dq(prob.head_dim, prob.is_bf16), _row_grid(prob), 32 * WARPS, 0,
            prob.stream, g.dq_acc, g.dq32, np.int32(prob.n_q), np.float32(prob.softmax_scale))
+
+
+def compile_targets():
+    """(name, kernel, argument types, mma count) of the row kernels, bf16."""
+    from numba import types
+
+    from common.problem import LSE_TYPE, OUT_TYPE
+    f32_4 = types.Array(types.float32, 4, "C")
+    for head_dim in (64, 128):
+        yield f"backward preprocess d={head_dim} bf16", build_preprocess(head_dim, True, True), \
+            (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32), 0
+        yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, True), \
+            (f32_4, OUT_TYPE, types.int32, types.float32), 0

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANT_MODULES = ("variants.standard", "variants.fa1", "variants.fa2")
+VARIANT_MODULES = ("variants.standard", "variants.fa1", "variants.fa2", "common.backward")
 
 
 def ptx_counts(ptx):

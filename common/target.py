@@ -1,5 +1,6 @@
 """Where kernels run: a CUDA GPU or Numba's CUDA simulator, and the decorators that work on both."""
 import re
+import threading
 from functools import lru_cache
 
 from numba import config, cuda
@@ -154,6 +155,7 @@ _ARRAY_TYPES = {}
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 _compiled = {}        # (kernel, argument types) -> _Launcher
+_thread = threading.local()   # .has_context: this thread made Numba's CUDA context current
 
 
 def launch(kern, grid, block, shared_bytes, stream, *args):
@@ -170,6 +172,12 @@ def launch(kern, grid, block, shared_bytes, stream, *args):
         kern[grid, block, 0, shared_bytes](*(a.array if isinstance(a, KernelView) else a
                                              for a in args))
         return
+    if not getattr(_thread, "has_context", False):
+        # cuLaunchKernel needs a current context in the calling thread, and callers are not all
+        # on the thread that compiled the kernel: torch runs autograd backward on its own worker
+        # threads. current_context() makes Numba's (the device's primary) context current here.
+        cuda.current_context()
+        _thread.has_context = True
     sig = tuple(a.numba_type if isinstance(a, KernelView) else _SCALAR_TYPES[type(a)] for a in args)
     launcher = _compiled.get((kern, sig))
     if launcher is None:

@@ -16,7 +16,10 @@ import variants
 from common import arrays, checks, inputs, reference
 from tests.conftest import ON_GPU
 
-SMALL = {} if ON_GPU else dict(block_n=32, warps=2, dq_block_m=32, dq_warps=2, dq_block_n=32)
+# The small tiles of the simulator (GPU: each variant's defaults).
+SMALL = {"standard": {}, "fa1": {} if ON_GPU else dict(block_n=32, warps=2),
+         "fa2": {} if ON_GPU else dict(block_m=64, block_n=32, warps=2, dq_block_m=32, dq_warps=2,
+                                       dq_block_n=32)}
 BACKWARD_VARIANTS = ["standard", "fa1", "fa2"]
 
 
@@ -36,8 +39,7 @@ def backward_and_check(rng, variant, *, batch=1, seqlen, heads=1, head_dim=64, d
     o, lse = variants.forward(*dev[:3], variant="fa2", causal=causal, softmax_scale=softmax_scale)
     grads = tuple(inputs.poison(arrays.empty(library, x.shape, dtype, like=dev[0]))
                   for x in (q, k, v))
-    if variant != "standard":
-        options = dict(SMALL, **options)
+    options = dict(SMALL[variant], **options)
     got = variants.backward(dev[3], *dev[:3], o, lse, variant=variant, causal=causal,
                             softmax_scale=softmax_scale, grads=grads, **options)
     assert all(a is b for a, b in zip(got, grads))
@@ -53,9 +55,9 @@ if ON_GPU:
     CASES = list(itertools.product([17, 130, 1000], [False, True], ["bfloat16", "float16"],
                                    [64, 128]))
 else:
-    # Pairwise over (length, causal, dtype) at d=64, and d=128 once each way; fa2's small tile
-    # makes 70 keys three K/V blocks (the last ragged) and 70 queries two query blocks.
-    CASES = [(70, False, "bfloat16", 64), (70, True, "float16", 64), (17, True, "bfloat16", 64),
+    # Both causal values and dtypes at d=64 and d=128 once; fa2's small tile makes 70 keys three
+    # K/V blocks (the last ragged) and 70 queries two query blocks of each kernel.
+    CASES = [(70, False, "bfloat16", 64), (40, True, "float16", 64), (17, True, "bfloat16", 64),
              (33, True, "bfloat16", 128)]
 
 
@@ -70,7 +72,8 @@ def test_gradients_match_reference(rng, variant, seqlen, causal, dtype, head_dim
 @pytest.mark.parametrize("variant", BACKWARD_VARIANTS)
 def test_gradients_grouped_query_heads(rng, variant):
     """K/V heads shared by two query heads: dK, dV sum both heads' contributions."""
-    backward_and_check(rng, variant, batch=2, seqlen=40, heads=2, heads_kv=1, causal=True)
+    backward_and_check(rng, variant, batch=2 if ON_GPU else 1, seqlen=40, heads=2, heads_kv=1,
+                       causal=True)
 
 
 @pytest.mark.parametrize("variant", BACKWARD_VARIANTS)
@@ -90,7 +93,7 @@ FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(causal_skip=False),
 def test_fa2_backward_options(rng, options):
     options = dict(options)
     head_dim = options.pop("head_dim", 64)
-    backward_and_check(rng, "fa2", seqlen=130 if ON_GPU else 70, head_dim=head_dim, causal=True,
+    backward_and_check(rng, "fa2", seqlen=130 if ON_GPU else 40, head_dim=head_dim, causal=True,
                        dtype="float16", **options)
 
 

@@ -24,9 +24,12 @@ def report():
 
 def test_every_kernel_is_covered(report):
     names = [r["kernel"] for r in report]
-    assert sum(n.startswith("fa2") for n in names) == 8       # 2 head dims x 2 dtypes x causal
-    assert sum(n.startswith("fa1") for n in names) == 10      # the same, and two ladder rungs
-    assert sum(n.startswith("standard") for n in names) == 12
+    assert sum(n.startswith("fa2 d=") for n in names) == 8    # 2 head dims x 2 dtypes x causal
+    assert sum(n.startswith("fa2 backward") for n in names) == 8   # (K/V kernel, dQ kernel) x 4
+    assert sum(n.startswith("fa1 d=") for n in names) == 10   # the same, and two ladder rungs
+    assert sum(n.startswith("fa1 backward") for n in names) == 1
+    assert sum(n.startswith("standard") for n in names) == 16
+    assert sum(n.startswith("backward ") for n in names) == 4   # D = rowsum(dO o O), dQ's cast
 
 
 def test_tensor_core_instructions(report):
@@ -54,7 +57,15 @@ def test_no_spills_in_the_kv_loop(report):
     for r in report:
         assert r["registers"] <= 255, r
         assert r["stack_bytes"] <= 256, r
-        if "loop_local" in r and r["kernel"].startswith("fa2"):
+        if "loop_local" in r and "backward d=" in r["kernel"]:
+            # The backward keeps dK_j and dV_j (d/2 registers each at one m16 tile a warp) beside
+            # S^T and dP^T: at 255 registers ptxas parks a few loop-invariant values (12-40 bytes);
+            # in the query loop at most 2 local accesses a step (d=64) against 256 HMMA. FA1's
+            # schedule wraps the whole kernel in its K/V loop, prologue and epilogue included.
+            allowed = 16 if r["kernel"].startswith("fa1") else 2
+            assert r["loop_local"] <= allowed, r
+            assert r["loop_HMMA"] == r["expected_mma"], r
+        elif "loop_local" in r and r["kernel"].startswith("fa2"):
             allowed = 12 if "d=128" in r["kernel"] and "causal=True" in r["kernel"] else 0
             assert r["loop_local"] <= allowed, r
             assert r["loop_HMMA"] == r["expected_mma"], r   # every MMA of a step inside, unrolled
@@ -64,7 +75,7 @@ def test_no_spills_in_the_kv_loop(report):
             # local memory, reloaded a few times a step (docs/performance.md, the ladder).
             assert r["loop_local"] <= (40 if "d=128" in r["kernel"] else 0), r
             assert r["loop_HMMA"] == r["expected_mma"], r
-        elif r["kernel"].startswith("standard"):
+        elif r["kernel"].startswith(("standard", "backward ")):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 
 

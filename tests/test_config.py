@@ -44,6 +44,8 @@ def test_variant_configs_name_registered_variants_and_real_options():
         assert set(cfg.variant.options) <= accepted, (name, set(cfg.variant.options) - accepted)
     fa2 = variants.get("fa2")
     assert set(fa2.OPTIONS) <= {f.name for f in dataclasses.fields(fa2.Config)}
+    assert set(composed("variant=fa2").variant.backward_options) <= set(fa2.BACKWARD_OPTIONS)
+    assert set(fa2.BACKWARD_OPTIONS) <= {f.name for f in dataclasses.fields(fa2.BackwardConfig)}
 
 
 def test_fa2_grid_sweeps_the_paper_grid():
@@ -86,6 +88,25 @@ def test_sweep_writes_one_table(tmp_path):
     rows = read_rows(tmp_path / "sweep" / "results.csv")
     assert [r["variant"] for r in rows] == ["standard", "fa2"]
     assert all(r["check"] == "ok" for r in rows)
+
+
+def test_backward_pass_job_checks_gradients(tmp_path):
+    """pass=fwd_bwd: forward and backward timed together, dq, dk, dv checked against float64."""
+    out = run(["pass=fwd_bwd", "problem.seqlen=20", "problem.heads=1", "problem.causal=true",
+               "variant.backward_options.block_n=32", "variant.backward_options.warps=2",
+               "variant.backward_options.block_m=64", "variant.backward_options.dq_block_m=32",
+               "variant.backward_options.dq_warps=2", "variant.backward_options.dq_block_n=32",
+               f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    row = read_rows(tmp_path / "run" / "results.csv")[0]
+    assert row["pass"] == "fwd_bwd" and row["check"] == "ok" and row["fwd_ms"] == ""
+    assert all(0 < float(row[f"{g}_err"]) < 8e-3 for g in ("dq", "dk", "dv"))
+    assert "bwd.block_n=32" in row["options"]
+
+
+def test_bad_pass_is_refused(tmp_path):
+    out = run(["pass=backward", "problem.seqlen=8", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode != 0 and "pass must be one of fwd, bwd, fwd_bwd" in out.stderr
 
 
 def test_ladder_rungs_are_the_fa2_papers_changes_in_order():

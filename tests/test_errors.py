@@ -107,3 +107,36 @@ def test_empty_sequence(rng):
     k = device(rng)
     with pytest.raises(ValueError, match="empty problem"):
         variants.forward(q, k, k, variant="fa2")
+
+
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
+def test_backward_bad_arguments(rng, qkv, variant):
+    """The backward checks dO, o, lse and the gradients' arrays like the forward checks q, k, v."""
+    q, k, v = qkv
+    o = device(rng)
+    lse = arrays.empty(inputs.default_library(), (1, 2, 16), "float32", like=q)
+    with pytest.raises(ValueError, match="do must be bfloat16 of shape \\(1, 16, 2, 64\\)"):
+        variants.backward(device(rng, (1, 17, 2, 64)), q, k, v, o, lse, variant=variant)
+    with pytest.raises(ValueError, match="do must be bfloat16"):
+        variants.backward(device(rng, dtype="float16"), q, k, v, o, lse, variant=variant)
+    with pytest.raises(ValueError, match="out\\[1\\] must be float32 of shape \\(1, 2, 16\\)"):
+        variants.backward(o, q, k, v, o, arrays.empty(inputs.default_library(), (1, 2, 15),
+                                                      "float32", like=q), variant=variant)
+    with pytest.raises(ValueError, match="dk must be bfloat16 of shape"):
+        variants.backward(o, q, k, v, o, lse, variant=variant,
+                          grads=(device(rng), device(rng, (1, 8, 2, 64)), device(rng)))
+
+
+@pytest.mark.parametrize("variant, options, message", [
+    ("fa2", dict(dq="sometimes"), "dq must be 'atomic' or 'separate'"),
+    ("fa2", dict(kv_blocks="sequential", dq="separate"), "needs dq='atomic'"),
+    ("fa2", dict(block_n=96), "multiple of 16 \\* warps=128"),
+    ("fa2", dict(q_in_registers=True), "fa2 backward has no option q_in_registers"),
+    ("fa1", dict(dq="separate"), "fa1 backward has no option dq"),
+    ("standard", dict(block_n=64), "unexpected keyword"),
+])
+def test_backward_bad_options(rng, qkv, variant, options, message):
+    q, k, v = qkv
+    lse = arrays.empty(inputs.default_library(), (1, 2, 16), "float32", like=q)
+    with pytest.raises((ValueError, TypeError), match=message):
+        variants.backward(device(rng), q, k, v, device(rng), lse, variant=variant, **options)

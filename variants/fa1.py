@@ -407,3 +407,7 @@ def compile_targets():
                     tag = "".join(f" {k}={v}" for k, v in options.items())
                     yield f"fa1 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}{tag}", \
                         build(cfg), argtypes, mma
+    from variants import fa2
+    cfg = fa2.default_backward_config(128, True, False, dq="atomic", kv_blocks="sequential",
+                                      causal_skip=False)
+    yield from fa2.backward_compile_targets(cfg, "fa1 backward d=128 bf16 causal=False")

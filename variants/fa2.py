@@ -275,6 +275,30 @@ def compile_targets():
                 mma = cfg.m_tiles * head_dim * cfg.block_n // 64
                 yield f"fa2 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}", \
                     build(cfg), argtypes, mma
+    # The backward's kernels, bf16 (the dtype changes only the mma and cvt opcodes).
+    for head_dim in HEAD_DIMS:
+        for causal in (False, True):
+            yield from backward_compile_targets(default_backward_config(head_dim, True, causal),
+                                                f"fa2 backward d={head_dim} bf16 causal={causal}")
+
+
+def backward_compile_targets(cfg, tag):
+    """(name, kernel, argument types, mma count in its PTX) of the kernels `run_backward` launches
+    for cfg (the preprocess and dQ conversion: common/backward.py's compile_targets)."""
+    f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+    sizes = (types.int32, types.int32, types.int32, types.float32, types.float32)
+    # S^T, dP^T, dV, dK: 4 * M * B_r * d / 128 mma a step; with atomics dQ's product appears twice
+    # (in the loop and for the last step): 2 * MQ * (d / WD) * B_c / 128.
+    wq, wd = cfg.dq_split
+    mma = 4 * cfg.m_tiles * cfg.block_m * cfg.head_dim // 128
+    if cfg.dq == "atomic":
+        mma += 2 * (cfg.block_m // wq // 16) * (cfg.head_dim // wd) * cfg.block_n // 128
+    yield f"{tag} kv", build_backward(cfg), \
+        (QKV_TYPE,) * 4 + (LSE_TYPE, f32_3, f32_4, OUT_TYPE, OUT_TYPE) + sizes, mma
+    if cfg.dq == "separate":   # S, dP, dQ: 3 * M * B_c * d / 128
+        m = cfg.dq_block_m // (16 * cfg.dq_warps)
+        yield f"{tag} dq", build_backward_dq(cfg), \
+            (QKV_TYPE,) * 4 + (LSE_TYPE, f32_3, OUT_TYPE) + sizes, 3 * m * cfg.dq_block_n * cfg.head_dim // 128
 
 
 # =========================================================================== backward

@@ -353,3 +353,13 @@ def compile_targets():
             yield f"standard softmax causal={causal} {'bf16' if is_bf16 else 'fp16'}", \
                 build_softmax(causal, is_bf16), \
                 (s_type, types.Array(types.uint32, 4, "C"), LSE_TYPE, i32, i32), 0
+    # The backward's own kernels (it reuses scores and output), bf16.
+    u32 = types.Array(types.uint32, 4, "C")
+    for causal in (False, True):
+        yield f"standard softmax_backward causal={causal} bf16", \
+            build_softmax_backward(causal, True), (s_type, s_type, LSE_TYPE, u32, u32, i32, i32, f32), 0
+    for head_dim in HEAD_DIMS:
+        yield f"standard transposed_output d={head_dim} bf16", \
+            build_transposed_output(Config(head_dim, True))[0], \
+            (types.Array(types.uint16, 4, "C"), QKV_TYPE, OUT_TYPE, i32, i32, i32), \
+            TILE // 16 * head_dim // 8
