@@ -24,9 +24,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None):
     qh = np.asarray(q, dtype=np.float64)[:, rows].transpose(0, 2, 1, 3)          # (B, H, r, d)
     kh = np.repeat(np.asarray(k, dtype=np.float64), group, axis=2).transpose(0, 2, 3, 1)  # (B, H, d, N_k)
     vh = np.repeat(np.asarray(v, dtype=np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (B, H, N_k, d)
-    s = (qh @ kh) * softmax_scale
+    p, lse = softmax_rows(qh @ kh, rows, softmax_scale, causal)
+    return (p @ vh).transpose(0, 2, 1, 3), lse
+
+
+def softmax_rows(qk, rows, softmax_scale, causal):
+    """P = softmax(softmax_scale * QK^T) and its log-sum-exp for query rows `rows` (QK^T's rows);
+    causal masks key j > row. A row with every score masked gets P = 0 and LSE = -inf."""
+    s = qk * softmax_scale
     if causal:
-        s = np.where(np.arange(n_k)[None, :] > rows[:, None], -np.inf, s)
+        s = np.where(np.arange(s.shape[-1])[None, :] > rows[:, None], -np.inf, s)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
@@ -34,7 +41,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None):
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = (m + np.log(l))[..., 0]
         p = np.where(l > 0, e / l, 0.0)
-    return (p @ vh).transpose(0, 2, 1, 3), lse
+    return p, lse
 
 
 def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_rows=1024):
@@ -58,15 +65,7 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
     for r0 in range(0, n_q, block_rows):
         rows = np.arange(r0, min(n_q, r0 + block_rows))
         qb, dob = qh[:, :, rows], doh[:, :, rows]
-        s = (qb @ kh.transpose(0, 1, 3, 2)) * softmax_scale
-        if causal:
-            s = np.where(np.arange(n_k)[None, :] > rows[:, None], -np.inf, s)
-        m = s.max(axis=-1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0.0)
-        e = np.exp(s - m)
-        l = e.sum(axis=-1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            p = np.where(l > 0, e / l, 0.0)
+        p, _ = softmax_rows(qb @ kh.transpose(0, 1, 3, 2), rows, softmax_scale, causal)
         ob = p @ vh
         dv += p.transpose(0, 1, 3, 2) @ dob
         ds = p * (dob @ vh.transpose(0, 1, 3, 2) - (dob * ob).sum(axis=-1, keepdims=True))
