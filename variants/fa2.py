@@ -409,7 +409,7 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "causal_skip", "swizzle
 
 # B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
 # thread), B_r = 64 queries a step at d=128 (FA2's own tile) and 128 at d=64 (so that the 8 warps
-# split dQ_i in whole m16 tiles). dQ by the separate kernel: 9-16% faster than the atomics on an H100
+# split dQ_i in whole m16 tiles). dQ by the separate kernel: 8-17% faster than the atomics on an H100
 # (docs/performance.md, conf/experiment/bwd_dq.yaml).
 # The dQ kernel at d=64 takes two m16 tiles of queries a warp (B_r = 128 over 4 warps), so each K
 # and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
