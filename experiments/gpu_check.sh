@@ -2,7 +2,10 @@
 # The whole GPU check in one call: GPU test suite, compiler facts, benchmark; logs under $OUT,
 # a short table printed last.
 #   OUT=<dir> experiments/gpu_check.sh [tests] [compile] [quick] [grid]   (default: all four)
-#   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests)
+#   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests;
+#            compile-bound: over 10 minutes now, so on the lent host run it in parts, e.g.
+#            `bwd_fa2`, `bwd_other` and `TESTS="tests/test_variants.py" ... tests`)
+#   bwd_fa2, bwd_other   tests/test_backward.py for fa2, and for fa1, standard and the protocol
 #   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
 #   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
@@ -20,8 +23,13 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)
-      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=12 tests > "$OUT/tests.log" 2>&1 || status=1
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=12 ${TESTS:-tests} > "$OUT/tests.log" 2>&1 || status=1
       tail -3 "$OUT/tests.log" ;;
+    bwd_fa2|bwd_other)
+      filter=$([ "$step" = bwd_fa2 ] && echo "fa2 and not protocol" || echo "not fa2 or protocol")
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=12 \
+        tests/test_backward.py -k "$filter" > "$OUT/$step.log" 2>&1 || status=1
+      tail -3 "$OUT/$step.log" ;;
     compile)
       python3 -m common.compile_report > "$OUT/compile_report.txt" 2>&1 || status=1
       cat "$OUT/compile_report.txt" ;;
