@@ -1,6 +1,7 @@
 """The layer every variant is built on: PTX intrinsics with simulator stand-ins (`ptx`), shared-memory
-tiles, fragments and warp GEMMs (`tiles`), online-softmax row operations (`softmax`), the float64
-reference (`reference`), array adapters (`arrays`), inputs, FLOP counts and timing.
+tiles, fragments and warp GEMMs (`tiles`), online-softmax row operations and their backward
+(`softmax`), what every backward pass shares (`backward`), the float64 reference and its gradients
+(`reference`), array adapters (`arrays`), inputs, FLOP counts and timing.
 
 This package's own import is deliberately light (no numba): call `select_backend()` before anything
 imports numba when the choice between GPU and simulator should be made automatically.

@@ -1,4 +1,5 @@
-"""FlashAttention-2 forward (Dao 2023, Algorithm 1) on the tile layer of `common/`.
+"""FlashAttention-2 forward (Dao 2023, Algorithm 1) on the tile layer of `common/`, and its backward
+(Algorithm 2: `backward`, in the second half of this file).
 
 What makes it FA2 rather than FA1:
 - the outer loop over query blocks i is the grid (one thread block per (i, batch, head)), the inner
