@@ -16,7 +16,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None):
     """float64 attention. `rows` (optional int array) restricts the output to those query rows,
     which makes checking long sequences cheap: each row's result is exact on its own."""
     b, n_q, h, d = q.shape
-    n_k, h_kv = k.shape[1], k.shape[2]
+    h_kv = k.shape[2]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     rows = np.arange(n_q) if rows is None else np.asarray(rows)
