@@ -52,15 +52,15 @@ def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, v
     if d_do.library != d_q.library:
         raise TypeError(f"do is a {d_do.library} array but q is {d_q.library}")
     _check_layout(d_do, "do")
-    like = {"dq": q, "dk": k, "dv": v}
+    shapes = {"dq": d_q.shape, "dk": arrays.describe(k).shape, "dv": arrays.describe(v).shape}
     if grads is None:
-        grads = tuple(arrays.empty(prob.library, arrays.describe(x).shape, prob.dtype, like=q)
-                      for x in like.values())
+        grads = tuple(arrays.empty(prob.library, shape, prob.dtype, like=q)
+                      for shape in shapes.values())
     views = []
-    for g, (name, x) in zip(grads, like.items()):
-        d_g, d_x = arrays.describe(g, name), arrays.describe(x)
-        if d_g.shape != d_x.shape or d_g.dtype != d_x.dtype:
-            raise ValueError(f"{name} must be {d_x.dtype} of shape {d_x.shape}, got {d_g.dtype} "
+    for g, (name, shape) in zip(grads, shapes.items()):
+        d_g = arrays.describe(g, name)
+        if d_g.shape != shape or d_g.dtype != prob.dtype:
+            raise ValueError(f"{name} must be {prob.dtype} of shape {shape}, got {d_g.dtype} "
                              f"{d_g.shape}")
         _check_layout(d_g, name)
         views.append(arrays.bits_view(d_g, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2))

@@ -186,6 +186,19 @@ def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride,
 
 
 @device_function
+def gemm_abt_held_or_streamed(acc, a, held, tile_a, a_row0, k_steps, tile_b, lane, row_stride,
+                              swizzle, is_bf16):
+    """acc += A B^T, A either held whole in registers (`held`: a[M, k_steps, 4], filled before)
+    or streamed one k-step at a time from rows a_row0.. of tile_a (a[M, 1, 4]); see gemm_abt and
+    gemm_abt_streamed. `held` is a compile-time constant: one of the two is compiled in."""
+    if held:
+        gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16)
+    else:
+        gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle,
+                          is_bf16)
+
+
+@device_function
 def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16):
     """acc += A B with A in registers and B a [k][n] row-major tile (V in O += P V).
     ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8), (k0+8, n0+8)."""

@@ -200,11 +200,8 @@ def build(cfg):
                 cuda.syncthreads()
             # l.8: S_ij = Q_i K_j^T.
             tiles.fill(s, float32(0))
-            if Q_IN_REGISTERS:
-                tiles.gemm_abt(s, q_frag, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            else:
-                tiles.gemm_abt_streamed(s, q_frag, q_s, warp_row, D // 16, k_s, lane, STRIDE,
-                                        SWIZZLE, IS_BF16)
+            tiles.gemm_abt_held_or_streamed(s, q_frag, Q_IN_REGISTERS, q_s, warp_row, D // 16, k_s,
+                                            lane, STRIDE, SWIZZLE, IS_BF16)
             if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > row0):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, CAUSAL, lane)
             if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
@@ -441,7 +438,7 @@ def build_backward(cfg):
     MQ, DQ_COLS = BR // WQ // 16, D // WD
     KV_FRAG = (M, D // 16 if KV_IN_REGISTERS else 1, 4)
     ST_ACC, P_FRAG, DKV_ACC = (M, BR // 8, 4), (M, BR // 16, 4), (M, D // 8, 4)
-    DQ_ACC, DS_FRAG = (max(MQ, 1), DQ_COLS // 8, 4), (max(MQ, 1), BC // 16, 4)
+    DQ_ACC, DS_FRAG = (MQ, DQ_COLS // 8, 4), (MQ, BC // 16, 4)
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
     @device_function
@@ -561,21 +558,15 @@ def build_backward(cfg):
 
             # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i).
             tiles.fill(s, float32(0))
-            if KV_IN_REGISTERS:
-                tiles.gemm_abt(s, kf, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            else:
-                tiles.gemm_abt_streamed(s, kf, k_s, warp_key, D // 16, q_s, lane, STRIDE, SWIZZLE,
-                                        IS_BF16)
+            tiles.gemm_abt_held_or_streamed(s, kf, KV_IN_REGISTERS, k_s, warp_key, D // 16, q_s,
+                                            lane, STRIDE, SWIZZLE, IS_BF16)
             if q0 + BR > n_q or key0 + BC > n_k or (CAUSAL and q0 < key0 + BC - 1):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, CAUSAL, lane)
             softmax.recompute_p_columns(s, lse2_s, lane, scale_log2)
             # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
             tiles.fill(dp, float32(0))
-            if KV_IN_REGISTERS:
-                tiles.gemm_abt(dp, vf, do_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            else:
-                tiles.gemm_abt_streamed(dp, vf, v_s, warp_key, D // 16, do_s, lane, STRIDE,
-                                        SWIZZLE, IS_BF16)
+            tiles.gemm_abt_held_or_streamed(dp, vf, KV_IN_REGISTERS, v_s, warp_key, D // 16, do_s,
+                                            lane, STRIDE, SWIZZLE, IS_BF16)
             softmax.grad_columns(s, dp, d_s, lane)
             # l.12: dV_j += P^T dO_i, P^T straight from its accumulator into A fragments.
             tiles.accumulator_to_a(pa, s, IS_BF16)
