@@ -265,3 +265,18 @@ def st_global_v4_u32(typingctx, dst, row, col, x0, x1, x2, x3):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def red_add_v2_f32(typingctx, dst, row, col, x0, x1):
+    """dst[row, col:col+2] += (x0, x1), one vector reduction (sm_90; 8-byte aligned)."""
+    sig = types.void(dst, row, col, x0, x1)
+
+    def codegen(context, builder, sig, args):
+        addr = _global_address(context, builder, sig.args[0], args[0], args[1:3], sig.args[1:3])
+        vals = [_as(context, builder, v, t, types.float32) for v, t in zip(args[3:], sig.args[3:])]
+        _asm(builder, ir.VoidType(), [addr] + vals, "red.global.add.v2.f32 [$0], {$1,$2};",
+             "l,f,f,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen

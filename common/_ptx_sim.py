@@ -265,3 +265,14 @@ def ld_shared_v4_u32(smem, offset):
 def st_global_v4_u32(dst, row, col, x0, x1, x2, x3):
     c = int(col)
     _unwrap(dst)[int(row), c:c + 4] = (x0, x1, x2, x3)
+
+
+_RED_LOCK = threading.Lock()
+
+
+def red_add_v2_f32(dst, row, col, x0, x1):
+    """dst[row, col] += x0 and dst[row, col + 1] += x1, atomically (other threads add too)."""
+    a, r, c = _unwrap(dst), int(row), int(col)
+    with _RED_LOCK:
+        a[r, c] += np.float32(x0)
+        a[r, c + 1] += np.float32(x1)

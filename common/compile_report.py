@@ -71,7 +71,7 @@ def ptxas_resources(ptx, arch="sm_90"):
     row = {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack_bytes": grab(r"(\d+) bytes stack frame")}
     if sass:
-        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
         row.update({f"sass_{op}": ops.count(op) for op in SASS_OPS})
         row["sass_total"] = len(ops)
         loop = main_loop(sass)

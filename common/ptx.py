@@ -15,6 +15,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | unpack_bf16x2, unpack_f16x2          | mov.b32 {lo, hi}; cvt.f32.{bf16,f16} (both halves)     |
 | cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
 | ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
+| red_add_v2_f32                       | red.global.add.v2.f32 (sm_90: two fp32 adds at once)   |
 """
 from numba import config
 
@@ -39,3 +40,4 @@ cp_async_commit = _impl.cp_async_commit
 cp_async_wait = _impl.cp_async_wait
 ld_shared_v4_u32 = _impl.ld_shared_v4_u32
 st_global_v4_u32 = _impl.st_global_v4_u32
+red_add_v2_f32 = _impl.red_add_v2_f32

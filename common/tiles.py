@@ -361,11 +361,15 @@ def store_accumulator_f32(dst, acc, row0, col0, n_rows, n_cols, scale, lane):
 
 @device_function
 def atomic_add_accumulator_f32(dst, acc, row0, col0, n_rows, lane):
-    """dst[row, col] += acc for the elements in rows < n_rows, by fp32 atomic adds (red.global.add:
-    thread blocks adding into the same rows, FA2's dQ accumulation)."""
+    """dst[row, col] += acc for the elements in rows < n_rows, by fp32 atomic adds (thread blocks
+    adding into the same rows: FA2's dQ accumulation). A lane's registers (j, j+1) hold two
+    neighbouring columns, so each pair is one red.global.add.v2.f32: half the reductions of one add
+    an element, and the address is computed without the bounds and wrap-around arithmetic of
+    `cuda.atomic.add` (which cost ~20 instructions an element; docs/performance.md)."""
     for m in range(acc.shape[0]):
-        for n in range(acc.shape[1]):
-            for j in range(4):
-                r, c = accumulator_position(m, n, j, lane)
-                if row0 + r < n_rows:
-                    cuda.atomic.add(dst, (row0 + r, col0 + c), acc[m, n, j])
+        for j in range(0, 4, 2):            # the lane's row g (j = 0), then g + 8 (j = 2)
+            r, _ = accumulator_position(m, 0, j, lane)
+            if row0 + r < n_rows:           # one test a row: the row's address is computed once
+                for n in range(acc.shape[1]):
+                    _, c = accumulator_position(m, n, j, lane)
+                    ptx.red_add_v2_f32(dst, row0 + r, col0 + c, acc[m, n, j], acc[m, n, j + 1])

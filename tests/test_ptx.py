@@ -6,7 +6,7 @@ against the PTX ISA's fragment tables, written out independently as loops.
 """
 import numpy as np
 import pytest
-from numba import cuda, int32, uint16, uint32
+from numba import cuda, float32, int32, uint16, uint32
 
 from common import _ptx_sim as sem
 from common import inputs, ptx
@@ -197,3 +197,23 @@ def test_async_copy_and_vector_access(rng):
     expect[11:] = 0
     np.testing.assert_array_equal(dst.view(np.uint16), expect)
     np.testing.assert_array_equal(out32, expect.reshape(64, 8).view(np.uint32)[:, 0])
+
+
+@cuda.jit
+def reduce_kernel(dst):
+    """Every thread of every block adds (block + 1, thread) to one pair of columns of dst."""
+    tid, blk = int32(cuda.threadIdx.x), int32(cuda.blockIdx.x)
+    ptx.red_add_v2_f32(dst, tid % 4, 2 * ((tid // 4) % 4), float32(blk + 1), float32(tid))
+
+
+def test_vector_reduction_adds_both_columns_atomically():
+    blocks, threads = 6, 128
+    dst = np.zeros((4, 8), np.float32)
+    reduce_kernel[blocks, threads](dst)
+    expect = np.zeros((4, 8))
+    for b in range(blocks):                  # small integers: every order of the adds is exact
+        for t in range(threads):
+            row, col = t % 4, 2 * ((t // 4) % 4)
+            expect[row, col] += b + 1
+            expect[row, col + 1] += t
+    np.testing.assert_array_equal(dst, expect.astype(np.float32))
