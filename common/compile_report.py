@@ -104,8 +104,12 @@ def report(cc=(9, 0)):
     rows = []
     for mod in VARIANT_MODULES:
         for name, kern, argtypes, mma in import_module(mod).compile_targets():
+            # mma: the mma.sync count the tile shapes call for, or (in the PTX, in the main loop)
+            # where some sit outside the loop (the atomic backward's last dQ product)
+            total, in_loop = mma if isinstance(mma, tuple) else (mma, mma)
             ptx, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=cc)
-            row = {"kernel": name, "expected_mma": mma, **ptx_counts(ptx)}
+            row = {"kernel": name, "expected_mma": total, "expected_loop_mma": in_loop,
+                   **ptx_counts(ptx)}
             row.update(ptxas_resources(ptx) or {})
             rows.append(row)
     return rows

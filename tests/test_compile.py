@@ -25,7 +25,7 @@ def report():
 def test_every_kernel_is_covered(report):
     names = [r["kernel"] for r in report]
     assert sum(n.startswith("fa2 d=") for n in names) == 8    # 2 head dims x 2 dtypes x causal
-    assert sum(n.startswith("fa2 backward") for n in names) == 8   # (K/V kernel, dQ kernel) x 4
+    assert sum(n.startswith("fa2 backward") for n in names) == 10  # (K/V, dQ kernel) x 4, atomic x 2
     assert sum(n.startswith("fa1 d=") for n in names) == 10   # the same, and two ladder rungs
     assert sum(n.startswith("fa1 backward") for n in names) == 1
     assert sum(n.startswith("standard") for n in names) == 16
@@ -61,20 +61,21 @@ def test_no_spills_in_the_kv_loop(report):
             # The backward keeps dK_j and dV_j (d/2 registers each at one m16 tile a warp) beside
             # S^T and dP^T: at 255 registers ptxas parks a few loop-invariant values (12-40 bytes);
             # in the query loop at most 2 local accesses a step (d=64) against 256 HMMA. FA1's
-            # schedule wraps the whole kernel in its K/V loop, prologue and epilogue included.
-            allowed = 16 if r["kernel"].startswith("fa1") else 2
+            # schedule wraps the whole kernel in its K/V loop, prologue and epilogue included: the
+            # count is per K/V block (T_r query steps), 18 at d=128, of which 1 in the query loop.
+            allowed = 24 if r["kernel"].startswith("fa1") else 2
             assert r["loop_local"] <= allowed, r
-            assert r["loop_HMMA"] == r["expected_mma"], r
+            assert r["loop_HMMA"] == r["expected_loop_mma"], r
         elif "loop_local" in r and r["kernel"].startswith("fa2"):
             allowed = 12 if "d=128" in r["kernel"] and "causal=True" in r["kernel"] else 0
             assert r["loop_local"] <= allowed, r
-            assert r["loop_HMMA"] == r["expected_mma"], r   # every MMA of a step inside, unrolled
+            assert r["loop_HMMA"] == r["expected_loop_mma"], r   # every MMA of a step inside, unrolled
         elif "loop_local" in r and r["kernel"].startswith("fa1"):
             # Split-K holds a 16 x d partial P~ V a warp (64 registers at d=128) next to the
             # exchange's addresses: at d=128 ptxas parks loop-invariant shared-memory addresses in
             # local memory, reloaded a few times a step (docs/performance.md, the ladder).
             assert r["loop_local"] <= (40 if "d=128" in r["kernel"] else 0), r
-            assert r["loop_HMMA"] == r["expected_mma"], r
+            assert r["loop_HMMA"] == r["expected_loop_mma"], r
         elif r["kernel"].startswith(("standard", "backward ")):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 

@@ -278,19 +278,27 @@ def compile_targets():
         for causal in (False, True):
             yield from backward_compile_targets(default_backward_config(head_dim, True, causal),
                                                 f"fa2 backward d={head_dim} bf16 causal={causal}")
+        # dq="atomic", the option against the default (its dQ atomics are the K/V loop's only
+        # global stores; fa1's backward runs the same code on FA1's schedule).
+        yield from backward_compile_targets(
+            default_backward_config(head_dim, True, False, dq="atomic"),
+            f"fa2 backward d={head_dim} bf16 causal=False dq=atomic")
 
 
 def backward_compile_targets(cfg, tag):
-    """(name, kernel, argument types, mma count in its PTX) of the kernels `run_backward` launches
-    for cfg (the preprocess and dQ conversion: common/backward.py's compile_targets)."""
+    """(name, kernel, argument types, mma count in its PTX, or (in the PTX, in the main loop)) of
+    the kernels `run_backward` launches for cfg (the preprocess and dQ conversion: common/
+    backward.py's compile_targets)."""
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
     sizes = (types.int32, types.int32, types.int32, types.float32, types.float32)
     # S^T, dP^T, dV, dK: 4 * M * B_r * d / 128 mma a step; with atomics dQ's product appears twice
     # (in the loop and for the last step): 2 * MQ * (d / WD) * B_c / 128.
+    # In the SASS's main loop: the query loop's, or FA1's K/V loop's (which holds the last one too).
     wq, wd = cfg.dq_split
     mma = 4 * cfg.m_tiles * cfg.block_m * cfg.head_dim // 128
     if cfg.dq == "atomic":
-        mma += 2 * (cfg.block_m // wq // 16) * (cfg.head_dim // wd) * cfg.block_n // 128
+        dq_mma = (cfg.block_m // wq // 16) * (cfg.head_dim // wd) * cfg.block_n // 128
+        mma = (mma + 2 * dq_mma, mma + (2 if cfg.kv_blocks == "sequential" else 1) * dq_mma)
     yield f"{tag} kv", build_backward(cfg), \
         (QKV_TYPE,) * 4 + (LSE_TYPE, f32_3, f32_4, OUT_TYPE, OUT_TYPE) + sizes, mma
     if cfg.dq == "separate":   # S, dP, dQ: 3 * M * B_c * d / 128
