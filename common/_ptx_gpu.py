@@ -253,30 +253,30 @@ def ld_shared_v4_u32(typingctx, smem, offset):
     return sig, codegen
 
 
+def _global_vector_op(context, builder, sig, args, value_type, text, constraints):
+    """Emit `text` with $0 = the 64-bit address of dst[row, col] (args[0:3]) and $1.. = the values
+    args[3:] as `value_type`."""
+    addr = _global_address(context, builder, sig.args[0], args[0], args[1:3], sig.args[1:3])
+    vals = [_as(context, builder, v, t, value_type) for v, t in zip(args[3:], sig.args[3:])]
+    _asm(builder, ir.VoidType(), [addr] + vals, text, constraints, side_effect=True)
+    return context.get_dummy_value()
+
+
 @intrinsic
 def st_global_v4_u32(typingctx, dst, row, col, x0, x1, x2, x3):
-    sig = types.void(dst, row, col, x0, x1, x2, x3)
-
+    """dst[row, col:col+4] = (x0, x1, x2, x3), one 16-byte store."""
     def codegen(context, builder, sig, args):
-        addr = _global_address(context, builder, sig.args[0], args[0], args[1:3], sig.args[1:3])
-        vals = [_as(context, builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:])]
-        _asm(builder, ir.VoidType(), [addr] + vals, "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
-             "l,r,r,r,r,~{memory}", side_effect=True)
-        return context.get_dummy_value()
+        return _global_vector_op(context, builder, sig, args, types.uint32,
+                                 "st.global.v4.b32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r,~{memory}")
 
-    return sig, codegen
+    return types.void(dst, row, col, x0, x1, x2, x3), codegen
 
 
 @intrinsic
 def red_add_v2_f32(typingctx, dst, row, col, x0, x1):
     """dst[row, col:col+2] += (x0, x1), one vector reduction (sm_90; 8-byte aligned)."""
-    sig = types.void(dst, row, col, x0, x1)
-
     def codegen(context, builder, sig, args):
-        addr = _global_address(context, builder, sig.args[0], args[0], args[1:3], sig.args[1:3])
-        vals = [_as(context, builder, v, t, types.float32) for v, t in zip(args[3:], sig.args[3:])]
-        _asm(builder, ir.VoidType(), [addr] + vals, "red.global.add.v2.f32 [$0], {$1,$2};",
-             "l,f,f,~{memory}", side_effect=True)
-        return context.get_dummy_value()
+        return _global_vector_op(context, builder, sig, args, types.float32,
+                                 "red.global.add.v2.f32 [$0], {$1,$2};", "l,f,f,~{memory}")
 
-    return sig, codegen
+    return types.void(dst, row, col, x0, x1), codegen
