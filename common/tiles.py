@@ -16,7 +16,7 @@ All helpers take their sizes from the shapes of the fragment arrays or from argu
 compile-time constants in the calling kernel, so they unroll completely.
 """
 import numpy as np
-from numba import cuda, int32
+from numba import int32
 
 from common import ptx
 from common.target import device_function
