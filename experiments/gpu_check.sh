@@ -6,6 +6,7 @@
 #            compile-bound: over 10 minutes now, so on the lent host run it in parts, e.g.
 #            `bwd_fa2`, `bwd_other` and `TESTS="tests/test_variants.py" ... tests`)
 #   bwd_fa2, bwd_other   tests/test_backward.py for fa2, and for fa1, standard and the protocol
+#   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
 #   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
 #   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
@@ -30,6 +31,15 @@ for step in $steps; do
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=12 \
         tests/test_backward.py -k "$filter" > "$OUT/$step.log" 2>&1 || status=1
       tail -3 "$OUT/$step.log" ;;
+    bwd_ncu)
+      # ncu sections of fa2's backward (both dQ paths) and SDPA's flash backward, one launch each
+      # after a warm-up: BWD_NCU="<head_dim> <seqlen> <causal 0|1>" (default d=128, 4k, not causal)
+      ncu --clock-control none -k regex:"fa2_backward|flash_bwd" --csv --page details \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 experiments/backward_profile.py ${BWD_NCU:-128 4096 0} \
+        > "$OUT/bwd_ncu.csv" 2> "$OUT/bwd_ncu.log" || status=1
+      tail -3 "$OUT/bwd_ncu.log"; wc -l "$OUT/bwd_ncu.csv" ;;
     compile)
       python3 -m common.compile_report > "$OUT/compile_report.txt" 2>&1 || status=1
       cat "$OUT/compile_report.txt" ;;

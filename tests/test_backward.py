@@ -124,6 +124,19 @@ def test_separate_dq_is_deterministic(rng):
                                           inputs.to_host(y).view(np.uint16))
 
 
+def test_backward_profile_script_runs_both_dq_paths():
+    """experiments/backward_profile.py (what ncu and compute-sanitizer run) launches both dQ paths,
+    and they agree: the same gradients, summed in another order."""
+    from experiments import backward_profile
+    small = {k: v for k, v in SMALL["fa2"].items() if k != "dq"}
+    grads = backward_profile.main(64, 40, True, repeats=1, batch=1, heads=1, **small)
+    assert set(grads) == {"separate", "atomic"}
+    for x, y in zip(grads["separate"], grads["atomic"]):
+        x, y = inputs.to_host(x).astype(np.float32), inputs.to_host(y).astype(np.float32)
+        assert np.isfinite(x).all()
+        np.testing.assert_allclose(x, y, rtol=0, atol=2 ** -6 * np.abs(x).max())
+
+
 # --------------------------------------------------------------------------- torch
 
 def _plain_attention(torch, q, k, v, causal, upcast):
