@@ -44,3 +44,22 @@ def benchmark(fn, *, warmup=3, min_reps=5, max_reps=100, target_ms=300.0):
     events[-1][1].synchronize()
     times = [cuda.event_elapsed_time(s, e) for s, e in events]
     return Timing(statistics.median(times), min(times), max(times), reps)
+
+
+class PerInputSet:
+    """make(j) for input set j, made once and kept; `self[i]` takes set i % n, as benchmark's fn(i)
+    rotates them. For what a timed pass starts from but must not time (the forward that a
+    backward-only pass differentiates): `prime()` makes every set's now, outside the timing."""
+
+    def __init__(self, n, make):
+        self._n, self._make, self._made = n, make, {}
+
+    def __getitem__(self, i):
+        j = i % self._n
+        if j not in self._made:
+            self._made[j] = self._make(j)
+        return self._made[j]
+
+    def prime(self):
+        for j in range(self._n):
+            self[j]

@@ -49,9 +49,11 @@ def pass_fn(pass_, forward, sets):
     per set beforehand and kept (retain_graph), so only the backward is timed."""
     import torch
 
+    from common.timing import PerInputSet
+
     leaves = [tuple(x.detach().requires_grad_() for x in s[:3]) + (s[3],) if len(s) > 3 else s
               for s in sets]
-    graphs = {}
+    graphs = PerInputSet(len(leaves), lambda j: forward(*leaves[j][:3]))
 
     def fn(i):
         q, k, v, *rest = leaves[i % len(leaves)]
@@ -59,18 +61,10 @@ def pass_fn(pass_, forward, sets):
             with torch.no_grad():
                 return forward(q, k, v), None, None
         if pass_ == "bwd":
-            if i % len(leaves) not in graphs:
-                graphs[i % len(leaves)] = forward(q, k, v)
-            o = graphs[i % len(leaves)]
+            o = graphs[i]
             return o, None, torch.autograd.grad(o, (q, k, v), rest[0], retain_graph=True)
         o = forward(q, k, v)
         return o, None, torch.autograd.grad(o, (q, k, v), rest[0])
 
-    def prime():
-        """bwd: build every set's forward graph now, outside any timing."""
-        for j in range(len(leaves)):
-            if j not in graphs:
-                graphs[j] = forward(*leaves[j][:3])
-
-    fn.prime = prime
+    fn.prime = graphs.prime   # bwd: every set's forward graph now, outside any timing
     return fn

@@ -186,28 +186,18 @@ def pass_fn(pass_, forward, backward, sets):
     """fn(i) running the timed pass on input set i, returning (o, lse, grads): fwd runs forward;
     bwd runs backward from a forward made once per set beforehand (lazily, outside the timing);
     fwd_bwd runs both."""
-    saved = {}
+    from common.timing import PerInputSet
+    saved = PerInputSet(len(sets), lambda j: forward(*sets[j][:3]))
 
     def fn(i):
         q, k, v, *rest = sets[i % len(sets)]
         if pass_ == "fwd":
             o, lse = forward(q, k, v)
             return o, lse, None
-        if pass_ == "bwd":
-            if i % len(sets) not in saved:
-                saved[i % len(sets)] = forward(q, k, v)
-            o, lse = saved[i % len(sets)]
-        else:
-            o, lse = forward(q, k, v)
+        o, lse = saved[i] if pass_ == "bwd" else forward(q, k, v)
         return o, lse, backward(q, k, v, rest[0], o, lse)
 
-    def prime():
-        """bwd: run the forward of every input set now, outside any timing."""
-        for j in range(len(sets)):
-            if j not in saved:
-                saved[j] = forward(*sets[j][:3])
-
-    fn.prime = prime
+    fn.prime = saved.prime   # bwd: every set's forward now, outside any timing
     return fn
 
 

@@ -104,6 +104,34 @@ def test_backward_pass_job_checks_gradients(tmp_path):
     assert "bwd.block_n=32" in row["options"]
 
 
+@pytest.mark.parametrize("pass_", ["fwd", "bwd", "fwd_bwd"])
+def test_pass_fn_times_only_its_pass(pass_):
+    """run.pass_fn over rotating input sets: bwd makes each set's forward once (prime(), before any
+    timing) and times the backward alone; fwd_bwd runs the forward every call."""
+    from experiments.run import pass_fn
+    calls = []
+
+    def forward(q, k, v):
+        calls.append(("fwd", q))
+        return f"o{q}", f"lse{q}"
+
+    def backward(q, k, v, do, o, lse):
+        calls.append(("bwd", q))
+        assert (o, lse, do) == (f"o{q}", f"lse{q}", f"do{q}")   # this set's own forward
+        return "grads"
+
+    sets = [(j, None, None, f"do{j}") for j in range(3)]
+    fn = pass_fn(pass_, forward, backward, sets)
+    if pass_ == "bwd":
+        fn.prime()
+        assert calls == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
+        calls.clear()
+    results = [fn(i) for i in range(7)]
+    want = {"fwd": ["fwd"], "bwd": ["bwd"], "fwd_bwd": ["fwd", "bwd"]}[pass_]
+    assert calls == [(kind, i % 3) for i in range(7) for kind in want]
+    assert all(r[2] == (None if pass_ == "fwd" else "grads") for r in results)
+
+
 def test_bad_pass_is_refused(tmp_path):
     out = run(["pass=backward", "problem.seqlen=8", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert out.returncode != 0 and "pass must be one of fwd, bwd, fwd_bwd" in out.stderr
