@@ -96,3 +96,35 @@ def test_unroll_pass_marks_exactly_the_back_edges():
     assert out[16] == "  br label %loop, !llvm.loop !10"            # g's, labels scoped per function
     assert '!9 = !{!"llvm.loop.unroll.full"}' in out and "!8 = distinct !{!8, !9}" in out
     assert sum("unroll.full" in line for line in out) == 2
+
+
+def test_kernel_cache_keys_tell_every_kernel_apart():
+    """FA_KERNEL_CACHE (common.target): every compile target gets its own key, from the constants
+    its closure holds; a kernel closing over something the key cannot describe is not cached."""
+    code = ("from importlib import import_module\nfrom common import compile_report, target\n"
+            "keys, n = set(), 0\n"
+            "for mod in compile_report.VARIANT_MODULES:\n"
+            "    for name, kern, argtypes, mma in import_module(mod).compile_targets():\n"
+            "        keys.add(target.cache_key(kern, tuple(argtypes), (9, 0)))\n"
+            "        n += 1\n"
+            "print(n, len(keys))")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    targets, keys = map(int, out.stdout.split()[-2:])
+    assert targets == keys == 49
+
+    from common.target import closure_constants
+
+    def build(block, obj):
+        def helper():
+            return block
+
+        def kern():
+            return helper(), obj
+        return kern
+    assert closure_constants(build(64, 1.5)) != closure_constants(build(128, 1.5))
+    assert "block=64" in closure_constants(build(64, 1.5))
+    with pytest.raises(TypeError, match="cannot describe"):
+        closure_constants(build(64, object()))
