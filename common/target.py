@@ -330,12 +330,14 @@ def _load_or_compile(kern, sig):
         return kern.compile(sig)._codelibrary.get_cufunc()
     cubin, entry = directory / f"{key}.cubin", directory / f"{key}.entry"
     if cubin.exists() and entry.exists():
-        module = ctx.create_module_image(cubin.read_bytes(), [], [])
+        from cuda.core import ObjectCode
+        module = ctx.create_module_image(ObjectCode.from_cubin(cubin.read_bytes()), [], [])
         return module.get_function(entry.read_text())
     library = kern.compile(sig)._codelibrary
     cufunc = library.get_cufunc()
+    image = library.get_cubin(cc)                  # numba-cuda 0.30: a cuda.core ObjectCode
     tmp = directory / f"{key}.{os.getpid()}.tmp"
-    tmp.write_bytes(library.get_cubin(cc))
+    tmp.write_bytes(getattr(image, "code", image))
     os.replace(tmp, cubin)        # cubin first: an entry file means a complete pair
     tmp.write_text(library._entry_name)
     os.replace(tmp, entry)
