@@ -205,13 +205,42 @@ syncwarp = _make_statement("bar.warp.sync -1;", "All 32 lanes reach this point, 
 
 @intrinsic
 def cp_async_16(typingctx, dst, dst_offset, src, row, col, src_bytes):
-    """16-byte global->shared copy; bytes past `src_bytes` (0 or 16) are filled with zeros."""
+    """16-byte global->shared copy of src[row, col:col+8]; bytes past `src_bytes` (0 or 16) are
+    filled with zeros."""
     sig = types.void(dst, dst_offset, src, row, col, src_bytes)
 
     def codegen(context, builder, sig, args):
         saddr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         gaddr = _global_address(context, builder, sig.args[2], args[2], args[3:5], sig.args[3:5])
         n = _as(context, builder, args[5], sig.args[5], types.int32)
+        _asm(builder, ir.VoidType(), [saddr, gaddr, n],
+             "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def global_address(typingctx, src, row, col):
+    """The 64-bit `.global` address of src[row, col] (arithmetic only: nothing is read)."""
+    sig = types.int64(src, row, col)
+
+    def codegen(context, builder, sig, args):
+        return _global_address(context, builder, sig.args[0], args[0], args[1:3], sig.args[1:3])
+
+    return sig, codegen
+
+
+@intrinsic
+def cp_async_16_from(typingctx, dst, dst_offset, address, src_bytes):
+    """cp_async_16 from a 64-bit global address (global_address plus whole row pitches: a tile
+    copy's address arithmetic done once, not per chunk)."""
+    sig = types.void(dst, dst_offset, address, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        saddr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        gaddr = _as(context, builder, args[2], sig.args[2], types.int64)
+        n = _as(context, builder, args[3], sig.args[3], types.int32)
         _asm(builder, ir.VoidType(), [saddr, gaddr, n],
              "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True)
         return context.get_dummy_value()

@@ -249,6 +249,31 @@ def cp_async_16(dst, dst_offset, src, row, col, src_bytes):
         dst[o:o + 8] = 0
 
 
+class _Address:
+    """What global_address stands for in the simulator: an element of an array, moved by adding
+    whole row pitches in bytes (as the kernels do with the 64-bit address on a GPU)."""
+    __slots__ = ("ary", "row", "col")
+
+    def __init__(self, ary, row, col):
+        self.ary, self.row, self.col = ary, int(row), int(col)
+
+    def __add__(self, nbytes):
+        rows, rest = divmod(int(nbytes), self.ary.strides[0])
+        if rest:
+            raise ValueError("a global address moves by whole rows only")
+        return _Address(self.ary, self.row + rows, self.col)
+
+    __radd__ = __add__
+
+
+def global_address(src, row, col):
+    return _Address(_unwrap(src), row, col)
+
+
+def cp_async_16_from(dst, dst_offset, address, src_bytes):
+    cp_async_16(dst, dst_offset, address.ary, address.row, address.col, src_bytes)
+
+
 def cp_async_commit():
     pass
 

@@ -14,6 +14,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
 | unpack_bf16x2, unpack_f16x2          | mov.b32 {lo, hi}; cvt.f32.{bf16,f16} (both halves)     |
 | cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
+| global_address, cp_async_16_from     | the same copy from a 64-bit address computed once      |
 | ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
 | red_add_v2_f32                       | red.global.add.v2.f32 (sm_90: two fp32 adds at once)   |
 """
@@ -36,6 +37,8 @@ pack_f16x2 = _impl.pack_f16x2
 unpack_bf16x2 = _impl.unpack_bf16x2
 unpack_f16x2 = _impl.unpack_f16x2
 cp_async_16 = _impl.cp_async_16
+global_address = _impl.global_address
+cp_async_16_from = _impl.cp_async_16_from
 cp_async_commit = _impl.cp_async_commit
 cp_async_wait = _impl.cp_async_wait
 ld_shared_v4_u32 = _impl.ld_shared_v4_u32

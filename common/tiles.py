@@ -76,18 +76,35 @@ def copy_split(tid, cols, nthreads):
 
 
 @device_function
-def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzle, tid, nthreads):
+def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzle, tid, nthreads,
+                    address_once=True):
     """Start copying src[row0:row0+rows, col0:col0+cols] into tile `dst` with 16-byte cp.async
     copies spread over `nthreads` threads; rows at or past n_rows are zero-filled. Each thread copies
     one 16-byte column chunk of every (nthreads / (cols/8))-th row (see check_tile_copy); when that
     row step is a multiple of 8 the swizzle repeats and the offsets fold into immediates.
-    Commit and wait with ptx.cp_async_commit / cp_async_wait."""
+    Commit and wait with ptx.cp_async_commit / cp_async_wait.
+
+    address_once (a compile-time constant): the 64-bit global address is computed once, from src's
+    runtime strides, and moved a row step at a time, instead of per 16-byte chunk (~30 integer
+    instructions each). Rows past n_rows copy nothing and are given the first row's address,
+    clamped to the last row, so that every address handed to cp.async lies inside src. The saved
+    instructions cost live registers: a kernel already at 255 (the forward at d=128) spills in its
+    loop with it, so it is a switch (compile report: loop_local)."""
     r, col, row_step = copy_split(tid, cols, nthreads)
-    for i in range(rows // row_step):
-        row = row0 + r + i * row_step
-        inside = row < n_rows
-        ptx.cp_async_16(dst, smem_offset(r + i * row_step, col, row_stride, swizzle), src,
-                        row if inside else 0, col0 + col, 16 if inside else 0)
+    if address_once:
+        first = int32(row0 + r)           # 32-bit row tests (the unrolled i would make them 64)
+        address = ptx.global_address(src, min(first, n_rows - 1), col0 + col)
+        pitch = src.strides[0] * row_step
+        for i in range(rows // row_step):
+            inside = first + int32(i * row_step) < n_rows
+            ptx.cp_async_16_from(dst, smem_offset(r + i * row_step, col, row_stride, swizzle),
+                                 address + i * pitch if inside else address, 16 if inside else 0)
+    else:
+        for i in range(rows // row_step):
+            row = row0 + r + i * row_step
+            inside = row < n_rows
+            ptx.cp_async_16(dst, smem_offset(r + i * row_step, col, row_stride, swizzle), src,
+                            row if inside else 0, col0 + col, 16 if inside else 0)
 
 
 # --------------------------------------------------------------------------- shared -> fragments

@@ -172,13 +172,15 @@ def test_unpacking_inverts_packing(rng):
 
 @cuda.jit
 def copy_kernel(src, out32, dst, valid_rows):
-    """cp.async each 16-byte chunk of src into shared memory (rows >= valid_rows zero-filled), then
-    ld.shared.v4 / st.global.v4 it back out."""
+    """cp.async each 16-byte chunk of src into shared memory (rows >= valid_rows zero-filled), from
+    row 0's address moved by whole row pitches, then ld.shared.v4 / st.global.v4 it back out."""
     tid = int32(cuda.threadIdx.x)
     smem = cuda.shared.array(0, uint16)
     row, col = tid // 4, (tid % 4) * 8
     inside = row < valid_rows
-    ptx.cp_async_16(smem, tid * 8, src, row if inside else 0, col, 16 if inside else 0)
+    first = ptx.global_address(src, 0, col)
+    ptx.cp_async_16_from(smem, tid * 8, first + row * src.strides[0] if inside else first,
+                         16 if inside else 0)
     ptx.cp_async_commit()
     ptx.cp_async_wait(0)
     cuda.syncthreads()

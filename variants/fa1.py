@@ -140,6 +140,10 @@ def build(cfg):
     IS_BF16, CAUSAL, DEFERRED = cfg.is_bf16, cfg.causal, cfg.deferred_rescale
     OUTER_KV, SKIP = cfg.outer_loop == "kv", cfg.causal and cfg.causal_skip
     STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
+    # Tile copies compute their global address once (fewer integer instructions), except at
+    # d=128, where the loop is at 255 registers and the extra live addresses spill there
+    # (tiles.load_tile_async; compile report, loop_local).
+    ADDRESS_ONCE = D < 128
     KV_TILE, Q_TILE, WARP_KEYS = BC * STRIDE, BR * STRIDE, KW * STRIDE
     Q_START = 2 * KV_TILE                            # K_j | V_j | Q tile(s) | fp32 exchange area
     O_STRIDE = cfg.partial_o_stride                  # partial P~ V rows, in floats
@@ -245,10 +249,12 @@ def build(cfg):
                     # l.6: K_j, V_j to SRAM (with the first Q_i), once every warp is done with the
                     # previous ones.
                     cuda.syncthreads()
-                    tiles.load_tile_async(k_s, k_h, col0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
-                    tiles.load_tile_async(v_s, v_h, col0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
+                    tiles.load_tile_async(k_s, k_h, col0, n_k, 0, BC, D, STRIDE, True,
+                                          tid, THREADS, ADDRESS_ONCE)
+                    tiles.load_tile_async(v_s, v_h, col0, n_k, 0, BC, D, STRIDE, True,
+                                          tid, THREADS, ADDRESS_ONCE)
                     tiles.load_tile_async(smem[Q_START:Q_START + Q_TILE], q_bh, i_first * BR, n_q,
-                                          0, BR, D, STRIDE, True, tid, THREADS)
+                                          0, BR, D, STRIDE, True, tid, THREADS, ADDRESS_ONCE)
                     ptx.cp_async_commit()
                 for i in range(i_first, i_end):                    # l.7
                     row0 = i * BR
@@ -258,7 +264,7 @@ def build(cfg):
                     if i + 1 < i_end:      # Q_{i+1} into the other tile while step i computes
                         nxt = Q_START + ((i + 1 - i_first) & 1) * Q_TILE
                         tiles.load_tile_async(smem[nxt:nxt + Q_TILE], q_bh, row0 + BR, n_q, 0, BR, D,
-                                              STRIDE, True, tid, THREADS)
+                                              STRIDE, True, tid, THREADS, ADDRESS_ONCE)
                     ptx.cp_async_commit()
                     # l.8: O_i, l_i, m_i from HBM; their first visit (j = 0) starts from l.2's values.
                     grow = row0 + row
@@ -300,10 +306,13 @@ def build(cfg):
             if SKIP:
                 t_c = min(t_c, (row0 + BR - 1) // BC + 1)
             q_s = smem[Q_START:Q_START + Q_TILE]
-            tiles.load_tile_async(q_s, q_bh, row0, n_q, 0, BR, D, STRIDE, True, tid, THREADS)
-            tiles.load_tile_async(k_s, k_h, 0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
+            tiles.load_tile_async(q_s, q_bh, row0, n_q, 0, BR, D, STRIDE, True,
+                                  tid, THREADS, ADDRESS_ONCE)
+            tiles.load_tile_async(k_s, k_h, 0, n_k, 0, BC, D, STRIDE, True,
+                                  tid, THREADS, ADDRESS_ONCE)
             ptx.cp_async_commit()
-            tiles.load_tile_async(v_s, v_h, 0, n_k, 0, BC, D, STRIDE, True, tid, THREADS)
+            tiles.load_tile_async(v_s, v_h, 0, n_k, 0, BC, D, STRIDE, True,
+                                  tid, THREADS, ADDRESS_ONCE)
             ptx.cp_async_commit()
             m_row, l_row = NEG_INF, float32(0)
             for c in range(CHUNK):
@@ -317,14 +326,14 @@ def build(cfg):
                 cuda.syncthreads()     # ... and every warp is done with K_j: copy K_{j+1}
                 if j + 1 < t_c:
                     tiles.load_tile_async(k_s, k_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
-                                          THREADS)
+                                          THREADS, ADDRESS_ONCE)
                 ptx.cp_async_commit()
                 exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
                                    scale_log2)
                 cuda.syncthreads()     # every warp is done with V_j: copy V_{j+1}
                 if j + 1 < t_c:
                     tiles.load_tile_async(v_s, v_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
-                                          THREADS)
+                                          THREADS, ADDRESS_ONCE)
                 ptx.cp_async_commit()
                 m_row, l_row = update_rows(o_own, m_row, l_row, o_part, red_max, red_sum, row, c0,
                                            scale_log2)

@@ -106,6 +106,10 @@ def build(cfg):
     SKIP = cfg.causal and cfg.causal_skip
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    # Tile copies compute their global address once (fewer integer instructions), except at
+    # d=128, where the loop is at 255 registers and the extra live addresses spill there
+    # (tiles.load_tile_async; compile report, loop_local).
+    ADDRESS_ONCE = D < 128
     P_STRIDE = tiles.tile_row_stride(BC, SWIZZLE) if not P_IN_REGISTERS else 0
     Q_TILE, KV_TILE, P_TILE = BR * STRIDE, BC * STRIDE, BR * P_STRIDE
     STAGES = cfg.kv_stages
@@ -120,7 +124,8 @@ def build(cfg):
     @device_function
     def load_kv_tile(tile, src, row0, n_rows, tid):
         """Start the cp.async copy of rows row0..row0+B_c of K or V into a shared tile."""
-        tiles.load_tile_async(tile, src, row0, n_rows, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(tile, src, row0, n_rows, 0, BC, D, STRIDE, SWIZZLE,
+                              tid, THREADS, ADDRESS_ONCE)
 
     @device_function
     def refill_after_use(tile, src, j, t_c, n_rows, tid):
@@ -158,7 +163,8 @@ def build(cfg):
             t_c = min(t_c, (row0 + BR - 1) // BC + 1)
 
         # Alg.1 l.4: load Q_i (and, ahead of the loop, K_1 and V_1) from HBM to SRAM.
-        tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
+                              tid, THREADS, ADDRESS_ONCE)
         load_kv_tile(smem[Q_TILE:Q_TILE + KV_TILE], k_h, 0, n_k, tid)
         ptx.cp_async_commit()
         load_kv_tile(smem[Q_TILE + KV_TILE:Q_TILE + 2 * KV_TILE], v_h, 0, n_k, tid)
@@ -450,11 +456,12 @@ def build_backward(cfg):
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
     @device_function
-    def step_position(step, i0, n_i, h_kv, kv_group):
-        """Inner step -> (query head, query block i): every query head of the K/V head's group,
-        each over the query blocks i0.. that block j meets."""
-        hh = step // n_i
-        return h_kv * kv_group + hh, i0 + step - hh * n_i
+    def next_position(h, i, i0, t_r):
+        """The inner step after (query head h, query block i): the steps walk every query head of
+        the K/V head's group, each over the query blocks i0..t_r-1 that block j meets."""
+        if i + 1 < t_r:
+            return int32(h), int32(i + 1)
+        return int32(h + 1), int32(i0)
 
     @device_function
     def load_q_do(smem, stage, q, do, b, h, i, n_q, tid):
@@ -509,8 +516,8 @@ def build_backward(cfg):
         # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
         tiles.load_tile_async(k_s, k[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
         tiles.load_tile_async(v_s, v[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
-        h, i = step_position(0, i0, n_i, h_kv, kv_group)
-        q0 = i * BR                        # first query of Q_i
+        h, i = int32(h_kv * kv_group), int32(i0)   # the first step's query head and block
+        q0 = int32(i * BR)                 # first query of Q_i
         load_q_do(smem, 0, q, do, b, h, i, n_q, tid)
         ptx.cp_async_commit()
         for r in range(tid, BR, THREADS):
@@ -553,16 +560,17 @@ def build_backward(cfg):
             cuda.syncthreads()
             if ATOMIC and step > 0:   # l.15 of the previous step, its dS^T now visible to all warps
                 update_dq(smem, k_s, dq_acc[b, h], 1 - stage, q0, n_q, dq, dsa, warp, lane)
-            h, i = step_position(step, i0, n_i, h_kv, kv_group)
+            if step > 0:
+                h, i = next_position(h, i, i0, t_r)
             more = step + 1 < n_steps
             if more:
-                h1, i1 = step_position(step + 1, i0, n_i, h_kv, kv_group)
+                h1, i1 = next_position(h, i, i0, t_r)
                 load_q_do(smem, 1 - stage, q, do, b, h1, i1, n_q, tid)
                 for r in range(STATS_PER_THREAD):
                     next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h1, i1, n_q,
                                                          tid + r * THREADS)
             ptx.cp_async_commit()
-            q0 = i * BR
+            q0 = int32(i * BR)
 
             # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i).
             tiles.fill(s, float32(0))
