@@ -421,12 +421,13 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "causal_skip", "swizzle
 
 # B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
 # thread), B_r = 64 queries a step at d=128 (FA2's own tile) and 128 at d=64 (so that the 8 warps
-# split dQ_i in whole m16 tiles). dQ by the separate kernel: 8-17% faster than the atomics on an H100
-# (docs/performance.md, conf/experiment/bwd_dq.yaml).
+# split dQ_i in whole m16 tiles). dQ: fwd+bwd on an H100 (docs/results/bwd_dq_grid_h100.csv), the
+# atomics are 4-5% faster at d=128 non-causal and level causal; at d=64 the separate kernel is 0-5%
+# faster. So d=128 adds dQ atomically (not bitwise reproducible: pass dq="separate" for that).
 # The dQ kernel at d=64 takes two m16 tiles of queries a warp (B_r = 128 over 4 warps), so each K
 # and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
 BACKWARD_DEFAULTS = {64: dict(block_m=128, kv_in_registers=True, dq="separate", dq_block_m=128),
-                     128: dict(dq="separate")}
+                     128: dict(dq="atomic")}
 
 default_backward_config = configs.default_config_function(
     "fa2 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
