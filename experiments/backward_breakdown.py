@@ -1,0 +1,97 @@
+"""Where a fa2 backward call's time goes, beside SDPA's backward, on the FA2 paper's shapes (bf16,
+batch * seqlen = 16k, hidden 2048): the whole call (`variants.backward`) with each dQ path, and
+each of its parts timed alone on the same tensors (argument checks and allocation `prep`, the D
+pre-pass `pre`, the K/V kernel `kv`, dQ's cast `convert` or the separate dQ kernel `dqk`), then
+SDPA flash's and cuDNN's backward through torch.autograd.grad on a kept graph. One line a problem:
+
+    python experiments/backward_breakdown.py <head_dim>:<seqlen>:<causal 0|1> [...]
+    python experiments/backward_breakdown.py 128:8192:0 64:8192:0
+
+Milliseconds (median, CUDA events after warm-up), then TFLOP/s by the papers' count (backward 2.5x
+the forward's FLOPs). Needs a GPU and torch.
+"""
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+
+common.select_backend()
+
+import numpy as np  # noqa: E402
+
+import variants  # noqa: E402
+from common import backward as bwd  # noqa: E402
+from common import flops, timing  # noqa: E402
+from common.target import launch  # noqa: E402
+from variants import fa2  # noqa: E402
+
+
+def median_ms(fn):
+    return timing.benchmark(lambda i: fn(), warmup=3, min_reps=10, max_reps=40,
+                            target_ms=150).median_ms
+
+
+def parts(do, q, k, v, o, lse, causal, dq):
+    """{part: ms} of one dQ path's call, each part launched alone on prepared arguments."""
+    head_dim = q.shape[-1]
+    prepare = lambda: bwd.prepare_backward(do, q, k, v, o, lse, causal=causal,  # noqa: E731
+                                           softmax_scale=None, head_dims=fa2.HEAD_DIMS,
+                                           variant="fa2")
+    g = prepare()
+    cfg = fa2.default_backward_config(head_dim, True, causal, dq=dq)
+    out = {f"call_{dq}": median_ms(lambda: variants.backward(do, q, k, v, o, lse, causal=causal,
+                                                             dq=dq)),
+           f"prep_{dq}": median_ms(prepare),
+           f"pre_{dq}": median_ms(lambda: bwd.preprocess(g, zero_dq=dq == "atomic"))}
+    prob = g.prob
+    scales = (np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
+    sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
+    grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
+    out[f"kv_{dq}"] = median_ms(lambda: launch(
+        fa2.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
+        prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales))
+    if dq == "atomic":
+        out["convert"] = median_ms(lambda: bwd.convert_dq(g))
+    else:
+        grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
+        out["dqk"] = median_ms(lambda: launch(
+            fa2.build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
+            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales))
+    return out
+
+
+def main(specs):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    for spec in specs:
+        head_dim, seqlen, causal = (int(x) for x in spec.split(":"))
+        causal = bool(causal)
+        batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
+                                   dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        o, lse = variants.forward(q, k, v, causal=causal)
+        res = {}
+        for dq in ("atomic", "separate"):
+            res.update(parts(do, q, k, v, o, lse, causal, dq))
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        for backend, name in ((SDPBackend.FLASH_ATTENTION, "flash"),
+                              (SDPBackend.CUDNN_ATTENTION, "cudnn")):
+            with sdpa_kernel(backend):
+                out = sdpa(*(x.transpose(1, 2) for x in leaves), is_causal=causal)
+            res[f"sdpa_{name}_bwd"] = median_ms(lambda: torch.autograd.grad(
+                out, leaves, do.transpose(1, 2), retain_graph=True))
+        work = flops.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal, "bwd")
+        print(f"d={head_dim} n={seqlen} causal={causal} | "
+              + " ".join(f"{key}={ms:.3f}" for key, ms in res.items()) + " | TFLOP/s: "
+              + " ".join(f"{key}={work / ms / 1e9:.0f}" for key, ms in res.items()
+                         if key.startswith(("call", "kv", "sdpa"))), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["128:8192:0", "64:8192:0"])
