@@ -1,4 +1,5 @@
-"""Every kernel configuration compiles for sm_90 on a machine without a GPU, and the compiler made
+"""Every kernel configuration (bf16; fp16 once per variant: it changes only the mma and cvt opcodes)
+compiles for sm_90 on a machine without a GPU, and the compiler made
 what we meant: the mma.sync instructions the tile shapes call for, no float64 arithmetic, no
 local-memory arrays, and (with ptxas and cuobjdump from the `test` extra) at most 255 registers and
 no local-memory traffic in fa2's K/V loop (fa1's: bounded)."""
@@ -24,10 +25,10 @@ def report():
 
 def test_every_kernel_is_covered(report):
     names = [r["kernel"] for r in report]
-    assert sum(n.startswith("fa2 d=") for n in names) == 8    # 2 head dims x 2 dtypes x causal
+    assert sum(n.startswith("fa2 d=") for n in names) == 5    # 2 head dims x causal, bf16; fp16 once
     assert sum(n.startswith("fa2 backward") for n in names) == 9   # d=64 (K/V, dQ) x 2 + atomic,
     #                                                    d=128 K/V x 2 + separate (K/V, dQ)
-    assert sum(n.startswith("fa1 d=") for n in names) == 10   # the same, and two ladder rungs
+    assert sum(n.startswith("fa1 d=") for n in names) == 7    # the same, and two ladder rungs
     assert sum(n.startswith("fa1 backward") for n in names) == 1
     assert sum(n.startswith("standard") for n in names) == 16
     assert sum(n.startswith("backward ") for n in names) == 4   # D = rowsum(dO o O), dQ's cast
@@ -118,7 +119,7 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     targets, keys = map(int, out.stdout.split()[-2:])
-    assert targets > 40 and keys == targets
+    assert targets > 30 and keys == targets
 
     from common.target import closure_constants
 
