@@ -282,6 +282,20 @@ def ld_shared_v4_u32(typingctx, smem, offset):
     return sig, codegen
 
 
+@intrinsic
+def st_shared_u32(typingctx, smem, offset, x):
+    """smem[offset] = x, one 32-bit shared store at a 32-bit address (no 64-bit index math and
+    no negative-index wrap-around, which an indexed store of a signed offset costs)."""
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        val = _as(context, builder, args[2], sig.args[2], types.uint32)
+        _asm(builder, ir.VoidType(), [addr, val], "st.shared.b32 [$0], $1;", "r,r,~{memory}",
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(smem, offset, x), codegen
+
+
 def _global_vector_op(context, builder, sig, args, value_type, text, constraints):
     """Emit `text` with $0 = the 64-bit address of dst[row, col] (args[0:3]) and $1.. = the values
     args[3:] as `value_type`."""

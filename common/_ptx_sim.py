@@ -287,6 +287,10 @@ def ld_shared_v4_u32(smem, offset):
     return tuple(np.uint32(x) for x in _unwrap(smem)[o:o + 4])
 
 
+def st_shared_u32(smem, offset, x):
+    _unwrap(smem)[int(offset)] = np.uint32(x)
+
+
 def st_global_v4_u32(dst, row, col, x0, x1, x2, x3):
     c = int(col)
     _unwrap(dst)[int(row), c:c + 4] = (x0, x1, x2, x3)

@@ -16,6 +16,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
 | global_address, cp_async_16_from     | the same copy from a 64-bit address computed once      |
 | ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
+| st_shared_u32                        | st.shared.b32                                          |
 | red_add_v2_f32                       | red.global.add.v2.f32 (sm_90: two fp32 adds at once)   |
 """
 from numba import config
@@ -43,4 +44,5 @@ cp_async_commit = _impl.cp_async_commit
 cp_async_wait = _impl.cp_async_wait
 ld_shared_v4_u32 = _impl.ld_shared_v4_u32
 st_global_v4_u32 = _impl.st_global_v4_u32
+st_shared_u32 = _impl.st_shared_u32
 red_add_v2_f32 = _impl.red_add_v2_f32

@@ -248,18 +248,23 @@ _SCALAR_TYPES = _scalar_types()
 # ptxas), so a benchmark sweep or a GPU test run on a fresh machine spends most of its time
 # compiling. With FA_KERNEL_CACHE=<dir>, `launch` keeps each kernel's cubin there and later
 # processes load it instead of compiling. The key covers everything a cubin depends on: the source
-# of every module in common/ and variants/ (any edit invalidates every entry), the kernel's name and
-# the compile-time constants its closure holds (recursively through its device functions), the
-# argument types, the GPU's compute capability and numba-cuda's version.
+# of every module in common/ (any edit there invalidates every entry) and of each variants/ module
+# the kernel or a device function it calls is defined in (an edit to fa2.py leaves fa1's and
+# standard's kernels cached; kernel bodies reach other variants only through closures, which
+# closure_constants walks), the kernel's name and the compile-time constants its closure holds
+# (recursively through its device functions), the argument types, the GPU's compute capability
+# and numba-cuda's version.
 
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @lru_cache(maxsize=None)
-def source_digest():
-    """sha256 over the source of every kernel module (common/*.py, variants/*.py)."""
+def source_digest(modules=()):
+    """sha256 over the source of common/*.py and of the given `variants.<name>` modules."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE_ROOT.glob("common/*.py")) + sorted(_PACKAGE_ROOT.glob("variants/*.py")):
+    paths = sorted(_PACKAGE_ROOT.glob("common/*.py")) + [
+        _PACKAGE_ROOT / "variants" / f"{m.split('.')[1]}.py" for m in sorted(modules)]
+    for path in paths:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -297,11 +302,21 @@ def _describe(value, seen):
     raise TypeError(f"cannot describe closure constant {value!r} of type {type(value).__name__}")
 
 
+def source_modules(kern, constants=None):
+    """The variants modules whose source a kernel is compiled from: its own and those of the
+    device functions in its closure (named in closure_constants' description)."""
+    constants = closure_constants(kern) if constants is None else constants
+    modules = {kern.py_func.__module__} | set(re.findall(r"\((variants\.\w+)\.", constants))
+    return tuple(sorted(m for m in modules if m.startswith("variants.")))
+
+
 def cache_key(kern, sig, cc):
     """The file name a kernel's cubin is kept under."""
     from numba import cuda as _cuda
     version = getattr(_cuda, "__version__", "")
-    text = "|".join([source_digest(), closure_constants(kern), repr(sig), repr(cc), version])
+    constants = closure_constants(kern)
+    text = "|".join([source_digest(source_modules(kern, constants)), constants, repr(sig),
+                     repr(cc), version])
     name = kern.py_func.__name__
     return f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 

@@ -63,6 +63,17 @@ def column_step(base, i, swizzle):
     return int32(base + (i << 4))
 
 
+@device_function
+def chunk_step(base, n, swizzle):
+    """Offset `base` (a column of some row's first 8-column chunk) moved n chunks right, n a
+    compile-time constant. Swizzled, chunk n of row r sits at chunk n ^ (r % 8): an XOR of the
+    chunk bits with n % 8, plus 64 columns a whole 8 chunks; the compiler keeps one base register
+    per row and folds the steps into immediates (row strides are multiples of 64 columns)."""
+    if swizzle:
+        return int32((base ^ ((n & 7) << 3)) + ((n >> 3) << 6))
+    return int32(base + (n << 3))
+
+
 # --------------------------------------------------------------------------- global -> shared
 
 @device_function
@@ -92,11 +103,13 @@ def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzl
     loop with it, so it is a switch (compile report: loop_local)."""
     r, col, row_step = copy_split(tid, cols, nthreads)
     if address_once:
-        first = int32(row0 + r)           # 32-bit row tests (the unrolled i would make them 64)
-        address = ptx.global_address(src, min(first, n_rows - 1), col0 + col)
+        # Row arithmetic in 32 bits: Numba types int32 + int32 as int64, so every sum is cast
+        # back, or each row test costs a 64-bit add and a two-instruction compare.
+        first = int32(row0 + r)
+        address = ptx.global_address(src, min(first, int32(n_rows - 1)), int32(col0 + col))
         pitch = src.strides[0] * row_step
         for i in range(rows // row_step):
-            inside = first + int32(i * row_step) < n_rows
+            inside = int32(first + i * row_step) < n_rows
             ptx.cp_async_16_from(dst, smem_offset(r + i * row_step, col, row_stride, swizzle),
                                  address + i * pitch if inside else address, 16 if inside else 0)
     else:
@@ -280,10 +293,10 @@ def mask_scores(s, row0, col0, n_cols, causal, lane):
             end = n_cols
             if causal:
                 end = min(end, row0 + m * 16 + (lane >> 2) + 8 * h + 1)
-            bound = end - col0 - t2   # element (n, jj) is masked when 8n + jj >= bound
+            bound = int32(end - col0 - t2)   # element (n, jj) is masked when 8n + jj >= bound
             for n in range(s.shape[1]):
                 for jj in range(2):
-                    if n * 8 + jj >= bound:
+                    if int32(n * 8 + jj) >= bound:     # 32-bit: one compare, not two
                         s[m, n, 2 * h + jj] = NEG_INF
 
 
@@ -296,13 +309,14 @@ def mask_scores_transposed(s, row0, n_rows, col0, n_cols, causal, lane):
     for m in range(s.shape[0]):
         for h in range(2):
             row = row0 + m * 16 + (lane >> 2) + 8 * h
-            hi = n_cols - col0 - t2          # element (n, jj) is masked when 8n + jj >= hi ...
-            lo = row - col0 - t2 if causal else int32(-(1 << 30))   # ... or 8n + jj < lo
+            hi = int32(n_cols - col0 - t2)   # element (n, jj) is masked when 8n + jj >= hi ...
+            lo = int32(row - col0 - t2) if causal else int32(-(1 << 30))   # ... or 8n + jj < lo
             if row >= n_rows:
                 hi = int32(-(1 << 30))
             for n in range(s.shape[1]):
                 for jj in range(2):
-                    if n * 8 + jj >= hi or n * 8 + jj < lo:
+                    c = int32(n * 8 + jj)           # 32-bit compares, as in mask_scores
+                    if c >= hi or c < lo:
                         s[m, n, 2 * h + jj] = NEG_INF
 
 
@@ -331,14 +345,13 @@ def scale_accumulator(acc, factor):
 def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, is_bf16):
     """Write acc (as 16-bit pairs) into a row-major tile seen as uint32 words; row0: the warp's
     first row in the tile. Readers in other lanes need a barrier (syncwarp or syncthreads) first."""
-    g = lane >> 2
-    t = lane & 3
+    g, t2 = lane >> 2, 2 * (lane & 3)
     for m in range(acc.shape[0]):
         for h in range(2):
-            r = row0 + m * 16 + g + 8 * h
+            base = smem_offset(row0 + m * 16 + g + 8 * h, t2, row_stride, swizzle)
             for n in range(acc.shape[1]):
                 w = pack_pair(acc[m, n, 2 * h], acc[m, n, 2 * h + 1], is_bf16)
-                tile32[smem_offset(r, n * 8 + 2 * t, row_stride, swizzle) >> 1] = w
+                ptx.st_shared_u32(tile32, chunk_step(base, n, swizzle) >> 1, w)
 
 
 @device_function

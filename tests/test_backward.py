@@ -88,9 +88,9 @@ def test_gradients_rectangular_with_custom_scale(rng, variant):
                        softmax_scale=0.37)
 
 
-# The backward's switches, each away from its default (BACKWARD_DEFAULTS: dq="separate" at d=64,
-# "atomic" at d=128): each must still give exact gradients.
-FA2_BACKWARD_OPTIONS = [dict(dq="atomic"), dict(causal_skip=False),
+# The backward's switches, each away from its default (BACKWARD_DEFAULTS: dq="atomic"): each must
+# still give exact gradients.
+FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(causal_skip=False),
                         dict(swizzle=False, kv_in_registers=False),
                         dict(head_dim=128, dq="atomic", kv_in_registers=True),
                         dict(head_dim=128, dq="separate")]
@@ -111,7 +111,7 @@ def test_fa2_backward_options(rng, options):
 def test_gradients_real_size(rng, head_dim, causal):
     backward_and_check(rng, "fa2", batch=2, seqlen=2048, heads=4, head_dim=head_dim, causal=causal)
     backward_and_check(rng, "fa2", batch=1, seqlen=2048, heads=2, head_dim=head_dim, causal=causal,
-                       dq="separate" if head_dim == 128 else "atomic")   # the other dQ path
+                       dq="separate")   # the other dQ path
 
 
 @pytest.mark.gpu

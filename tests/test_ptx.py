@@ -202,6 +202,23 @@ def test_async_copy_and_vector_access(rng):
 
 
 @cuda.jit
+def store_shared_kernel(out):
+    """Each thread stores a word into the mirrored slot with st.shared; the block reads them back."""
+    tid = int32(cuda.threadIdx.x)
+    smem32 = cuda.shared.array(64, uint32)
+    ptx.st_shared_u32(smem32[32:], 31 - tid, uint32(3 * tid + 1))
+    ptx.st_shared_u32(smem32, tid, uint32(7))
+    cuda.syncthreads()
+    out[tid] = smem32[32 + tid] + smem32[tid]
+
+
+def test_shared_store_writes_the_word_at_the_offset():
+    out = np.zeros(32, np.uint32)
+    store_shared_kernel[1, 32](out)
+    np.testing.assert_array_equal(out, 3 * (31 - np.arange(32)) + 1 + 7)
+
+
+@cuda.jit
 def reduce_kernel(dst):
     """Every thread of every block adds (block + 1, thread) to one pair of columns of dst."""
     tid, blk = int32(cuda.threadIdx.x), int32(cuda.blockIdx.x)

@@ -353,8 +353,8 @@ class BackwardConfig:
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / warps keys
-    dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel); the
-                               # defaults (BACKWARD_DEFAULTS) choose "separate"
+    dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel,
+                               # deterministic)
     causal_skip: bool = True   # causal: never visit query blocks entirely above the diagonal
     swizzle: bool = True
     kv_in_registers: bool = False   # K_j, V_j A fragments held in registers through the i loop
@@ -425,12 +425,13 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "causal_skip", "swizzle
 
 # B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
 # thread), B_r = 64 queries a step at d=128 (FA2's own tile) and 128 at d=64 (so that the 8 warps
-# split dQ_i in whole m16 tiles). dQ: fwd+bwd on an H100 (docs/results/bwd_dq_grid_h100.csv), the
-# atomics are 4-5% faster at d=128 non-causal and level causal; at d=64 the separate kernel is 0-5%
-# faster. So d=128 adds dQ atomically (not bitwise reproducible: pass dq="separate" for that).
-# The dQ kernel at d=64 takes two m16 tiles of queries a warp (B_r = 128 over 4 warps), so each K
-# and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
-BACKWARD_DEFAULTS = {64: dict(block_m=128, kv_in_registers=True, dq="separate", dq_block_m=128),
+# split dQ_i in whole m16 tiles). dQ: since the reductions are issued after the next step's copies,
+# the atomics are faster at both head dims (backward call alone on an H100, seqlen 8k non-causal,
+# docs/results/bwd_breakdown_h100.txt: 9.95 vs 10.67 ms at d=64, 10.06 vs 11.50 ms at d=128;
+# causal 2k: 1.62 vs 1.71 and 1.62 vs 1.70). Not bitwise reproducible: pass dq="separate" for that.
+# The separate dQ kernel at d=64 takes two m16 tiles of queries a warp (B_r = 128 over 4 warps), so
+# each K and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
+BACKWARD_DEFAULTS = {64: dict(block_m=128, kv_in_registers=True, dq="atomic", dq_block_m=128),
                      128: dict(dq="atomic")}
 
 default_backward_config = configs.default_config_function(
@@ -463,10 +464,11 @@ def build_backward(cfg):
     @device_function
     def next_position(h, i, i0, t_r):
         """The inner step after (query head h, query block i): the steps walk every query head of
-        the K/V head's group, each over the query blocks i0..t_r-1 that block j meets."""
+        the K/V head's group, each over the query blocks i0..t_r-1 that block j meets. Heads are
+        unsigned so that indexing with them costs no negative-index wrap-around."""
         if i + 1 < t_r:
-            return int32(h), int32(i + 1)
-        return int32(h + 1), int32(i0)
+            return uint32(h), int32(i + 1)
+        return uint32(h + 1), int32(i0)
 
     @device_function
     def load_q_do(smem, stage, q, do, b, h, i, n_q, tid):
@@ -480,9 +482,9 @@ def build_backward(cfg):
     @device_function
     def load_stats(lse, d_vec, b, h, i, n_q, r):
         """L_i * log2(e) and D_i of row r of block i (0 past the block or n_q: masked anyway)."""
-        row = i * BR + r
+        row = int32(i * BR + r)
         if r < BR and row < n_q:
-            return softmax.lse_log2(lse[b, h, row]), d_vec[b, h, row]
+            return softmax.lse_log2(lse[b, h, uint32(row)]), d_vec[b, h, uint32(row)]
         return float32(0), float32(0)
 
     @device_function
@@ -521,7 +523,7 @@ def build_backward(cfg):
         # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
         tiles.load_tile_async(k_s, k[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
         tiles.load_tile_async(v_s, v[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
-        h, i = int32(h_kv * kv_group), int32(i0)   # the first step's query head and block
+        h, i = uint32(h_kv * kv_group), int32(i0)   # the first step's query head and block
         q0 = int32(i * BR)                 # first query of Q_i
         load_q_do(smem, 0, q, do, b, h, i, n_q, tid)
         ptx.cp_async_commit()
@@ -563,8 +565,7 @@ def build_backward(cfg):
             # with the other stage: start copying step+1's Q, dO there (and read its L, D).
             ptx.cp_async_wait(0)
             cuda.syncthreads()
-            if ATOMIC and step > 0:   # l.15 of the previous step, its dS^T now visible to all warps
-                update_dq(smem, k_s, dq_acc[b, h], 1 - stage, q0, n_q, dq, dsa, warp, lane)
+            h_prev = h
             if step > 0:
                 h, i = next_position(h, i, i0, t_r)
             more = step + 1 < n_steps
@@ -575,6 +576,11 @@ def build_backward(cfg):
                     next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h1, i1, n_q,
                                                          tid + r * THREADS)
             ptx.cp_async_commit()
+            if ATOMIC and step > 0:
+                # l.15 of the previous step, its dS^T now visible to all warps. After the copies
+                # are issued: its 16 reductions a thread would otherwise queue ahead of them in
+                # the load/store unit (5% of the kernel's time at d=128 on an H100).
+                update_dq(smem, k_s, dq_acc[b, h_prev], 1 - stage, q0, n_q, dq, dsa, warp, lane)
             q0 = int32(i * BR)
 
             # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i).
@@ -628,7 +634,7 @@ def build_backward(cfg):
                         softmax_scale, scale_log2):
         """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
         fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views."""
-        b, h_kv = cuda.blockIdx.y, cuda.blockIdx.z
+        b, h_kv = uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)   # unsigned: no index wrap
         if SEQUENTIAL:   # FA1 Alg. 4: one thread block walks every K/V block j in turn
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
