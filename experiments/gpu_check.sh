@@ -2,9 +2,13 @@
 # The whole GPU check in one call: GPU test suite, compiler facts, benchmark; logs under $OUT,
 # a short table printed last.
 #   OUT=<dir> experiments/gpu_check.sh [tests] [compile] [quick] [grid]   (default: all four)
-#   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests;
-#            compile-bound: over 10 minutes now, so on the lent host run it in parts, e.g.
-#            `bwd_fa2`, `bwd_other` and `TESTS="tests/test_variants.py" ... tests`)
+#   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests),
+#            as 14 pytest processes at once: it is compile-bound (one process: over 20 minutes
+#            cold), and the groups compile in parallel on the host's cores. Cold on the 16-core
+#            H100 host the slowest groups (fa1's, the options) need 8-9 minutes, so give `tests`
+#            a call of its own; FA_KERNEL_CACHE (kept in .kcache/) makes a rerun after an edit to
+#            one variant short. tests/test_compile.py is the CPU-side `compile` step, not here.
+#            TESTS=<paths> runs those paths in one process instead.
 #   bwd_fa2, bwd_other   tests/test_backward.py for fa2, and for fa1, standard and the protocol
 #   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
 #   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
@@ -27,8 +31,31 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)
-      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=12 ${TESTS:-tests} > "$OUT/tests.log" 2>&1 || status=1
-      tail -3 "$OUT/tests.log" ;;
+      if [ -n "${TESTS:-}" ]; then
+        timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=12 $TESTS > "$OUT/tests.log" 2>&1 || status=1
+        tail -3 "$OUT/tests.log"
+      else
+        B=tests/test_backward.py V=tests/test_variants.py
+        groups=("misc|tests/test_ptx.py tests/test_tiles.py tests/test_errors.py tests/test_arrays.py tests/test_config.py tests/test_reference.py"
+                "bwd_ref_fa2_64|$B -k match_reference and fa2 and 64" "bwd_ref_fa2_128|$B -k match_reference and fa2 and 128"
+                "bwd_ref_fa1|$B -k match_reference and fa1" "bwd_ref_standard|$B -k match_reference and standard"
+                "bwd_shapes|$B -k grouped or rectangular or deterministic or autograd or profile_script"
+                "bwd_options|$B -k options" "bwd_real|$B -k real_size"
+                "bwd_protocol_64|$B -k protocol and 64" "bwd_protocol_128|$B -k protocol and 128"
+                "fwd_fa2_64|$V -k fa2 and 64" "fwd_fa2_128|$V -k fa2 and 128"
+                "fwd_fa1|$V -k fa1" "fwd_rest|$V -k not fa2 and not fa1")
+        pids=()
+        for g in "${groups[@]}"; do
+          name=${g%%|*} spec=${g#*|}
+          if [[ $spec == *" -k "* ]]; then args=("${spec%% -k *}" -k "${spec#* -k }"); else args=($spec); fi
+          timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider "${args[@]}" \
+            > "$OUT/tests_$name.log" 2>&1 &
+          pids+=($!)
+        done
+        for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+        for g in "${groups[@]}"; do name=${g%%|*}; echo "$name: $(tail -1 "$OUT/tests_$name.log")"; done
+        grep -h "^FAILED\|^ERROR" "$OUT"/tests_*.log | head -20
+      fi ;;
     bwd_fa2|bwd_other)
       filter=$([ "$step" = bwd_fa2 ] && echo "fa2 and not protocol" || echo "not fa2 or protocol")
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=12 \
