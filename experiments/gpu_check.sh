@@ -3,10 +3,10 @@
 # a short table printed last.
 #   OUT=<dir> experiments/gpu_check.sh [tests] [compile] [quick] [grid]   (default: all four)
 #   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests),
-#            as 14 pytest processes at once: it is compile-bound (one process: over 20 minutes
-#            cold), and the groups compile in parallel on the host's cores. Cold on the 16-core
-#            H100 host the slowest groups (fa1's, the options) need 8-9 minutes, so give `tests`
-#            a call of its own; FA_KERNEL_CACHE (kept in .kcache/) makes a rerun after an edit to
+#            as 14 pytest processes at once: it is compile-bound (the groups' times add up to
+#            about 50 minutes), and the groups compile in parallel on the host's cores. Cold on
+#            the 16-core H100 host the slowest groups (fa1's, the options) were still running
+#            after 7.4 minutes, so give `tests` a call of its own; FA_KERNEL_CACHE (kept in .kcache/) makes a rerun after an edit to
 #            one variant short. tests/test_compile.py is the CPU-side `compile` step, not here.
 #            TESTS=<paths> runs those paths in one process instead.
 #   bwd_fa2, bwd_other   tests/test_backward.py for fa2, and for fa1, standard and the protocol

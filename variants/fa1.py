@@ -142,8 +142,7 @@ def build(cfg):
     STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
     # integer instructions), except at d=128: there the loop is at 255 registers and the extra
-    # live addresses spill inside it (compile report, loop_local). The d=128 kernels' PTX is the
-    # same as before the switch existed; the d=64 ones were GPU-tested and timed (fwd+bwd) with it.
+    # live addresses spill inside it (compile report, loop_local).
     ADDRESS_ONCE = D < 128
     KV_TILE, Q_TILE, WARP_KEYS = BC * STRIDE, BR * STRIDE, KW * STRIDE
     Q_START = 2 * KV_TILE                            # K_j | V_j | Q tile(s) | fp32 exchange area

@@ -108,8 +108,7 @@ def build(cfg):
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
     # integer instructions), except at d=128: there the loop is at 255 registers and the extra
-    # live addresses spill inside it (compile report, loop_local). The d=128 kernels' PTX is the
-    # same as before the switch existed; the d=64 ones were GPU-tested and timed (fwd+bwd) with it.
+    # live addresses spill inside it (compile report, loop_local).
     ADDRESS_ONCE = D < 128
     P_STRIDE = tiles.tile_row_stride(BC, SWIZZLE) if not P_IN_REGISTERS else 0
     Q_TILE, KV_TILE, P_TILE = BR * STRIDE, BC * STRIDE, BR * P_STRIDE
