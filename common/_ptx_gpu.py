@@ -323,3 +323,70 @@ def red_add_v2_f32(typingctx, dst, row, col, x0, x1):
                                  "red.global.add.v2.f32 [$0], {$1,$2};", "l,f,f,~{memory}")
 
     return types.void(dst, row, col, x0, x1), codegen
+
+
+# --------------------------------------------------------------------------- bulk reductions (sm_90)
+
+@intrinsic
+def st_shared_v4_f32(typingctx, smem, offset, x0, x1, x2, x3):
+    """smem[offset:offset+4] = (x0, x1, x2, x3), one 16-byte shared store (offset a multiple of 4)."""
+    def codegen(context, builder, sig, args):
+        addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        vals = [_as(context, builder, v, t, types.float32) for v, t in zip(args[2:], sig.args[2:])]
+        _asm(builder, ir.VoidType(), [addr] + vals, "st.shared.v4.f32 [$0], {$1,$2,$3,$4};",
+             "r,f,f,f,f,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(smem, offset, x0, x1, x2, x3), codegen
+
+
+@intrinsic
+def bulk_reduce_add_f32(typingctx, dst, row, src, src_offset, nbytes):
+    """The nbytes/4 floats of dst from (row, 0) on (dst contiguous: they may span rows) +=
+    src[src_offset:src_offset+nbytes/4] (fp32, 16-byte aligned, nbytes a multiple of 16): one
+    asynchronous bulk reduction by the copy engine, issued by the calling thread into its bulk
+    group (cp.reduce.async.bulk...add.f32). Close the group with bulk_commit; the shared source
+    may be overwritten after bulk_wait_read."""
+    def codegen(context, builder, sig, args):
+        gaddr = _global_address(context, builder, sig.args[0], args[0],
+                                [args[1], context.get_constant(types.int32, 0)],
+                                [sig.args[1], types.int32])
+        saddr = _shared_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+        n = _as(context, builder, args[4], sig.args[4], types.int32)
+        _asm(builder, ir.VoidType(), [gaddr, saddr, n],
+             "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+             "l,r,r,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(dst, row, src, src_offset, nbytes), codegen
+
+
+bulk_commit = _make_statement("cp.async.bulk.commit_group;",
+                              "Close the calling thread's group of bulk operations issued since "
+                              "its last commit.")
+fence_proxy_async_shared = _make_statement(
+    "fence.proxy.async.shared::cta;",
+    "Order this thread's ordinary shared-memory writes before later reads of the same memory by "
+    "the async proxy (the bulk copy engine); a barrier must still follow before the reader.")
+
+
+def _make_bulk_wait(read):
+    suffix = ".read" if read else ""
+
+    @intrinsic
+    def bulk_wait(typingctx, pending):
+        if not isinstance(pending, types.IntegerLiteral):
+            return None
+        n = pending.literal_value
+
+        def codegen(context, builder, sig, args):
+            _statement(builder, f"cp.async.bulk.wait_group{suffix} {n};")
+            return context.get_dummy_value()
+
+        return types.void(pending), codegen
+
+    return bulk_wait
+
+
+bulk_wait_read = _make_bulk_wait(read=True)     # sources read: shared memory free to reuse
+bulk_wait = _make_bulk_wait(read=False)         # operations complete

@@ -305,3 +305,38 @@ def red_add_v2_f32(dst, row, col, x0, x1):
     with _RED_LOCK:
         a[r, c] += np.float32(x0)
         a[r, c + 1] += np.float32(x1)
+
+
+def st_shared_v4_f32(smem, offset, x0, x1, x2, x3):
+    o = int(offset)
+    _unwrap(smem)[o:o + 4] = (np.float32(x0), np.float32(x1), np.float32(x2), np.float32(x3))
+
+
+def bulk_reduce_add_f32(dst, row, src, src_offset, nbytes):
+    """The nbytes / 4 floats of dst from (row, 0) on (dst contiguous: they may span rows) +=
+    src[o:o + nbytes / 4]: done at once (the simulator has no copy engine; the kernels call it only
+    after the barrier that makes the source final)."""
+    n, o = int(nbytes) // 4, int(src_offset)
+    a = _unwrap(dst)
+    if int(nbytes) % 16 or o % 4 or not a.flags.c_contiguous:
+        raise ValueError("a bulk reduction moves whole 16-byte units from a 16-byte aligned "
+                         "source into contiguous memory")
+    start = int(row) * a.shape[1]
+    with _RED_LOCK:
+        a.reshape(-1)[start:start + n] += _unwrap(src)[o:o + n].astype(np.float32)
+
+
+def bulk_commit():
+    pass
+
+
+def fence_proxy_async_shared():
+    pass
+
+
+def bulk_wait_read(pending):
+    pass
+
+
+def bulk_wait(pending):
+    pass

@@ -6,6 +6,9 @@ dV. Around the variant's own kernels:
   preprocess   D_i = rowsum(dO_i o O_i) (fp32, one warp a row: FA2 Alg. 2 l.4), and dQ's fp32
                accumulator set to 0 when the variant adds into it (atomics or read-modify-write);
   convert_dq   dQ = softmax_scale * accumulator, rounded to the input dtype, in q's layout.
+The accumulator is (B, H, rows, d) fp32, row-major, or, for a kernel that adds whole query blocks
+with bulk reductions, one contiguous block of B_r x d floats per query block in that kernel's
+fragment order (`DqLayout`, rows padded to whole blocks).
 `prepare_backward` validates everything with errors that name the problem and returns the views.
 """
 from dataclasses import dataclass
@@ -34,7 +37,8 @@ class BackwardProblem:
     dk32: object        # (B, H_kv, N_k, d/2)
     dv32: object
     d_vec: object = None     # (B, H, N_q) fp32: D = rowsum(dO o O)
-    dq_acc: object = None    # (B, H, N_q, d) fp32: dQ / softmax_scale, accumulated
+    dq_acc: object = None    # (B, H, N_q or padded, d) fp32: dQ / softmax_scale, accumulated
+    dq_layout: object = None     # None: dq_acc row-major; a DqLayout: in fragment order
 
     def result(self):
         return self.dq_out, self.dk_out, self.dv_out
@@ -71,6 +75,24 @@ def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, v
         dq32=views[0], dk32=views[1], dv32=views[2])
 
 
+@dataclass(frozen=True)
+class DqLayout:
+    """dQ's accumulator in fragment order (tiles.stage_accumulator_fragments_f32): each query block
+    of `rows` x `cols` floats is contiguous, as `threads` threads holding (M, n_tiles, 4) fp32
+    registers each staged it; warp w holds rows (w // warps_across) * warp_rows.. and columns
+    (w % warps_across) * warp_cols.."""
+    rows: int
+    cols: int
+    threads: int
+    n_tiles: int
+    warps_across: int
+    warp_rows: int
+    warp_cols: int
+
+    def padded_rows(self, n):
+        return (n + self.rows - 1) // self.rows * self.rows
+
+
 def scratch_view(prob, shape):
     """An fp32 work array in the caller's library, as a kernel view."""
     return arrays.bits_view(arrays.describe(prob.scratch(shape, "float32")), np.float32)
@@ -80,11 +102,12 @@ def scratch_view(prob, shape):
 
 @lru_cache(maxsize=None)
 def build_preprocess(head_dim, is_bf16, zero_dq):
-    """D = rowsum(dO o O) in fp32 (and, when zero_dq, the row of dQ's accumulator set to 0)."""
+    """D = rowsum(dO o O) in fp32 (and, when zero_dq, rows < n_acc of dQ's accumulator set to 0:
+    n_acc >= n_q covers an accumulator padded to whole query blocks)."""
     WORDS, D, ZERO_DQ, IS_BF16 = head_dim // 2, head_dim, zero_dq, is_bf16
 
     @kernel
-    def preprocess(o32, do32, d_vec, dq_acc, n_q):
+    def preprocess(o32, do32, d_vec, dq_acc, n_q, n_acc):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         row = cuda.blockIdx.x * WARPS + warp
@@ -102,12 +125,11 @@ def build_preprocess(head_dim, is_bf16, zero_dq):
             acc += o0 * g0 + o1 * g1
         for offset in (16, 8, 4, 2, 1):
             acc += ptx.shfl_xor_f32(acc, offset)
-        if inside:
-            if lane == 0:
-                d_vec[b, h, row] = acc
-            if ZERO_DQ:
-                for c in range(lane, D, 32):
-                    dq_acc[b, h, row, c] = float32(0)
+        if inside and lane == 0:
+            d_vec[b, h, row] = acc
+        if ZERO_DQ and row < n_acc:
+            for c in range(lane, D, 32):
+                dq_acc[b, h, row, c] = float32(0)
 
     return preprocess
 
@@ -132,25 +154,65 @@ def build_convert_dq(head_dim, is_bf16):
     return convert_dq
 
 
-def _row_grid(prob):
-    return ((prob.n_q + WARPS - 1) // WARPS, prob.batch, prob.heads)
+@lru_cache(maxsize=None)
+def build_convert_dq_fragments(layout, is_bf16):
+    """convert_dq for an accumulator in fragment order (DqLayout): a thread a 16-byte unit, i.e.
+    two neighbouring columns of two rows eight apart."""
+    D, IS_BF16 = layout.cols, is_bf16
+    UNITS = layout.rows * layout.cols // 4          # 16-byte units a query block
+    L = layout
+
+    @kernel
+    def convert_dq_fragments(dq_acc, dq32, n_q, softmax_scale):
+        unit = cuda.blockIdx.x * (32 * WARPS) + int32(cuda.threadIdx.x)
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        block, f = unit // UNITS, unit % UNITS
+        r, c = tiles.fragment_position(f, L.threads, L.n_tiles, L.warps_across, L.warp_rows,
+                                       L.warp_cols)
+        row = block * L.rows + r
+        at_row, at_col = (unit * 4) // D, (unit * 4) % D      # the unit's place in storage
+        if row < n_q:
+            dq32[b, h, row, c >> 1] = tiles.pack_pair(dq_acc[b, h, at_row, at_col] * softmax_scale,
+                                                      dq_acc[b, h, at_row, at_col + 1] * softmax_scale,
+                                                      IS_BF16)
+        if row + 8 < n_q:
+            dq32[b, h, row + 8, c >> 1] = tiles.pack_pair(
+                dq_acc[b, h, at_row, at_col + 2] * softmax_scale,
+                dq_acc[b, h, at_row, at_col + 3] * softmax_scale, IS_BF16)
+
+    return convert_dq_fragments
 
 
-def preprocess(g, zero_dq):
-    """Fill g.d_vec (allocating it) and, when zero_dq, a zeroed g.dq_acc."""
+def _row_grid(prob, rows=None):
+    return (((rows or prob.n_q) + WARPS - 1) // WARPS, prob.batch, prob.heads)
+
+
+def preprocess(g, zero_dq, dq_layout=None):
+    """Fill g.d_vec (allocating it) and, when zero_dq, a zeroed g.dq_acc: row-major, or in
+    `dq_layout`'s fragment order (rows padded to whole query blocks)."""
     prob = g.prob
     g.d_vec = scratch_view(prob, (prob.batch, prob.heads, prob.n_q))
-    shape = (prob.batch, prob.heads, prob.n_q, prob.head_dim) if zero_dq else (1, 1, 1, 1)
+    rows = dq_layout.padded_rows(prob.n_q) if dq_layout is not None else prob.n_q
+    shape = (prob.batch, prob.heads, rows, prob.head_dim) if zero_dq else (1, 1, 1, 1)
     g.dq_acc = scratch_view(prob, shape)     # (1, 1, 1, 1): not used, one kernel signature
-    launch(build_preprocess(prob.head_dim, prob.is_bf16, bool(zero_dq)), _row_grid(prob),
-           32 * WARPS, 0, prob.stream, prob.o32, g.do32, g.d_vec, g.dq_acc, np.int32(prob.n_q))
+    g.dq_layout = dq_layout
+    launch(build_preprocess(prob.head_dim, prob.is_bf16, bool(zero_dq)), _row_grid(prob, rows),
+           32 * WARPS, 0, prob.stream, prob.o32, g.do32, g.d_vec, g.dq_acc, np.int32(prob.n_q),
+           np.int32(rows if zero_dq else 0))
 
 
 def convert_dq(g):
     """g.dq_out <- softmax_scale * g.dq_acc in the input dtype."""
     prob = g.prob
-    launch(build_convert_dq(prob.head_dim, prob.is_bf16), _row_grid(prob), 32 * WARPS, 0,
-           prob.stream, g.dq_acc, g.dq32, np.int32(prob.n_q), np.float32(prob.softmax_scale))
+    args = (g.dq_acc, g.dq32, np.int32(prob.n_q), np.float32(prob.softmax_scale))
+    if g.dq_layout is None:
+        launch(build_convert_dq(prob.head_dim, prob.is_bf16), _row_grid(prob), 32 * WARPS, 0,
+               prob.stream, *args)
+    else:
+        units = g.dq_layout.padded_rows(prob.n_q) * prob.head_dim // 4
+        grid = ((units + 32 * WARPS - 1) // (32 * WARPS), prob.batch, prob.heads)
+        launch(build_convert_dq_fragments(g.dq_layout, prob.is_bf16), grid, 32 * WARPS, 0,
+               prob.stream, *args)
 
 
 def compile_targets():
@@ -161,6 +223,6 @@ def compile_targets():
     f32_4 = types.Array(types.float32, 4, "C")
     for head_dim in (64, 128):
         yield f"backward preprocess d={head_dim} bf16", build_preprocess(head_dim, True, True), \
-            (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32), 0
+            (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32, types.int32), 0
         yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, True), \
             (f32_4, OUT_TYPE, types.int32, types.float32), 0

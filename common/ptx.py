@@ -18,6 +18,10 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
 | st_shared_u32                        | st.shared.b32                                          |
 | red_add_v2_f32                       | red.global.add.v2.f32 (sm_90: two fp32 adds at once)   |
+| st_shared_v4_f32                     | st.shared.v4.f32                                       |
+| bulk_reduce_add_f32                  | cp.reduce.async.bulk.global.shared::cta...add.f32      |
+| bulk_commit, bulk_wait_read, _wait   | cp.async.bulk.commit_group, .wait_group[.read] (sm_90) |
+| fence_proxy_async_shared             | fence.proxy.async.shared::cta                          |
 """
 from numba import config
 
@@ -46,3 +50,9 @@ ld_shared_v4_u32 = _impl.ld_shared_v4_u32
 st_global_v4_u32 = _impl.st_global_v4_u32
 st_shared_u32 = _impl.st_shared_u32
 red_add_v2_f32 = _impl.red_add_v2_f32
+st_shared_v4_f32 = _impl.st_shared_v4_f32
+bulk_reduce_add_f32 = _impl.bulk_reduce_add_f32
+bulk_commit = _impl.bulk_commit
+bulk_wait_read = _impl.bulk_wait_read
+bulk_wait = _impl.bulk_wait
+fence_proxy_async_shared = _impl.fence_proxy_async_shared

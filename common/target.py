@@ -157,6 +157,7 @@ _ARRAY_TYPES = {}
 
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
+MAX_SHARED_BYTES = 227 * 1024   # dynamic shared memory a thread block may opt into (sm_90)
 _compiled = {}        # (kernel, argument types) -> _Launcher
 _thread = threading.local()   # .has_context: this thread made Numba's CUDA context current
 

@@ -1,11 +1,14 @@
 """Where a fa2 backward call's time goes, beside SDPA's backward, on the FA2 paper's shapes (bf16,
-batch * seqlen = 16k, hidden 2048): the whole call (`variants.backward`) with each dQ path, and
-each of its parts timed alone on the same tensors (argument checks and allocation `prep`, the D
-pre-pass `pre`, the K/V kernel `kv`, dQ's cast `convert` or the separate dQ kernel `dqk`), then
+batch * seqlen = 16k, hidden 2048): the whole call (`variants.backward`) with each dQ path
+(`bulk`: atomic, added by bulk reductions, the default; `red`: atomic, by vector atomics from
+registers; `separate`: a second kernel), and each of its parts timed alone on the same tensors
+(argument checks and allocation `prep`, the D pre-pass `pre`, the K/V kernel `kv`, dQ's cast
+`convert` or the separate dQ kernel `dqk`), then
 SDPA flash's and cuDNN's backward through torch.autograd.grad on a kept graph. One line a problem:
 
     python experiments/backward_breakdown.py <head_dim>:<seqlen>:<causal 0|1> [...]
     python experiments/backward_breakdown.py 128:8192:0 64:8192:0
+    python experiments/backward_breakdown.py --paths bulk,red 128:8192:0
 
 Milliseconds (median, CUDA events after warm-up), then TFLOP/s by the papers' count (backward 2.5x
 the forward's FLOPs). Needs a GPU and torch.
@@ -34,27 +37,34 @@ def median_ms(fn):
                             target_ms=150).median_ms
 
 
-def parts(do, q, k, v, o, lse, causal, dq):
+PATHS = {"bulk": dict(dq="atomic", dq_reduce="bulk"), "red": dict(dq="atomic", dq_reduce="red"),
+         "separate": dict(dq="separate")}
+
+
+def parts(do, q, k, v, o, lse, causal, path):
     """{part: ms} of one dQ path's call, each part launched alone on prepared arguments."""
+    options = PATHS[path]
     head_dim = q.shape[-1]
     prepare = lambda: bwd.prepare_backward(do, q, k, v, o, lse, causal=causal,  # noqa: E731
                                            softmax_scale=None, head_dims=fa2.HEAD_DIMS,
                                            variant="fa2")
     g = prepare()
-    cfg = fa2.default_backward_config(head_dim, True, causal, dq=dq)
-    out = {f"call_{dq}": median_ms(lambda: variants.backward(do, q, k, v, o, lse, causal=causal,
-                                                             dq=dq)),
-           f"prep_{dq}": median_ms(prepare),
-           f"pre_{dq}": median_ms(lambda: bwd.preprocess(g, zero_dq=dq == "atomic"))}
+    cfg = fa2.default_backward_config(head_dim, True, causal, **options)
+    atomic = cfg.dq == "atomic"
+    out = {f"call_{path}": median_ms(lambda: variants.backward(do, q, k, v, o, lse, causal=causal,
+                                                               **options)),
+           f"prep_{path}": median_ms(prepare),
+           f"pre_{path}": median_ms(lambda: bwd.preprocess(g, zero_dq=atomic,
+                                                           dq_layout=cfg.dq_layout()))}
     prob = g.prob
     scales = (np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
     sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
     grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
-    out[f"kv_{dq}"] = median_ms(lambda: launch(
+    out[f"kv_{path}"] = median_ms(lambda: launch(
         fa2.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
         prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales))
-    if dq == "atomic":
-        out["convert"] = median_ms(lambda: bwd.convert_dq(g))
+    if atomic:
+        out[f"convert_{path}"] = median_ms(lambda: bwd.convert_dq(g))
     else:
         grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         out["dqk"] = median_ms(lambda: launch(
@@ -63,7 +73,7 @@ def parts(do, q, k, v, o, lse, causal, dq):
     return out
 
 
-def main(specs):
+def main(specs, paths=tuple(PATHS)):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -77,8 +87,8 @@ def main(specs):
                                    dtype=torch.bfloat16, generator=gen) for _ in range(4))
         o, lse = variants.forward(q, k, v, causal=causal)
         res = {}
-        for dq in ("atomic", "separate"):
-            res.update(parts(do, q, k, v, o, lse, causal, dq))
+        for path in paths:
+            res.update(parts(do, q, k, v, o, lse, causal, path))
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         for backend, name in ((SDPBackend.FLASH_ATTENTION, "flash"),
                               (SDPBackend.CUDNN_ATTENTION, "cudnn")):
@@ -94,4 +104,8 @@ def main(specs):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["128:8192:0", "64:8192:0"])
+    args = sys.argv[1:]
+    paths = tuple(PATHS)
+    if args[:1] == ["--paths"]:
+        paths, args = tuple(args[1].split(",")), args[2:]
+    main(args or ["128:8192:0", "64:8192:0"], paths)

@@ -88,9 +88,9 @@ def test_gradients_rectangular_with_custom_scale(rng, variant):
                        softmax_scale=0.37)
 
 
-# The backward's switches, each away from its default (BACKWARD_DEFAULTS: dq="atomic"): each must
+# The backward's switches, each away from its default (dq="atomic", dq_reduce="bulk"): each must
 # still give exact gradients.
-FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(causal_skip=False),
+FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(dq_reduce="red"), dict(causal_skip=False),
                         dict(swizzle=False, kv_in_registers=False),
                         dict(head_dim=128, dq="atomic", kv_in_registers=True),
                         dict(head_dim=128, dq="separate")]

@@ -129,6 +129,8 @@ def test_backward_bad_arguments(rng, qkv, variant):
 
 @pytest.mark.parametrize("variant, options, message", [
     ("fa2", dict(dq="sometimes"), "dq must be 'atomic' or 'separate'"),
+    ("fa2", dict(dq_reduce="tma"), "dq_reduce must be 'bulk' or 'red'"),
+    ("fa2", dict(block_m=128, block_n=256, warps=8), "bytes of shared memory, over the"),
     ("fa2", dict(kv_blocks="sequential", dq="separate"), "needs dq='atomic'"),
     ("fa2", dict(block_n=96), "multiple of 16 \\* warps=128"),
     ("fa2", dict(q_in_registers=True), "fa2 backward has no option q_in_registers"),

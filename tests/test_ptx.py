@@ -236,3 +236,30 @@ def test_vector_reduction_adds_both_columns_atomically():
             expect[row, col] += b + 1
             expect[row, col + 1] += t
     np.testing.assert_array_equal(dst, expect.astype(np.float32))
+
+
+@cuda.jit
+def bulk_reduce_kernel(dst):
+    """Each block fills 64 floats of shared memory with 16-byte stores and thread 0 adds them into
+    rows 1 and 2 of dst with one bulk reduction (every block into the same floats)."""
+    tid, blk = int32(cuda.threadIdx.x), int32(cuda.blockIdx.x)
+    smem = cuda.shared.array(0, float32)
+    x = 4 * tid
+    ptx.st_shared_v4_f32(smem, x, float32((blk + 1) * (x + 1)), float32((blk + 1) * (x + 2)),
+                         float32((blk + 1) * (x + 3)), float32((blk + 1) * (x + 4)))
+    ptx.fence_proxy_async_shared()
+    cuda.syncthreads()
+    if tid == 0:
+        ptx.bulk_reduce_add_f32(dst, 1, smem, 0, 256)
+        ptx.bulk_commit()
+        ptx.bulk_wait_read(0)
+        ptx.bulk_wait(0)
+
+
+def test_bulk_reduction_adds_a_contiguous_block():
+    blocks = 5
+    dst = np.full((4, 32), 0.5, np.float32)
+    bulk_reduce_kernel[blocks, 16, 0, 256](dst)
+    expect = np.full((4, 32), 0.5)
+    expect[1:3] += (np.arange(64) + 1).reshape(2, 32) * sum(b + 1 for b in range(blocks))
+    np.testing.assert_array_equal(dst, expect.astype(np.float32))   # small integers: exact

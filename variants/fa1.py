@@ -41,10 +41,9 @@ from numba import cuda, float32, int32, types, uint32, uint16
 from common import arrays, configs, ptx, softmax, splitk, target, tiles
 from common import backward as bwd
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
-from common.target import device_function, kernel, launch
+from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
-MAX_SHARED_BYTES = 227 * 1024   # dynamic shared memory a thread block may opt into (sm_90)
 RESIDENT = 2    # fa1 thread blocks an SM holds at the defaults (~107 KB of shared memory, 255 registers)
 
 

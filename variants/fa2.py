@@ -31,7 +31,7 @@ from numba import cuda, float32, int32, types, uint32, uint16
 from common import backward as bwd
 from common import configs, ptx, softmax, tiles
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
-from common.target import device_function, kernel, launch
+from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
 
@@ -338,6 +338,11 @@ def backward_compile_targets(cfg, tag):
 # into the A operands of dV_j += P^T dO_i and dK_j += dS^T Q_i. dQ_i += dS K_j needs every warp's
 # keys: dS^T is staged in shared memory and read back transposed (ldmatrix.trans) one step later,
 # after the barrier that step needs anyway (two dS^T buffers), so the product costs no barrier.
+# The product's terms reach HBM either as 16 red.global.add.v2.f32 a thread (`dq_reduce="red"`), or
+# (`"bulk"`, the default) stored to an fp32 shared buffer in fragment order and added by one bulk
+# reduction of the copy engine (cp.reduce.async.bulk .add.f32, sm_90), which thread 0 issues after
+# the next step's barrier (two buffers, as dS^T: again no extra barrier); dQ's accumulator then
+# holds each query block contiguous in that order and `convert_dq` unpermutes it.
 # `dq="separate"` instead leaves dQ to a second kernel with the query blocks outer (one thread block
 # per Q_i, looping over K/V blocks, as the forward): deterministic, at the price of recomputing S
 # and dP once more.
@@ -354,6 +359,9 @@ class BackwardConfig:
     warps: int = 8             # each warp owns block_n / warps keys
     dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel,
                                # deterministic)
+    dq_reduce: str = "bulk"    # dq="atomic": how dS K_j is added into dQ's fp32 accumulator:
+                               # "bulk": staged in shared memory, one bulk reduction by the copy
+                               # engine a step (sm_90); "red": red.global.add.v2.f32 from registers
     causal_skip: bool = True   # causal: never visit query blocks entirely above the diagonal
     swizzle: bool = True
     kv_in_registers: bool = False   # K_j, V_j A fragments held in registers through the i loop
@@ -377,11 +385,26 @@ class BackwardConfig:
         wq = min(self.warps, self.block_m // 16)
         return wq, self.warps // wq
 
+    @property
+    def bulk(self):
+        return self.dq == "atomic" and self.dq_reduce == "bulk"
+
     def smem_bytes(self):
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
         ds = 2 * self.block_n * tiles.tile_row_stride(self.block_m, self.swizzle) \
             if self.dq == "atomic" else 0
-        return 2 * (d * (2 * self.block_n + 4 * self.block_m) + ds) + 4 * 4 * self.block_m
+        dq = 2 * self.block_m * self.head_dim if self.bulk else 0     # fp32: 2 x dQ_i's terms
+        return 2 * (d * (2 * self.block_n + 4 * self.block_m) + ds) + 4 * (4 * self.block_m + dq)
+
+    def dq_layout(self):
+        """Where the fused dQ product's terms go in dQ's accumulator: fragment order when added
+        by bulk reductions (a query block's B_r x d floats contiguous), else row-major (None)."""
+        if not self.bulk:
+            return None
+        wq, wd = self.dq_split
+        return bwd.DqLayout(rows=self.block_m, cols=self.head_dim, threads=self.threads,
+                            n_tiles=self.head_dim // wd // 8, warps_across=wd,
+                            warp_rows=self.block_m // wq, warp_cols=self.head_dim // wd)
 
     def dq_smem_bytes(self):
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
@@ -392,6 +415,8 @@ class BackwardConfig:
             raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
         if self.dq not in ("atomic", "separate"):
             raise ValueError(f"dq must be 'atomic' or 'separate', got {self.dq!r}")
+        if self.dq_reduce not in ("bulk", "red"):
+            raise ValueError(f"dq_reduce must be 'bulk' or 'red', got {self.dq_reduce!r}")
         if self.kv_blocks not in ("parallel", "sequential"):
             raise ValueError(f"kv_blocks must be 'parallel' or 'sequential', got {self.kv_blocks!r}")
         if self.kv_blocks == "sequential" and self.dq != "atomic":
@@ -410,6 +435,12 @@ class BackwardConfig:
             if wq * wd != self.warps or (self.block_m // 16) % wq or cols % (64 if self.swizzle else 16):
                 raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.head_dim} "
                                  "dQ block into whole m16 tiles and column slices of 64")
+            if self.smem_bytes() > MAX_SHARED_BYTES:
+                raise ValueError(
+                    f"fa2 backward (dq='atomic', dq_reduce={self.dq_reduce!r}) with block_m="
+                    f"{self.block_m}, block_n={self.block_n} at head_dim {self.head_dim} needs "
+                    f"{self.smem_bytes()} bytes of shared memory, over the {MAX_SHARED_BYTES} a "
+                    "thread block may have" + (" (dq_reduce='red' needs less)" if self.bulk else ""))
         else:
             if self.dq_block_m % (16 * self.dq_warps) or self.dq_block_n % 16:
                 raise ValueError(f"dq_block_m={self.dq_block_m} must be a multiple of 16 * "
@@ -419,7 +450,7 @@ class BackwardConfig:
         return self
 
 
-BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "causal_skip", "swizzle",
+BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "dq_reduce", "causal_skip", "swizzle",
                     "kv_in_registers", "dq_block_m", "dq_block_n", "dq_warps", "kv_blocks")
 
 # B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
@@ -445,14 +476,17 @@ def build_backward(cfg):
     IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
     SKIP = cfg.causal and cfg.causal_skip
     ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
+    BULK = cfg.bulk
     SEQUENTIAL = cfg.kv_blocks == "sequential"
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if ATOMIC else 0
     KV_TILE, QO_TILE, DS_TILE = BC * STRIDE, BR * STRIDE, BC * DS_STRIDE
-    # Shared memory (16-bit units): K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | fp32: 2 x (L2, D).
+    # Shared memory (16-bit units): K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | fp32: 2 x (L2, D)
+    # | with bulk reductions, 2 x dQ_i's terms (B_r x d fp32, fragment order).
     V0, QO0 = KV_TILE, 2 * KV_TILE
     DS0 = QO0 + 4 * QO_TILE
     STAT0 = (DS0 + 2 * DS_TILE) // 2
+    DQF0, DQF_TILE = STAT0 + 4 * BR, BR * D
     WQ, WD = cfg.dq_split if ATOMIC else (1, 1)
     MQ, DQ_COLS = BR // WQ // 16, D // WD
     KV_FRAG = (M, D // 16 if KV_IN_REGISTERS else 1, 4)
@@ -468,6 +502,13 @@ def build_backward(cfg):
         if i + 1 < t_r:
             return uint32(h), int32(i + 1)
         return uint32(h + 1), int32(i0)
+
+    @device_function
+    def previous_position(h, i, i0, t_r):
+        """The inner step before (h, i): next_position backwards."""
+        if i > i0:
+            return uint32(h), int32(i - 1)
+        return uint32(h - 1), int32(t_r - 1)
 
     @device_function
     def load_q_do(smem, stage, q, do, b, h, i, n_q, tid):
@@ -487,17 +528,32 @@ def build_backward(cfg):
         return float32(0), float32(0)
 
     @device_function
-    def update_dq(smem, k_s, dq_acc_bh, buf, q0, n_q, dq, dsa, warp, lane):
+    def update_dq(smem, smem_f32, k_s, dq_acc_bh, buf, q0, n_q, dq, dsa, warp, lane, tid):
         """l.15 for the step that staged dS^T in buffer `buf`: dQ_i += dS K_j, this warp's rows
-        and columns of it, added to dQ's fp32 accumulator in HBM by atomics (other thread blocks
-        add the other K/V blocks' terms)."""
+        and columns of it, for dQ's fp32 accumulator in HBM (other thread blocks add the other
+        K/V blocks' terms). dq_reduce="red": added now, by vector atomics from registers;
+        "bulk": staged in dQ buffer `buf` for `reduce_dq` after the next barrier."""
         ds_s = smem[DS0 + buf * DS_TILE:DS0 + (buf + 1) * DS_TILE]
         row, col = (warp // WD) * 16 * MQ, (warp % WD) * DQ_COLS
         for m in range(MQ):
             tiles.load_a_fragments_transposed(dsa, m, ds_s, row + 16 * m, lane, DS_STRIDE, SWIZZLE)
         tiles.fill(dq, float32(0))
         tiles.gemm_ab(dq, dsa, k_s[col:], lane, STRIDE, SWIZZLE, IS_BF16)
-        tiles.atomic_add_accumulator_f32(dq_acc_bh, dq, q0 + row, col, n_q, lane)
+        if BULK:
+            dqf = DQF0 + buf * DQF_TILE
+            tiles.stage_accumulator_fragments_f32(smem_f32[dqf:dqf + DQF_TILE], dq, tid, THREADS)
+            ptx.fence_proxy_async_shared()    # the copy engine reads what these stores wrote
+        else:
+            tiles.atomic_add_accumulator_f32(dq_acc_bh, dq, q0 + row, col, n_q, lane)
+
+    @device_function
+    def reduce_dq(smem_f32, dq_acc_bh, buf, q0):
+        """dq_reduce="bulk", thread 0, after the barrier that follows the staging: dQ's
+        accumulator += dQ buffer `buf` (query block q0 / B_r, contiguous in fragment order), one
+        bulk reduction by the copy engine. The buffer may be staged again only after
+        ptx.bulk_wait_read (thread 0, before the barrier that precedes the staging)."""
+        ptx.bulk_reduce_add_f32(dq_acc_bh, q0, smem_f32, DQF0 + buf * DQF_TILE, 4 * DQF_TILE)
+        ptx.bulk_commit()
 
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
@@ -509,7 +565,8 @@ def build_backward(cfg):
         warp_key = warp * 16 * M           # this warp's first key in K_j
         smem = cuda.shared.array(0, uint16)
         smem32 = cuda.shared.array(0, uint32)
-        stats = cuda.shared.array(0, float32)
+        smem_f32 = cuda.shared.array(0, float32)
+        stats = smem_f32
         k_s = smem[0:KV_TILE]
         v_s = smem[V0:V0 + KV_TILE]
 
@@ -562,8 +619,15 @@ def build_backward(cfg):
             d_s = stats[st + BR:st + 2 * BR]
             # l.9: Q_i, dO_i (and K_j, V_j at the first step) have landed and every warp is done
             # with the other stage: start copying step+1's Q, dO there (and read its L, D).
+            if BULK and tid == 0:
+                ptx.bulk_wait_read(0)   # last step's reduction has read its dQ buffer
             ptx.cp_async_wait(0)
             cuda.syncthreads()
+            if BULK and step > 1 and tid == 0:
+                # l.15's HBM update for step-2, staged during step-1 in dQ buffer (step-2) & 1
+                # ((h, i) is still step-1's here).
+                h2, i2 = previous_position(h, i, i0, t_r)
+                reduce_dq(smem_f32, dq_acc[b, h2], stage, int32(i2 * BR))
             h_prev = h
             if step > 0:
                 h, i = next_position(h, i, i0, t_r)
@@ -579,7 +643,8 @@ def build_backward(cfg):
                 # l.15 of the previous step, its dS^T now visible to all warps. After the copies
                 # are issued: its 16 reductions a thread would otherwise queue ahead of them in
                 # the load/store unit (5% of the kernel's time at d=128 on an H100).
-                update_dq(smem, k_s, dq_acc[b, h_prev], 1 - stage, q0, n_q, dq, dsa, warp, lane)
+                update_dq(smem, smem_f32, k_s, dq_acc[b, h_prev], 1 - stage, q0, n_q, dq, dsa,
+                          warp, lane, tid)
             q0 = int32(i * BR)
 
             # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i).
@@ -613,10 +678,18 @@ def build_backward(cfg):
                         stats[nst + tid + r * THREADS] = next_lse2[r]
                         stats[nst + BR + tid + r * THREADS] = next_d[r]
 
+        if BULK and tid == 0:
+            ptx.bulk_wait_read(0)
         cuda.syncthreads()
-        if ATOMIC and n_steps > 0:   # l.15 of the last step
-            update_dq(smem, k_s, dq_acc[b, h], (n_steps - 1) & 1, q0, n_q, dq, dsa, warp, lane)
+        if ATOMIC and n_steps > 0:   # l.15 of the last step (and with bulk, of the one before)
+            if BULK and n_steps > 1 and tid == 0:
+                h2, i2 = previous_position(h, i, i0, t_r)
+                reduce_dq(smem_f32, dq_acc[b, h2], n_steps & 1, int32(i2 * BR))
+            update_dq(smem, smem_f32, k_s, dq_acc[b, h], (n_steps - 1) & 1, q0, n_q, dq, dsa,
+                      warp, lane, tid)
             cuda.syncthreads()
+            if BULK and tid == 0:
+                reduce_dq(smem_f32, dq_acc[b, h], (n_steps - 1) & 1, q0)
         # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         tiles.scale_accumulator(dk, softmax_scale)
         tiles.stage_accumulator(smem32[0:KV_TILE // 2], dk, warp_key, lane, STRIDE, SWIZZLE, IS_BF16)
@@ -627,6 +700,8 @@ def build_backward(cfg):
                          tid, THREADS)
         tiles.store_tile(dv32[b, h_kv], smem32[V0 // 2:(V0 + KV_TILE) // 2], key0, n_k, BC, D,
                          STRIDE, SWIZZLE, tid, THREADS)
+        if BULK and tid == 0:
+            ptx.bulk_wait(0)    # the reductions are done (and their buffers free for FA1's next j)
 
     @kernel
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
@@ -750,7 +825,7 @@ def run_backward(g, cfg):
     checked problem `g` (common.backward.prepare_backward)."""
     prob = g.prob
     atomic = cfg.dq == "atomic"
-    bwd.preprocess(g, zero_dq=atomic)                                           # l.4
+    bwd.preprocess(g, zero_dq=atomic, dq_layout=cfg.dq_layout())                # l.4
     scale, scale_log2 = np.float32(prob.softmax_scale), \
         np.float32(prob.softmax_scale * math.log2(math.e))
     sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
