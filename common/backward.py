@@ -158,18 +158,18 @@ def build_convert_dq(head_dim, is_bf16):
 def build_convert_dq_fragments(layout, is_bf16):
     """convert_dq for an accumulator in fragment order (DqLayout): a thread a 16-byte unit, i.e.
     two neighbouring columns of two rows eight apart."""
-    D, IS_BF16 = layout.cols, is_bf16
+    D, IS_BF16, ROWS = layout.cols, is_bf16, layout.rows
     UNITS = layout.rows * layout.cols // 4          # 16-byte units a query block
-    L = layout
+    THREADS, N_TILES, ACROSS = layout.threads, layout.n_tiles, layout.warps_across
+    WARP_ROWS, WARP_COLS = layout.warp_rows, layout.warp_cols
 
     @kernel
     def convert_dq_fragments(dq_acc, dq32, n_q, softmax_scale):
         unit = cuda.blockIdx.x * (32 * WARPS) + int32(cuda.threadIdx.x)
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
         block, f = unit // UNITS, unit % UNITS
-        r, c = tiles.fragment_position(f, L.threads, L.n_tiles, L.warps_across, L.warp_rows,
-                                       L.warp_cols)
-        row = block * L.rows + r
+        r, c = tiles.fragment_position(f, THREADS, N_TILES, ACROSS, WARP_ROWS, WARP_COLS)
+        row = block * ROWS + r
         at_row, at_col = (unit * 4) // D, (unit * 4) % D      # the unit's place in storage
         if row < n_q:
             dq32[b, h, row, c >> 1] = tiles.pack_pair(dq_acc[b, h, at_row, at_col] * softmax_scale,
@@ -226,3 +226,7 @@ def compile_targets():
             (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32, types.int32), 0
         yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, True), \
             (f32_4, OUT_TYPE, types.int32, types.float32), 0
+        from variants import fa2      # the layout of fa2's default (bulk-reduced) dQ terms
+        layout = fa2.default_backward_config(head_dim, True, False).dq_layout()
+        yield f"backward convert_dq fragments d={head_dim} bf16", \
+            build_convert_dq_fragments(layout, True), (f32_4, OUT_TYPE, types.int32, types.float32), 0
