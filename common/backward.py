@@ -156,27 +156,36 @@ def build_convert_dq(head_dim, is_bf16):
 
 @lru_cache(maxsize=None)
 def build_convert_dq_fragments(layout, is_bf16):
-    """convert_dq for an accumulator in fragment order (DqLayout): a thread a 16-byte unit, i.e.
-    two neighbouring columns of two rows eight apart."""
-    D, IS_BF16, ROWS = layout.cols, is_bf16, layout.rows
-    UNITS = layout.rows * layout.cols // 4          # 16-byte units a query block
-    THREADS, N_TILES, ACROSS = layout.threads, layout.n_tiles, layout.warps_across
+    """convert_dq for an accumulator in fragment order (DqLayout). A thread takes one 16-byte unit:
+    the registers c0..c3 of one m16n8 tile of one staging thread, i.e. columns (col, col + 1) of
+    rows r and r + 8. Threads are mapped to units so that a warp's 32 lanes cover the 32 column
+    pairs of one staged row (n-tile = lane / 4, t = lane % 4): each of its two stores writes 128
+    contiguous bytes of dQ and each load reads whole 64-byte runs of the accumulator."""
+    D, IS_BF16, ROWS, THREADS = layout.cols, is_bf16, layout.rows, layout.threads
+    PAIRS = 4 * layout.n_tiles                     # column pairs a staged row of one warp
+    MQ, WARPS_ = layout.warp_rows // 16, layout.threads // 32
+    N_TILES, ACROSS = layout.n_tiles, layout.warps_across
     WARP_ROWS, WARP_COLS = layout.warp_rows, layout.warp_cols
 
     @kernel
     def convert_dq_fragments(dq_acc, dq32, n_q, softmax_scale):
-        unit = cuda.blockIdx.x * (32 * WARPS) + int32(cuda.threadIdx.x)
+        u = cuda.blockIdx.x * (32 * WARPS) + int32(cuda.threadIdx.x)
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
-        block, f = unit // UNITS, unit % UNITS
-        r, c = tiles.fragment_position(f, THREADS, N_TILES, ACROSS, WARP_ROWS, WARP_COLS)
-        row = block * ROWS + r
-        at_row, at_col = (unit * 4) // D, (unit * 4) % D      # the unit's place in storage
+        pair, seg = u % PAIRS, u // PAIRS             # seg: (query block, warp, m, g)
+        n, t = pair >> 2, pair & 3
+        g, m = seg & 7, (seg >> 3) % MQ
+        warp, block = (seg >> 3) // MQ % WARPS_, (seg >> 3) // MQ // WARPS_
+        row = block * ROWS + (warp // ACROSS) * WARP_ROWS + 16 * m + g
+        col = (warp % ACROSS) * WARP_COLS + 8 * n + 2 * t
+        # Where the staging thread (warp, lane 4g + t) put acc[m, n, 0:4]:
+        f = 4 * ((m * N_TILES + n) * THREADS + warp * 32 + 4 * g + t)
+        at_row, at_col = block * ROWS + f // D, f % D
         if row < n_q:
-            dq32[b, h, row, c >> 1] = tiles.pack_pair(dq_acc[b, h, at_row, at_col] * softmax_scale,
-                                                      dq_acc[b, h, at_row, at_col + 1] * softmax_scale,
-                                                      IS_BF16)
+            dq32[b, h, row, col >> 1] = tiles.pack_pair(
+                dq_acc[b, h, at_row, at_col] * softmax_scale,
+                dq_acc[b, h, at_row, at_col + 1] * softmax_scale, IS_BF16)
         if row + 8 < n_q:
-            dq32[b, h, row + 8, c >> 1] = tiles.pack_pair(
+            dq32[b, h, row + 8, col >> 1] = tiles.pack_pair(
                 dq_acc[b, h, at_row, at_col + 2] * softmax_scale,
                 dq_acc[b, h, at_row, at_col + 3] * softmax_scale, IS_BF16)
 

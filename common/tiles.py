@@ -370,25 +370,12 @@ def stage_accumulator_fragments_f32(tile, acc, tid, nthreads):
     """Write acc as fp32 into a shared tile in fragment order: the registers acc[m, n, 0:4] of
     thread tid go to floats 4 * (k * nthreads + tid) + (0..3), k = m * acc.shape[1] + n. Each
     warp's 16-byte stores then cover 512 contiguous bytes (no bank conflicts), and the whole tile
-    is one contiguous block that a bulk copy can move as is. `fragment_position` maps it back."""
+    is one contiguous block that a bulk copy can move as is."""
     for m in range(acc.shape[0]):
         for n in range(acc.shape[1]):
             k = m * acc.shape[1] + n
             ptx.st_shared_v4_f32(tile, int32((k * nthreads + tid) << 2), acc[m, n, 0],
                                  acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
-
-
-@device_function
-def fragment_position(f, nthreads, n_tiles, warps_across, warp_rows, warp_cols):
-    """(row, col) of the first of the four floats of 16-byte unit f of a tile staged by
-    `stage_accumulator_fragments_f32` (acc of shape (M, n_tiles, 4) in each of nthreads threads,
-    warp w holding rows (w // warps_across) * warp_rows.. and columns (w % warps_across) *
-    warp_cols..). The four floats are (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1)."""
-    k, tid = f // nthreads, f % nthreads
-    warp, lane = tid >> 5, tid & 31
-    m, n = k // n_tiles, k % n_tiles
-    row, col = accumulator_position(m, n, 0, lane)
-    return (warp // warps_across) * warp_rows + row, (warp % warps_across) * warp_cols + col
 
 
 @device_function
