@@ -499,7 +499,7 @@ def build_backward(cfg):
         """The inner step after (query head h, query block i): the steps walk every query head of
         the K/V head's group, each over the query blocks i0..t_r-1 that block j meets. Heads are
         unsigned so that indexing with them costs no negative-index wrap-around."""
-        if i + 1 < t_r:
+        if int32(i + 1) < t_r:
             return uint32(h), int32(i + 1)
         return uint32(h + 1), int32(i0)
 
@@ -561,7 +561,7 @@ def build_backward(cfg):
         """l.6-17 for K/V block j of batch b, K/V head h_kv."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
-        key0 = j * BC
+        key0 = int32(j * BC)
         warp_key = warp * 16 * M           # this warp's first key in K_j
         smem = cuda.shared.array(0, uint16)
         smem32 = cuda.shared.array(0, uint32)
@@ -570,11 +570,12 @@ def build_backward(cfg):
         k_s = smem[0:KV_TILE]
         v_s = smem[V0:V0 + KV_TILE]
 
-        # The query blocks block j meets: causal skips those entirely above the diagonal.
-        t_r = (n_q + BR - 1) // BR
-        i0 = key0 // BR if SKIP else 0
-        n_i = t_r - i0
-        n_steps = kv_group * n_i
+        # The query blocks block j meets: causal skips those entirely above the diagonal. (Step
+        # arithmetic in 32 bits: Numba types int32 + int32 as int64, so each sum is cast back.)
+        t_r = int32((n_q + BR - 1) // BR)
+        i0 = int32(key0 // BR) if SKIP else int32(0)
+        n_i = int32(t_r - i0)
+        n_steps = int32(kv_group * n_i)
 
         # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
         tiles.load_tile_async(k_s, k[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
@@ -631,7 +632,7 @@ def build_backward(cfg):
             h_prev = h
             if step > 0:
                 h, i = next_position(h, i, i0, t_r)
-            more = step + 1 < n_steps
+            more = int32(step + 1) < n_steps
             if more:
                 h1, i1 = next_position(h, i, i0, t_r)
                 load_q_do(smem, 1 - stage, q, do, b, h1, i1, n_q, tid)
@@ -651,7 +652,8 @@ def build_backward(cfg):
             tiles.fill(s, float32(0))
             tiles.gemm_abt_held_or_streamed(s, kf, KV_IN_REGISTERS, k_s, warp_key, D // 16, q_s,
                                             lane, STRIDE, SWIZZLE, IS_BF16)
-            if q0 + BR > n_q or key0 + BC > n_k or (CAUSAL and q0 < key0 + BC - 1):
+            if int32(q0 + BR) > n_q or int32(key0 + BC) > n_k or \
+                    (CAUSAL and q0 < int32(key0 + BC - 1)):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, CAUSAL, lane)
             softmax.recompute_p_columns(s, lse2_s, lane, scale_log2)
             # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
