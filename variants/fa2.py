@@ -642,8 +642,9 @@ def build_backward(cfg):
             ptx.cp_async_commit()
             if ATOMIC and step > 0:
                 # l.15 of the previous step, its dS^T now visible to all warps. After the copies
-                # are issued: its 16 reductions a thread would otherwise queue ahead of them in
-                # the load/store unit (5% of the kernel's time at d=128 on an H100).
+                # are issued: with dq_reduce="red" its 16 reductions a thread would otherwise
+                # queue ahead of them in the load/store unit (5% of the kernel's time at d=128 on
+                # an H100).
                 update_dq(smem, smem_f32, k_s, dq_acc[b, h_prev], 1 - stage, q0, n_q, dq, dsa,
                           warp, lane, tid)
             q0 = int32(i * BR)
