@@ -78,16 +78,25 @@ def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, v
 @dataclass(frozen=True)
 class DqLayout:
     """dQ's accumulator in fragment order (tiles.stage_accumulator_fragments_f32): each query block
-    of `rows` x `cols` floats is contiguous, as `threads` threads holding (M, n_tiles, 4) fp32
-    registers each staged it; warp w holds rows (w // warps_across) * warp_rows.. and columns
-    (w % warps_across) * warp_cols.."""
+    of `rows` x `cols` floats is contiguous, as `threads` threads staged it, their warps in a grid
+    of (warps / warps_across) x warps_across tiles of dQ_i, each warp holding (M, n_tiles, 4) fp32
+    registers of its warp_rows x warp_cols tile."""
     rows: int
     cols: int
     threads: int
-    n_tiles: int
     warps_across: int
-    warp_rows: int
-    warp_cols: int
+
+    @property
+    def warp_cols(self):
+        return self.cols // self.warps_across
+
+    @property
+    def warp_rows(self):
+        return self.rows * self.warps_across // (self.threads // 32)
+
+    @property
+    def n_tiles(self):      # n8 tiles across a warp's columns
+        return self.warp_cols // 8
 
     def padded_rows(self, n):
         return (n + self.rows - 1) // self.rows * self.rows

@@ -135,6 +135,7 @@ def test_backward_bad_arguments(rng, qkv, variant):
     ("fa2", dict(block_n=96), "multiple of 16 \\* warps=128"),
     ("fa2", dict(q_in_registers=True), "fa2 backward has no option q_in_registers"),
     ("fa1", dict(dq="separate"), "fa1 backward has no option dq"),
+    ("fa1", dict(swizzle=False), "dq_reduce='red' needs less"),   # an option fa1 takes
     ("standard", dict(block_n=64), "unexpected keyword"),
 ])
 def test_backward_bad_options(rng, qkv, variant, options, message):

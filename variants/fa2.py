@@ -401,10 +401,8 @@ class BackwardConfig:
         by bulk reductions (a query block's B_r x d floats contiguous), else row-major (None)."""
         if not self.bulk:
             return None
-        wq, wd = self.dq_split
         return bwd.DqLayout(rows=self.block_m, cols=self.head_dim, threads=self.threads,
-                            n_tiles=self.head_dim // wd // 8, warps_across=wd,
-                            warp_rows=self.block_m // wq, warp_cols=self.head_dim // wd)
+                            warps_across=self.dq_split[1])
 
     def dq_smem_bytes(self):
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
