@@ -201,6 +201,19 @@ syncwarp = _make_statement("bar.warp.sync -1;", "All 32 lanes reach this point, 
                            "shared-memory writes before it are visible to the warp's reads after it.")
 
 
+@intrinsic
+def bar_sync(typingctx, barrier, nthreads):
+    """Named barrier `barrier` (1..15; 0 is __syncthreads') for the `nthreads` threads (whole
+    warps) that use it: they all reach this point, and their shared-memory writes before it are
+    visible to their reads after it (bar.sync a, b)."""
+    def codegen(context, builder, sig, args):
+        ops = [_as(context, builder, v, t, types.int32) for v, t in zip(args, sig.args)]
+        _asm(builder, ir.VoidType(), ops, "bar.sync $0, $1;", "r,r,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(barrier, nthreads), codegen
+
+
 # --------------------------------------------------------------------------- asynchronous copies
 
 @intrinsic

@@ -234,9 +234,17 @@ unpack_f16x2 = _make_unpack("float16")
 
 
 def syncwarp():
-    """No-op: what bar.warp.sync orders on the GPU (lanes' shared-memory writes before the warp's
-    reads) already holds here, because every reader is a warp collective (ldmatrix) that waits for
-    all 32 lanes (`_warp_collective`) before reading."""
+    """All 32 lanes meet here (a rendezvous through `_warp_collective`, which waits at the block
+    barrier), so that one lane may hand what the others stored in shared memory to something that is
+    not a warp collective (lane 0's bulk reduction)."""
+    _warp_collective(None)
+
+
+def bar_sync(barrier, nthreads):
+    """A named barrier among some warps: here the whole block meets (`_warp_collective` waits at the
+    block barrier), which orders at least what the named barrier orders, provided every warp reaches
+    its bar_sync at the same point of the kernel (as in this project's kernels)."""
+    _warp_collective(None)
 
 
 def cp_async_16(dst, dst_offset, src, row, col, src_bytes):

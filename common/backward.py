@@ -80,7 +80,9 @@ class DqLayout:
     """dQ's accumulator in fragment order (tiles.stage_accumulator_fragments_f32): each query block
     of `rows` x `cols` floats is contiguous, as `threads` threads staged it, their warps in a grid
     of (warps / warps_across) x warps_across tiles of dQ_i, each warp holding (M, n_tiles, 4) fp32
-    registers of its warp_rows x warp_cols tile."""
+    registers of its warp_rows x warp_cols tile. Warp w's terms are the block's w-th slice of
+    warp_floats floats (lane l's tile k at floats 4 (32 k + l) of it), so that each warp adds its
+    own slice with its own bulk reduction."""
     rows: int
     cols: int
     threads: int
@@ -97,6 +99,10 @@ class DqLayout:
     @property
     def n_tiles(self):      # n8 tiles across a warp's columns
         return self.warp_cols // 8
+
+    @property
+    def warp_floats(self):  # one warp's slice of a query block
+        return self.rows * self.cols // (self.threads // 32)
 
     def padded_rows(self, n):
         return (n + self.rows - 1) // self.rows * self.rows
@@ -170,11 +176,11 @@ def build_convert_dq_fragments(layout, is_bf16):
     rows r and r + 8. Threads are mapped to units so that a warp's 32 lanes cover the 32 column
     pairs of one staged row (n-tile = lane / 4, t = lane % 4): each of its two stores writes 128
     contiguous bytes of dQ and each load reads whole 64-byte runs of the accumulator."""
-    D, IS_BF16, ROWS, THREADS = layout.cols, is_bf16, layout.rows, layout.threads
+    D, IS_BF16, ROWS = layout.cols, is_bf16, layout.rows
     PAIRS = 4 * layout.n_tiles                     # column pairs a staged row of one warp
     MQ, WARPS_ = layout.warp_rows // 16, layout.threads // 32
     N_TILES, ACROSS = layout.n_tiles, layout.warps_across
-    WARP_ROWS, WARP_COLS = layout.warp_rows, layout.warp_cols
+    WARP_ROWS, WARP_COLS, WARP_FLOATS = layout.warp_rows, layout.warp_cols, layout.warp_floats
 
     @kernel
     def convert_dq_fragments(dq_acc, dq32, n_q, softmax_scale):
@@ -187,7 +193,7 @@ def build_convert_dq_fragments(layout, is_bf16):
         row = block * ROWS + (warp // ACROSS) * WARP_ROWS + 16 * m + g
         col = (warp % ACROSS) * WARP_COLS + 8 * n + 2 * t
         # Where the staging thread (warp, lane 4g + t) put acc[m, n, 0:4]:
-        f = 4 * ((m * N_TILES + n) * THREADS + warp * 32 + 4 * g + t)
+        f = warp * WARP_FLOATS + 4 * (32 * (m * N_TILES + n) + 4 * g + t)
         at_row, at_col = block * ROWS + f // D, f % D
         if row < n_q:
             dq32[b, h, row, col >> 1] = tiles.pack_pair(

@@ -130,10 +130,10 @@ def lse_log2(lse):
 
 
 @device_function
-def recompute_p_columns(s, lse2, lane, scale_log2):
-    """S^T <- P^T in place: P^T[r, c] = 2^(S^T[r, c] * scale*log2(e) - lse2[c]), lse2 a shared
-    array over the tile's columns (queries)."""
-    t2 = 2 * (lane & 3)
+def recompute_p_columns(s, lse2, lane, scale_log2, col0=0):
+    """S^T <- P^T in place: P^T[r, c] = 2^(S^T[r, c] * scale*log2(e) - lse2[col0 + c]), lse2 a
+    shared array over the block's columns (queries), col0 the warp's first."""
+    t2 = col0 + 2 * (lane & 3)
     for n in range(s.shape[1]):
         l0 = lse2[n * 8 + t2]
         l1 = lse2[n * 8 + t2 + 1]
@@ -144,10 +144,10 @@ def recompute_p_columns(s, lse2, lane, scale_log2):
 
 
 @device_function
-def grad_columns(p, dp, d_vec, lane):
+def grad_columns(p, dp, d_vec, lane, col0=0):
     """dP^T <- dS^T = P^T o (dP^T - D) in place, D = rowsum(dO o O) a shared array over the
-    tile's columns (queries)."""
-    t2 = 2 * (lane & 3)
+    block's columns (queries), col0 the warp's first."""
+    t2 = col0 + 2 * (lane & 3)
     for n in range(p.shape[1]):
         d0 = d_vec[n * 8 + t2]
         d1 = d_vec[n * 8 + t2 + 1]

@@ -194,21 +194,23 @@ def abt_step(acc, a, slot, tile_b, k_base, row_stride, is_bf16):
 
 
 @device_function
-def gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16):
-    """acc += A B^T with A held in registers (every k-step in a[m, kk]) and B an [n][k] row-major
-    tile (K in S = Q K^T)."""
-    base = abt_base(lane, row_stride, swizzle)
+def gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_row0=0):
+    """acc += A B^T with A held in registers (every k-step in a[m, kk]) and B the rows b_row0..
+    (a multiple of 8) of an [n][k] row-major tile (K in S = Q K^T)."""
+    base = abt_base(lane, row_stride, swizzle) + b_row0 * row_stride
     for kk in range(a.shape[1]):
         abt_step(acc, a, kk, tile_b, column_step(base, kk, swizzle), row_stride, is_bf16)
 
 
 @device_function
-def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle, is_bf16):
+def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle, is_bf16,
+                      b_row0=0):
     """acc += A B^T with A streamed from the row-major tile `tile_a` (rows a_row0.., m-tiles of 16)
     one k-step at a time into a[:, 0], instead of held whole in registers: k_steps more ldmatrix
-    per m-tile and call, for a[M, 1, 4] instead of a[M, k_steps, 4] registers (FA2's Q reload)."""
+    per m-tile and call, for a[M, 1, 4] instead of a[M, k_steps, 4] registers (FA2's Q reload).
+    B: rows b_row0.. of tile_b, as in gemm_abt."""
     a_base = a_fragment_base(a_row0, lane, row_stride, swizzle)
-    base = abt_base(lane, row_stride, swizzle)
+    base = abt_base(lane, row_stride, swizzle) + b_row0 * row_stride
     for kk in range(k_steps):
         for m in range(a.shape[0]):
             load_a_step(a, m, 0, tile_a, a_base + m * 16 * row_stride, kk, swizzle)
@@ -217,22 +219,24 @@ def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride,
 
 @device_function
 def gemm_abt_held_or_streamed(acc, a, held, tile_a, a_row0, k_steps, tile_b, lane, row_stride,
-                              swizzle, is_bf16):
+                              swizzle, is_bf16, b_row0=0):
     """acc += A B^T, A either held whole in registers (`held`: a[M, k_steps, 4], filled before)
     or streamed one k-step at a time from rows a_row0.. of tile_a (a[M, 1, 4]); see gemm_abt and
     gemm_abt_streamed. `held` is a compile-time constant: one of the two is compiled in."""
     if held:
-        gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16)
+        gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_row0)
     else:
         gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle,
-                          is_bf16)
+                          is_bf16, b_row0)
 
 
 @device_function
-def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16):
-    """acc += A B with A in registers and B a [k][n] row-major tile (V in O += P V).
-    ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8), (k0+8, n0+8)."""
-    base = smem_offset((((lane >> 3) & 1) << 3) + (lane & 7), (lane >> 4) << 3, row_stride, swizzle)
+def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_col0=0):
+    """acc += A B with A in registers and B the columns b_col0.. of a [k][n] row-major tile (V in
+    O += P V); b_col0 a multiple of 8 * 2^k >= 8 * acc.shape[1] (so that the steps right of it are
+    XORs: `column_step`). ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8), (k0+8, n0+8)."""
+    base = smem_offset((((lane >> 3) & 1) << 3) + (lane & 7), b_col0 + ((lane >> 4) << 3),
+                       row_stride, swizzle)
     for kk in range(a.shape[1]):
         for n2 in range(acc.shape[1] >> 1):
             b = ptx.ldmatrix_x4_trans(tile_b, column_step(base, n2, swizzle) + kk * 16 * row_stride)
@@ -342,13 +346,15 @@ def scale_accumulator(acc, factor):
 
 
 @device_function
-def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, is_bf16):
-    """Write acc (as 16-bit pairs) into a row-major tile seen as uint32 words; row0: the warp's
-    first row in the tile. Readers in other lanes need a barrier (syncwarp or syncthreads) first."""
+def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, is_bf16, col0=0):
+    """Write acc (as 16-bit pairs) into a row-major tile seen as uint32 words; row0, col0: the
+    warp's first row and column in the tile. col0 is a multiple of 8 * 2^k >= 8 * acc.shape[1]
+    (so that moving n chunks right of it is an XOR: `chunk_step`). Readers in other lanes need a
+    barrier (syncwarp, bar_sync or syncthreads) first."""
     g, t2 = lane >> 2, 2 * (lane & 3)
     for m in range(acc.shape[0]):
         for h in range(2):
-            base = smem_offset(row0 + m * 16 + g + 8 * h, t2, row_stride, swizzle)
+            base = smem_offset(row0 + m * 16 + g + 8 * h, col0 + t2, row_stride, swizzle)
             for n in range(acc.shape[1]):
                 w = pack_pair(acc[m, n, 2 * h], acc[m, n, 2 * h + 1], is_bf16)
                 ptx.st_shared_u32(tile32, chunk_step(base, n, swizzle) >> 1, w)
@@ -366,16 +372,16 @@ def stage_accumulator_f32(tile, acc, row0, lane, row_stride):
 
 
 @device_function
-def stage_accumulator_fragments_f32(tile, acc, tid, nthreads):
-    """Write acc as fp32 into a shared tile in fragment order: the registers acc[m, n, 0:4] of
-    thread tid go to floats 4 * (k * nthreads + tid) + (0..3), k = m * acc.shape[1] + n. Each
-    warp's 16-byte stores then cover 512 contiguous bytes (no bank conflicts), and the whole tile
-    is one contiguous block that a bulk copy can move as is."""
+def stage_accumulator_fragments_f32(tile, acc, lane):
+    """Write the warp's acc as fp32 into its own shared region `tile` in fragment order: the
+    registers acc[m, n, 0:4] of `lane` go to floats 4 * (32 k + lane) + (0..3), k = m *
+    acc.shape[1] + n. Each 16-byte store of the warp covers 512 contiguous bytes (no bank
+    conflicts), and the warp's region is one contiguous block that a bulk copy moves as is."""
     for m in range(acc.shape[0]):
         for n in range(acc.shape[1]):
             k = m * acc.shape[1] + n
-            ptx.st_shared_v4_f32(tile, int32((k * nthreads + tid) << 2), acc[m, n, 0],
-                                 acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
+            ptx.st_shared_v4_f32(tile, int32(((k << 5) + lane) << 2), acc[m, n, 0], acc[m, n, 1],
+                                 acc[m, n, 2], acc[m, n, 3])
 
 
 @device_function

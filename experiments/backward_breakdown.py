@@ -1,7 +1,8 @@
 """Where a fa2 backward call's time goes, beside SDPA's backward, on the FA2 paper's shapes (bf16,
 batch * seqlen = 16k, hidden 2048): the whole call (`variants.backward`) with each dQ path
 (`bulk`: atomic, added by bulk reductions, the default; `red`: atomic, by vector atomics from
-registers; `separate`: a second kernel), and each of its parts timed alone on the same tensors
+registers; `separate`: a second kernel; each with the head_dim's default warp tiles, or as
+`<path>_1d` / `<path>_2d` with one-row-a-warp or FA2's 2-D warp tiles), and each of its parts timed alone on the same tensors
 (argument checks and allocation `prep`, the D pre-pass `pre`, the K/V kernel `kv`, dQ's cast
 `convert` or the separate dQ kernel `dqk`), then
 SDPA flash's and cuDNN's backward through torch.autograd.grad on a kept graph. One line a problem:
@@ -39,6 +40,11 @@ def median_ms(fn):
 
 PATHS = {"bulk": dict(dq="atomic", dq_reduce="bulk"), "red": dict(dq="atomic", dq_reduce="red"),
          "separate": dict(dq="separate")}
+# Each with 1-D and with FA2's 2-D warp tiles (query_warps=2: P^T and dS^T through shared memory;
+# two m16 tiles of keys a warp, so K_j, V_j are streamed from shared memory, not held).
+PATHS = dict({f"{name}_1d": dict(options, query_warps=1) for name, options in PATHS.items()},
+             **{f"{name}_2d": dict(options, query_warps=2, kv_in_registers=False)
+                for name, options in PATHS.items()}, **PATHS)
 
 
 def parts(do, q, k, v, o, lse, causal, path):
@@ -88,6 +94,11 @@ def main(specs, paths=tuple(PATHS)):
         o, lse = variants.forward(q, k, v, causal=causal)
         res = {}
         for path in paths:
+            try:
+                fa2.default_backward_config(head_dim, True, causal, **PATHS[path]).validate()
+            except ValueError as e:     # e.g. 2-D warp tiles at head_dim 64
+                print(f"d={head_dim}: no path {path}: {e}", flush=True)
+                continue
             res.update(parts(do, q, k, v, o, lse, causal, path))
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         for backend, name in ((SDPBackend.FLASH_ATTENTION, "flash"),

@@ -88,13 +88,18 @@ def test_gradients_rectangular_with_custom_scale(rng, variant):
                        softmax_scale=0.37)
 
 
-# The backward's switches, each away from its default (dq="atomic", dq_reduce="bulk"): each must
-# still give exact gradients.
+# The backward's switches, each away from its default (dq="atomic", dq_reduce="bulk",
+# query_warps=2): each must still give exact gradients.
 FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(dq_reduce="red"), dict(causal_skip=False),
-                        dict(swizzle=False, kv_in_registers=False, dq_reduce="red"),   # padded
-                        # tiles leave no room for the bulk path's dQ buffers (a clear error)
-                        dict(head_dim=128, dq="atomic", kv_in_registers=True),
-                        dict(head_dim=128, dq="separate")]
+                        dict(swizzle=False, dq_reduce="red"),   # padded tiles leave no room for
+                        # the bulk path's dQ buffer (a clear error)
+                        dict(head_dim=128, dq="separate"),
+                        # one row of S^T a warp (query_warps=1: P^T, dS^T re-packed in registers)
+                        # instead of FA2's 2-D warp tiles, with K_j, V_j held or streamed
+                        dict(query_warps=1, kv_in_registers=True),
+                        dict(query_warps=1, swizzle=False, dq_reduce="red"),
+                        dict(head_dim=128, query_warps=1),
+                        dict(head_dim=128, query_warps=1, kv_in_registers=True)]
 
 
 @pytest.mark.parametrize("options", FA2_BACKWARD_OPTIONS,

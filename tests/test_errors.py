@@ -132,7 +132,9 @@ def test_backward_bad_arguments(rng, qkv, variant):
     ("fa2", dict(dq_reduce="tma"), "dq_reduce must be 'bulk' or 'red'"),
     ("fa2", dict(block_m=128, block_n=256, warps=8), "bytes of shared memory, over the"),
     ("fa2", dict(kv_blocks="sequential", dq="separate"), "needs dq='atomic'"),
-    ("fa2", dict(block_n=96), "multiple of 16 \\* warps=128"),
+    ("fa2", dict(block_n=96), "multiple of 16 \\* \\(warps / query_warps\\)=64"),
+    ("fa2", dict(query_warps=3), "query_warps must be 1, 2 or 4"),
+    ("fa2", dict(block_m=192), "powers of two >= 16, got \\(96, 32\\)"),
     ("fa2", dict(q_in_registers=True), "fa2 backward has no option q_in_registers"),
     ("fa1", dict(dq="separate"), "fa1 backward has no option dq"),
     ("fa1", dict(swizzle=False), "dq_reduce='red' needs less"),   # an option fa1 takes

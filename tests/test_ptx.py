@@ -10,6 +10,7 @@ from numba import cuda, float32, int32, uint16, uint32
 
 from common import _ptx_sim as sem
 from common import inputs, ptx
+from tests.conftest import ON_GPU
 
 DTYPES = ["bfloat16", "float16"]
 
@@ -263,3 +264,28 @@ def test_bulk_reduction_adds_a_contiguous_block():
     expect = np.full((4, 32), 0.5)
     expect[1:3] += (np.arange(64) + 1).reshape(2, 32) * sum(b + 1 for b in range(blocks))
     np.testing.assert_array_equal(dst, expect.astype(np.float32))   # small integers: exact
+
+
+@cuda.jit
+def pair_barrier_kernel(out, spin):
+    """Warps 2p and 2p+1 meet at named barrier 1 + p: the first spins, then writes its lanes' ids
+    to shared memory; after the barrier the second reads them (and the first the second's)."""
+    tid = int32(cuda.threadIdx.x)
+    warp, lane = tid >> 5, tid & 31
+    smem = cuda.shared.array(128, int32)
+    x = int32(0)
+    if warp % 2 == 0:
+        for i in range(spin[0]):        # a slow writer: without the barrier its partner reads early
+            x = x * int32(1103515245) + int32(12345)
+    smem[tid] = 1000 * warp + lane
+    ptx.bar_sync(1 + (warp >> 1), 64)
+    out[tid] = smem[tid ^ 32]
+    if tid == 0:
+        out[128] = x                    # keeps the spin
+
+
+def test_named_barrier_orders_a_pair_of_warps():
+    out = np.full(129, -1, np.int32)
+    pair_barrier_kernel[1, 128](out, np.array([20000 if ON_GPU else 1], np.int32))
+    partner = np.arange(128) ^ 32
+    np.testing.assert_array_equal(out[:128], 1000 * (partner // 32) + partner % 32)

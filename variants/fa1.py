@@ -377,8 +377,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
 # loop) comes from one pass before it, and P is rebuilt from L = m + log l, which equals
 # diag(l)^-1 exp(S - m) (l.13-14).
 
-BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "causal_skip", "swizzle", "kv_in_registers",
-                    "dq_reduce")
+BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "causal_skip", "swizzle",
+                    "kv_in_registers", "dq_reduce")
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None, **options):

@@ -300,11 +300,13 @@ def backward_compile_targets(cfg, tag):
     backward.py's compile_targets)."""
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
     sizes = (types.int32, types.int32, types.int32, types.float32, types.float32)
-    # S^T, dP^T, dV, dK: 4 * M * B_r * d / 128 mma a step; with atomics dQ's product appears twice
-    # (in the loop and for the last step): 2 * MQ * (d / WD) * B_c / 128.
-    # In the SASS's main loop: the query loop's, or FA1's K/V loop's (which holds the last one too).
+    # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
+    # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
+    # atomics dQ's product appears twice (in the loop and for the last step):
+    # 2 * MQ * (d / WD) * B_c / 128. In the SASS's main loop: the query loop's, or FA1's K/V loop's
+    # (which holds the last one too).
     wq, wd = cfg.dq_split
-    mma = 4 * cfg.m_tiles * cfg.block_m * cfg.head_dim // 128
+    mma = 4 * cfg.m_tiles * cfg.block_m * cfg.head_dim // (128 * cfg.query_warps)
     if cfg.dq == "atomic":
         dq_mma = (cfg.block_m // wq // 16) * (cfg.head_dim // wd) * cfg.block_n // 128
         mma = (mma + 2 * dq_mma, mma + (2 if cfg.kv_blocks == "sequential" else 1) * dq_mma)
@@ -332,17 +334,25 @@ def backward_compile_targets(cfg, tag):
 #   l.16      dK_j += (dS_i^(j))^T Q_i
 #   l.17    write dK_j, dV_j to HBM
 #
-# Warps split the block's keys (split-K^T: warp w owns keys [16*M*w, 16*M*(w+1)) of K_j and their
-# rows of dK_j, dV_j), so every product but one lands in the warp's own registers: the kernel
-# computes S^T = K_j Q_i^T and dP^T = V_j dO_i^T (keys x queries), whose accumulators re-pack straight
-# into the A operands of dV_j += P^T dO_i and dK_j += dS^T Q_i. dQ_i += dS K_j needs every warp's
-# keys: dS^T is staged in shared memory and read back transposed (ldmatrix.trans) one step later,
-# after the barrier that step needs anyway (two dS^T buffers), so the product costs no barrier.
+# The kernel computes S^T = K_j Q_i^T and dP^T = V_j dO_i^T (keys x queries). Its warps tile them
+# in one of two ways (`query_warps`):
+# - 1: warp w owns keys [16*M*w, 16*M*(w+1)) of K_j, their whole rows of S^T, dP^T and of dK_j,
+#   dV_j, so the accumulators re-pack straight into the A operands of dV_j += P^T dO_i and
+#   dK_j += dS^T Q_i, all in the warp's registers; but every warp reads all of Q_i and dO_i twice.
+# - 2 (FA2's 2-D warp tiles, the default): warps 2p and 2p+1 share keys [32p, 32p+32) (M = 2);
+#   each computes half of the pair's queries of S^T, dP^T, writes P^T and dS^T to shared memory,
+#   meets its partner at a named barrier, and accumulates half of d of dK_j, dV_j from the pair's
+#   whole rows: each B fragment read from shared memory feeds two m16 tiles (152 ldmatrix.x4 a
+#   warp-step at d=128 against 184).
+# dQ_i += dS K_j needs every warp's keys: dS^T is staged in shared memory and read back transposed
+# (ldmatrix.trans) one step later, after the barrier that step needs anyway (two dS^T buffers), so
+# the product costs no barrier.
 # The product's terms reach HBM either as 16 red.global.add.v2.f32 a thread (`dq_reduce="red"`), or
-# (`"bulk"`, the default) stored to an fp32 shared buffer in fragment order and added by one bulk
-# reduction of the copy engine (cp.reduce.async.bulk .add.f32, sm_90), which thread 0 issues after
-# the next step's barrier (two buffers, as dS^T: again no extra barrier); dQ's accumulator then
-# holds each query block contiguous in that order and `convert_dq` unpermutes it.
+# (`"bulk"`, the default) stored by each warp to its own fp32 shared buffer in fragment order and
+# added by one bulk reduction of the copy engine (cp.reduce.async.bulk .add.f32, sm_90) that the
+# warp's lane 0 issues at once (it waits for the reduction's read a step later, before the warp
+# stages again: no barrier involved); dQ's accumulator then holds each query block contiguous in
+# that order and `convert_dq` unpermutes it.
 # `dq="separate"` instead leaves dQ to a second kernel with the query blocks outer (one thread block
 # per Q_i, looping over K/V blocks, as the forward): deterministic, at the price of recomputing S
 # and dP once more.
@@ -356,7 +366,11 @@ class BackwardConfig:
     causal: bool
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
-    warps: int = 8             # each warp owns block_n / warps keys
+    warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
+    query_warps: int = 1       # warps sharing a key's row of S^T, dP^T (each a 1/query_warps slice
+                               # of B_r, and of d in dK_j, dV_j): 1 = every product in the warp's own
+                               # registers; 2 = FA2's 2-D warp tiles, P^T and dS^T through shared
+                               # memory (fewer ldmatrix a step)
     dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel,
                                # deterministic)
     dq_reduce: str = "bulk"    # dq="atomic": how dS K_j is added into dQ's fp32 accumulator:
@@ -376,8 +390,16 @@ class BackwardConfig:
         return 32 * self.warps
 
     @property
+    def key_warps(self):    # warps across B_c
+        return self.warps // self.query_warps
+
+    @property
     def m_tiles(self):      # m16 tiles of keys per warp
-        return self.block_n // (16 * self.warps)
+        return self.block_n // (16 * self.key_warps)
+
+    @property
+    def staged_ds(self):    # dS^T goes through shared memory (dQ's product, or 2-D warp tiles)
+        return self.dq == "atomic" or self.query_warps > 1
 
     @property
     def dq_split(self):
@@ -391,9 +413,10 @@ class BackwardConfig:
 
     def smem_bytes(self):
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
-        ds = 2 * self.block_n * tiles.tile_row_stride(self.block_m, self.swizzle) \
-            if self.dq == "atomic" else 0
-        dq = 2 * self.block_m * self.head_dim if self.bulk else 0     # fp32: 2 x dQ_i's terms
+        # dS^T: two buffers; P^T: one, with 2-D warp tiles
+        ds = (2 + (self.query_warps > 1)) * self.block_n * \
+            tiles.tile_row_stride(self.block_m, self.swizzle) if self.staged_ds else 0
+        dq = self.block_m * self.head_dim if self.bulk else 0     # fp32: dQ_i's terms
         return 2 * (d * (2 * self.block_n + 4 * self.block_m) + ds) + 4 * (4 * self.block_m + dq)
 
     def dq_layout(self):
@@ -420,25 +443,39 @@ class BackwardConfig:
         if self.kv_blocks == "sequential" and self.dq != "atomic":
             raise ValueError("kv_blocks='sequential' (FA1's schedule) accumulates dQ in its own "
                              "kernel: it needs dq='atomic'")
-        if self.block_n % (16 * self.warps):
-            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * warps={16 * self.warps}")
-        if self.block_m % 16:
-            raise ValueError(f"block_m={self.block_m} must be a multiple of 16")
+        if self.query_warps not in (1, 2, 4) or self.warps % self.query_warps:
+            raise ValueError(f"query_warps must be 1, 2 or 4 and divide warps={self.warps}, got "
+                             f"{self.query_warps}")
+        if self.block_n % (16 * self.key_warps):
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * (warps / query_warps)"
+                             f"={16 * self.key_warps}")
+        if self.block_m % (16 * self.query_warps):
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 16 * query_warps="
+                             f"{16 * self.query_warps}")
+        if self.query_warps > 1:
+            # A warp's slices of B_r (its S^T columns) and of d (its dK_j, dV_j columns) start at
+            # multiples of their own width, so their n8 tiles are XOR steps in a swizzled tile.
+            slices = (self.block_m // self.query_warps, self.head_dim // self.query_warps)
+            if any(w < 16 or w & (w - 1) for w in slices):
+                raise ValueError(f"query_warps={self.query_warps} needs block_m / query_warps and "
+                                 f"head_dim / query_warps to be powers of two >= 16, got {slices}")
+        if self.staged_ds:
+            tiles.tile_row_stride(self.block_m, self.swizzle)   # the dS^T (and P^T) tiles
         for rows in (self.block_m, self.block_n):
             tiles.check_tile_copy(rows, self.head_dim, self.threads)
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(
+                f"fa2 backward (dq={self.dq!r}, dq_reduce={self.dq_reduce!r}, query_warps="
+                f"{self.query_warps}) with block_m={self.block_m}, block_n={self.block_n} at "
+                f"head_dim {self.head_dim} needs {self.smem_bytes()} bytes of shared memory, over "
+                f"the {MAX_SHARED_BYTES} a thread block may have" +
+                (" (dq_reduce='red' needs less)" if self.bulk else ""))
         if self.dq == "atomic":
-            tiles.tile_row_stride(self.block_m, self.swizzle)   # the dS^T tile
             wq, wd = self.dq_split
             cols = self.head_dim // wd
             if wq * wd != self.warps or (self.block_m // 16) % wq or cols % (64 if self.swizzle else 16):
                 raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.head_dim} "
                                  "dQ block into whole m16 tiles and column slices of 64")
-            if self.smem_bytes() > MAX_SHARED_BYTES:
-                raise ValueError(
-                    f"fa2 backward (dq='atomic', dq_reduce={self.dq_reduce!r}) with block_m="
-                    f"{self.block_m}, block_n={self.block_n} at head_dim {self.head_dim} needs "
-                    f"{self.smem_bytes()} bytes of shared memory, over the {MAX_SHARED_BYTES} a "
-                    "thread block may have" + (" (dq_reduce='red' needs less)" if self.bulk else ""))
         else:
             if self.dq_block_m % (16 * self.dq_warps) or self.dq_block_n % 16:
                 raise ValueError(f"dq_block_m={self.dq_block_m} must be a multiple of 16 * "
@@ -448,8 +485,9 @@ class BackwardConfig:
         return self
 
 
-BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "dq_reduce", "causal_skip", "swizzle",
-                    "kv_in_registers", "dq_block_m", "dq_block_n", "dq_warps", "kv_blocks")
+BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "dq", "dq_reduce", "causal_skip",
+                    "swizzle", "kv_in_registers", "dq_block_m", "dq_block_n", "dq_warps",
+                    "kv_blocks")
 
 # B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
 # thread), B_r = 64 queries a step at d=128 (FA2's own tile) and 128 at d=64 (so that the 8 warps
@@ -459,8 +497,8 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "dq", "dq_reduce", "causal_sk
 # causal 2k: 1.62 vs 1.71 and 1.62 vs 1.70). Not bitwise reproducible: pass dq="separate" for that.
 # The separate dQ kernel at d=64 takes two m16 tiles of queries a warp (B_r = 128 over 4 warps), so
 # each K and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
-BACKWARD_DEFAULTS = {64: dict(block_m=128, kv_in_registers=True, dq="atomic", dq_block_m=128),
-                     128: dict(dq="atomic")}
+BACKWARD_DEFAULTS = {64: dict(block_m=128, query_warps=2, dq="atomic", dq_block_m=128),
+                     128: dict(dq="atomic", query_warps=2)}
 
 default_backward_config = configs.default_config_function(
     "fa2 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
@@ -477,18 +515,24 @@ def build_backward(cfg):
     BULK = cfg.bulk
     SEQUENTIAL = cfg.kv_blocks == "sequential"
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
-    DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if ATOMIC else 0
+    QW, TWO_D, STAGED_DS = cfg.query_warps, cfg.query_warps > 1, cfg.staged_ds
+    QC, DC = BR // QW, D // QW      # a warp's queries of S^T, dP^T and columns of dK_j, dV_j
+    QW_SHIFT = QW.bit_length() - 1
+    DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if STAGED_DS else 0
     KV_TILE, QO_TILE, DS_TILE = BC * STRIDE, BR * STRIDE, BC * DS_STRIDE
-    # Shared memory (16-bit units): K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | fp32: 2 x (L2, D)
-    # | with bulk reductions, 2 x dQ_i's terms (B_r x d fp32, fragment order).
+    # Shared memory (16-bit units): K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | with 2-D warp tiles,
+    # P^T | fp32: 2 x (L2, D) | with bulk reductions, dQ_i's terms (B_r x d, a slice a warp,
+    # fragment order).
     V0, QO0 = KV_TILE, 2 * KV_TILE
     DS0 = QO0 + 4 * QO_TILE
-    STAT0 = (DS0 + 2 * DS_TILE) // 2
-    DQF0, DQF_TILE = STAT0 + 4 * BR, BR * D
+    P0 = DS0 + 2 * DS_TILE
+    STAT0 = (P0 + (DS_TILE if TWO_D else 0)) // 2
+    DQF0 = STAT0 + 4 * BR
+    DQF_WARP = BR * D // cfg.warps          # floats of dQ_i's terms a warp stages and reduces
     WQ, WD = cfg.dq_split if ATOMIC else (1, 1)
     MQ, DQ_COLS = BR // WQ // 16, D // WD
     KV_FRAG = (M, D // 16 if KV_IN_REGISTERS else 1, 4)
-    ST_ACC, P_FRAG, DKV_ACC = (M, BR // 8, 4), (M, BR // 16, 4), (M, D // 8, 4)
+    ST_ACC, P_FRAG, DKV_ACC = (M, QC // 8, 4), (M, BR // 16, 4), (M, DC // 8, 4)
     DQ_ACC, DS_FRAG = (MQ, DQ_COLS // 8, 4), (MQ, BC // 16, 4)
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
@@ -500,13 +544,6 @@ def build_backward(cfg):
         if int32(i + 1) < t_r:
             return uint32(h), int32(i + 1)
         return uint32(h + 1), int32(i0)
-
-    @device_function
-    def previous_position(h, i, i0, t_r):
-        """The inner step before (h, i): next_position backwards."""
-        if i > i0:
-            return uint32(h), int32(i - 1)
-        return uint32(h - 1), int32(t_r - 1)
 
     @device_function
     def load_q_do(smem, stage, q, do, b, h, i, n_q, tid):
@@ -526,11 +563,11 @@ def build_backward(cfg):
         return float32(0), float32(0)
 
     @device_function
-    def update_dq(smem, smem_f32, k_s, dq_acc_bh, buf, q0, n_q, dq, dsa, warp, lane, tid):
+    def update_dq(smem, smem_f32, k_s, dq_acc_bh, buf, q0, n_q, dq, dsa, warp, lane):
         """l.15 for the step that staged dS^T in buffer `buf`: dQ_i += dS K_j, this warp's rows
-        and columns of it, for dQ's fp32 accumulator in HBM (other thread blocks add the other
-        K/V blocks' terms). dq_reduce="red": added now, by vector atomics from registers;
-        "bulk": staged in dQ buffer `buf` for `reduce_dq` after the next barrier."""
+        and columns of it, added into dQ's fp32 accumulator in HBM (other thread blocks add the
+        other K/V blocks' terms). dq_reduce="red": by vector atomics from registers; "bulk": staged
+        in the warp's slice of the dQ buffer and added by one bulk reduction, issued by lane 0."""
         ds_s = smem[DS0 + buf * DS_TILE:DS0 + (buf + 1) * DS_TILE]
         row, col = (warp // WD) * 16 * MQ, (warp % WD) * DQ_COLS
         for m in range(MQ):
@@ -538,20 +575,19 @@ def build_backward(cfg):
         tiles.fill(dq, float32(0))
         tiles.gemm_ab(dq, dsa, k_s[col:], lane, STRIDE, SWIZZLE, IS_BF16)
         if BULK:
-            dqf = DQF0 + buf * DQF_TILE
-            tiles.stage_accumulator_fragments_f32(smem_f32[dqf:dqf + DQF_TILE], dq, tid, THREADS)
+            dqf = DQF0 + warp * DQF_WARP
+            if lane == 0:
+                ptx.bulk_wait_read(0)   # the warp's previous reduction has read its slice
+            ptx.syncwarp()
+            tiles.stage_accumulator_fragments_f32(smem_f32[dqf:dqf + DQF_WARP], dq, lane)
             ptx.fence_proxy_async_shared()    # the copy engine reads what these stores wrote
+            ptx.syncwarp()
+            if lane == 0:   # the slice is rows q0 + warp * DQF_WARP / d.. of the (contiguous)
+                ptx.bulk_reduce_add_f32(dq_acc_bh, int32(q0 + warp * (DQF_WARP // D)), smem_f32,
+                                        dqf, 4 * DQF_WARP)
+                ptx.bulk_commit()
         else:
             tiles.atomic_add_accumulator_f32(dq_acc_bh, dq, q0 + row, col, n_q, lane)
-
-    @device_function
-    def reduce_dq(smem_f32, dq_acc_bh, buf, q0):
-        """dq_reduce="bulk", thread 0, after the barrier that follows the staging: dQ's
-        accumulator += dQ buffer `buf` (query block q0 / B_r, contiguous in fragment order), one
-        bulk reduction by the copy engine. The buffer may be staged again only after
-        ptx.bulk_wait_read (thread 0, before the barrier that precedes the staging)."""
-        ptx.bulk_reduce_add_f32(dq_acc_bh, q0, smem_f32, DQF0 + buf * DQF_TILE, 4 * DQF_TILE)
-        ptx.bulk_commit()
 
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
@@ -560,7 +596,12 @@ def build_backward(cfg):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         key0 = int32(j * BC)
-        warp_key = warp * 16 * M           # this warp's first key in K_j
+        # This warp's first key in K_j, first query of Q_i in its S^T, dP^T tiles, and first
+        # column of its dK_j, dV_j (shifts and masks: QW is a power of two, and the compiler then
+        # knows these are not negative, so indexing with them needs no wrap-around).
+        warp_key = (warp >> QW_SHIFT) * 16 * M
+        warp_q = (warp & (QW - 1)) * QC
+        warp_col = (warp & (QW - 1)) * DC
         smem = cuda.shared.array(0, uint16)
         smem32 = cuda.shared.array(0, uint32)
         smem_f32 = cuda.shared.array(0, float32)
@@ -618,15 +659,8 @@ def build_backward(cfg):
             d_s = stats[st + BR:st + 2 * BR]
             # l.9: Q_i, dO_i (and K_j, V_j at the first step) have landed and every warp is done
             # with the other stage: start copying step+1's Q, dO there (and read its L, D).
-            if BULK and tid == 0:
-                ptx.bulk_wait_read(0)   # last step's reduction has read its dQ buffer
             ptx.cp_async_wait(0)
             cuda.syncthreads()
-            if BULK and step > 1 and tid == 0:
-                # l.15's HBM update for step-2, staged during step-1 in dQ buffer (step-2) & 1
-                # ((h, i) is still step-1's here).
-                h2, i2 = previous_position(h, i, i0, t_r)
-                reduce_dq(smem_f32, dq_acc[b, h2], stage, int32(i2 * BR))
             h_prev = h
             if step > 0:
                 h, i = next_position(h, i, i0, t_r)
@@ -644,34 +678,54 @@ def build_backward(cfg):
                 # queue ahead of them in the load/store unit (5% of the kernel's time at d=128 on
                 # an H100).
                 update_dq(smem, smem_f32, k_s, dq_acc[b, h_prev], 1 - stage, q0, n_q, dq, dsa,
-                          warp, lane, tid)
+                          warp, lane)
             q0 = int32(i * BR)
 
-            # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i).
+            # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i). The warp's keys
+            # x its QC queries (all B_r of them when query_warps = 1).
             tiles.fill(s, float32(0))
             tiles.gemm_abt_held_or_streamed(s, kf, KV_IN_REGISTERS, k_s, warp_key, D // 16, q_s,
-                                            lane, STRIDE, SWIZZLE, IS_BF16)
+                                            lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
             if int32(q0 + BR) > n_q or int32(key0 + BC) > n_k or \
                     (CAUSAL and q0 < int32(key0 + BC - 1)):
-                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, CAUSAL, lane)
-            softmax.recompute_p_columns(s, lse2_s, lane, scale_log2)
+                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, CAUSAL,
+                                             lane)
+            softmax.recompute_p_columns(s, lse2_s, lane, scale_log2, warp_q)
             # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_held_or_streamed(dp, vf, KV_IN_REGISTERS, v_s, warp_key, D // 16, do_s,
-                                            lane, STRIDE, SWIZZLE, IS_BF16)
-            softmax.grad_columns(s, dp, d_s, lane)
-            # l.12: dV_j += P^T dO_i, P^T straight from its accumulator into A fragments.
-            tiles.accumulator_to_a(pa, s, IS_BF16)
-            tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
-            tiles.accumulator_to_a(pa, dp, IS_BF16)
-            tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
-            if ATOMIC:
-                # l.15 needs whole rows of dS (every warp's keys) for each warp's part of dQ_i:
-                # stage dS^T in shared memory; the product runs after the next barrier.
-                ds = DS0 + stage * DS_TILE
+                                            lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
+            softmax.grad_columns(s, dp, d_s, lane, warp_q)
+            ds = DS0 + stage * DS_TILE
+            ds_s = smem[ds:ds + DS_TILE]
+            if STAGED_DS:
+                # l.15 needs whole rows of dS (every warp's keys) for each warp's part of dQ_i, and
+                # with 2-D warp tiles l.16 needs every query of the warp's keys: stage dS^T in shared
+                # memory (l.15's product runs after the next barrier).
                 tiles.stage_accumulator(smem32[ds // 2:(ds + DS_TILE) // 2], dp, warp_key, lane,
-                                        DS_STRIDE, SWIZZLE, IS_BF16)
+                                        DS_STRIDE, SWIZZLE, IS_BF16, warp_q)
+            if TWO_D:
+                # P^T too, and the warps that share these keys meet (named barrier 1 + key slice).
+                tiles.stage_accumulator(smem32[P0 // 2:(P0 + DS_TILE) // 2], s, warp_key, lane,
+                                        DS_STRIDE, SWIZZLE, IS_BF16, warp_q)
+                ptx.bar_sync(1 + (warp >> QW_SHIFT), 32 * QW)
+                # l.12: dV_j += P^T dO_i, the warp's DC columns of it;
+                for m in range(M):
+                    tiles.load_a_fragments(pa, m, smem[P0:P0 + DS_TILE], warp_key + 16 * m, lane,
+                                           DS_STRIDE, SWIZZLE)
+                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16, warp_col)
+                # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
+                for m in range(M):
+                    tiles.load_a_fragments(pa, m, ds_s, warp_key + 16 * m, lane, DS_STRIDE,
+                                           SWIZZLE)
+                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16, warp_col)
+            else:
+                # l.12: dV_j += P^T dO_i, P^T straight from its accumulator into A fragments.
+                tiles.accumulator_to_a(pa, s, IS_BF16)
+                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16)
+                # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
+                tiles.accumulator_to_a(pa, dp, IS_BF16)
+                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
             if more:   # step+1's L, D: its stage's statistics are free since the barrier
                 nst = STAT0 + (1 - stage) * 2 * BR
                 for r in range(STATS_PER_THREAD):
@@ -679,30 +733,24 @@ def build_backward(cfg):
                         stats[nst + tid + r * THREADS] = next_lse2[r]
                         stats[nst + BR + tid + r * THREADS] = next_d[r]
 
-        if BULK and tid == 0:
-            ptx.bulk_wait_read(0)
         cuda.syncthreads()
-        if ATOMIC and n_steps > 0:   # l.15 of the last step (and with bulk, of the one before)
-            if BULK and n_steps > 1 and tid == 0:
-                h2, i2 = previous_position(h, i, i0, t_r)
-                reduce_dq(smem_f32, dq_acc[b, h2], n_steps & 1, int32(i2 * BR))
+        if ATOMIC and n_steps > 0:   # l.15 of the last step
             update_dq(smem, smem_f32, k_s, dq_acc[b, h], (n_steps - 1) & 1, q0, n_q, dq, dsa,
-                      warp, lane, tid)
-            cuda.syncthreads()
-            if BULK and tid == 0:
-                reduce_dq(smem_f32, dq_acc[b, h], (n_steps - 1) & 1, q0)
+                      warp, lane)
+            cuda.syncthreads()   # every warp is done reading K_j: its tile stages dK_j next
         # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         tiles.scale_accumulator(dk, softmax_scale)
-        tiles.stage_accumulator(smem32[0:KV_TILE // 2], dk, warp_key, lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.stage_accumulator(smem32[0:KV_TILE // 2], dk, warp_key, lane, STRIDE, SWIZZLE, IS_BF16,
+                                warp_col)
         tiles.stage_accumulator(smem32[V0 // 2:(V0 + KV_TILE) // 2], dv, warp_key, lane, STRIDE,
-                                SWIZZLE, IS_BF16)
+                                SWIZZLE, IS_BF16, warp_col)
         cuda.syncthreads()
         tiles.store_tile(dk32[b, h_kv], smem32[0:KV_TILE // 2], key0, n_k, BC, D, STRIDE, SWIZZLE,
                          tid, THREADS)
         tiles.store_tile(dv32[b, h_kv], smem32[V0 // 2:(V0 + KV_TILE) // 2], key0, n_k, BC, D,
                          STRIDE, SWIZZLE, tid, THREADS)
-        if BULK and tid == 0:
-            ptx.bulk_wait(0)    # the reductions are done (and their buffers free for FA1's next j)
+        if BULK and lane == 0:
+            ptx.bulk_wait(0)    # the warp's reductions are done (and its slice free for FA1's next j)
 
     @kernel
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
