@@ -1,6 +1,6 @@
 """From a caller's keyword options to a variant's compile-time configuration, the same way for every
 variant: unknown options and head dims are refused by name, `None` means "the default", defaults
-come per head_dim, and each distinct configuration is built and validated once (it keys the
+come per head_dim (refined per (head_dim, causal) where a measurement asked for it), and each distinct configuration is built and validated once (it keys the
 kernel caches)."""
 from dataclasses import replace
 from functools import lru_cache
@@ -8,12 +8,14 @@ from functools import lru_cache
 
 def default_config_function(variant, config_class, defaults, option_names, head_dims):
     """`default_config(head_dim, is_bf16, causal, **options)` for one variant: its Config with
-    defaults[head_dim], overridden by the options that are not None, validated."""
+    defaults[head_dim], then defaults[(head_dim, causal)] where present, overridden by the options
+    that are not None, validated."""
 
     @lru_cache(maxsize=None)
     def build(head_dim, is_bf16, causal, chosen):
         base = config_class(head_dim, is_bf16, causal)
-        return replace(base, **dict(defaults[head_dim], **dict(chosen))).validate()
+        fields = dict(defaults[head_dim], **defaults.get((head_dim, causal), {}))
+        return replace(base, **dict(fields, **dict(chosen))).validate()
 
     def default_config(head_dim, is_bf16, causal, **options):
         """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options."""

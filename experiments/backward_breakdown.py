@@ -2,7 +2,8 @@
 batch * seqlen = 16k, hidden 2048): the whole call (`variants.backward`) with each dQ path
 (`bulk`: atomic, added by bulk reductions, the default; `red`: atomic, by vector atomics from
 registers; `separate`: a second kernel; each with the head_dim's default warp tiles, or as
-`<path>_1d` / `<path>_2d` with one-row-a-warp or FA2's 2-D warp tiles), and each of its parts timed alone on the same tensors
+`<path>_1d` / `<path>_2d` with one-row-a-warp or FA2's 2-D warp tiles; `<path>+<option>=<int>`
+adds an option of `BackwardConfig`), and each of its parts timed alone on the same tensors
 (argument checks and allocation `prep`, the D pre-pass `pre`, the K/V kernel `kv`, dQ's cast
 `convert` or the separate dQ kernel `dqk`), then
 SDPA flash's and cuDNN's backward through torch.autograd.grad on a kept graph. One line a problem:
@@ -10,6 +11,7 @@ SDPA flash's and cuDNN's backward through torch.autograd.grad on a kept graph. O
     python experiments/backward_breakdown.py <head_dim>:<seqlen>:<causal 0|1> [...]
     python experiments/backward_breakdown.py 128:8192:0 64:8192:0
     python experiments/backward_breakdown.py --paths bulk,red 128:8192:0
+    python experiments/backward_breakdown.py --paths bulk,bulk+dq_query_warps=2 128:8192:0
 
 Milliseconds (median, CUDA events after warm-up), then TFLOP/s by the papers' count (backward 2.5x
 the forward's FLOPs). Needs a GPU and torch.
@@ -47,9 +49,19 @@ PATHS = dict({f"{name}_1d": dict(options, query_warps=1) for name, options in PA
                 for name, options in PATHS.items()}, **PATHS)
 
 
+def path_options(path):
+    """The backward options of a path: a PATHS name, then any `+option=<int>` overrides."""
+    name, *overrides = path.split("+")
+    options = dict(PATHS[name])
+    for item in overrides:
+        key, value = item.split("=")
+        options[key] = int(value)
+    return options
+
+
 def parts(do, q, k, v, o, lse, causal, path):
     """{part: ms} of one dQ path's call, each part launched alone on prepared arguments."""
-    options = PATHS[path]
+    options = path_options(path)
     head_dim = q.shape[-1]
     prepare = lambda: bwd.prepare_backward(do, q, k, v, o, lse, causal=causal,  # noqa: E731
                                            softmax_scale=None, head_dims=fa2.HEAD_DIMS,
@@ -95,7 +107,7 @@ def main(specs, paths=tuple(PATHS)):
         res = {}
         for path in paths:
             try:
-                fa2.default_backward_config(head_dim, True, causal, **PATHS[path]).validate()
+                fa2.default_backward_config(head_dim, True, causal, **path_options(path))
             except ValueError as e:     # e.g. 2-D warp tiles at head_dim 64
                 print(f"d={head_dim}: no path {path}: {e}", flush=True)
                 continue

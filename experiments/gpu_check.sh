@@ -3,10 +3,11 @@
 # a short table printed last.
 #   OUT=<dir> experiments/gpu_check.sh [tests] [compile] [quick] [grid]   (default: all four)
 #   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests),
-#            as 14 pytest processes at once: it is compile-bound (the groups' times add up to
-#            about 50 minutes), and the groups compile in parallel on the host's cores. Cold on
-#            the 16-core H100 host the slowest groups (fa1's, the options) were still running
-#            after 7.4 minutes, so give `tests` a call of its own; FA_KERNEL_CACHE (kept in .kcache/) makes a rerun after an edit to
+#            as 21 pytest processes at once: it is compile-bound (the groups' times add up to
+#            about an hour cold), and the groups compile in parallel on the host's cores. Cold on
+#            the 16-core H100 host, as 14 groups, fa1's forward and the real-size backward took
+#            9.4 minutes and the options and fa1's backward more than 9.6 (session 9), hence the
+#            finer split; give `tests` a call of its own; FA_KERNEL_CACHE (kept in .kcache/) makes a rerun after an edit to
 #            one variant short. tests/test_compile.py is the CPU-side `compile` step, not here.
 #            TESTS=<paths> runs those paths in one process instead.
 #   bwd_fa2, bwd_other   tests/test_backward.py for fa2, and for fa1, standard and the protocol
@@ -38,12 +39,15 @@ for step in $steps; do
         B=tests/test_backward.py V=tests/test_variants.py
         groups=("misc|tests/test_ptx.py tests/test_tiles.py tests/test_errors.py tests/test_arrays.py tests/test_config.py tests/test_reference.py"
                 "bwd_ref_fa2_64|$B -k match_reference and fa2 and 64" "bwd_ref_fa2_128|$B -k match_reference and fa2 and 128"
-                "bwd_ref_fa1|$B -k match_reference and fa1" "bwd_ref_standard|$B -k match_reference and standard"
-                "bwd_shapes|$B -k grouped or rectangular or deterministic or autograd or profile_script"
-                "bwd_options|$B -k options" "bwd_real|$B -k real_size"
+                "bwd_ref_fa1_64|$B -k match_reference and fa1 and 64" "bwd_ref_fa1_128|$B -k match_reference and fa1 and 128"
+                "bwd_ref_standard|$B -k match_reference and standard"
+                "bwd_shapes_a|$B -k grouped or rectangular" "bwd_shapes_b|$B -k deterministic or autograd or profile_script"
+                "bwd_options_a|$B -k options and separate" "bwd_options_b|$B -k options and query_warps and not dq_query"
+                "bwd_options_c|$B -k options and dq_query" "bwd_options_d|$B -k options and not separate and not query_warps"
+                "bwd_real_64|$B -k real_size and 64" "bwd_real_128|$B -k real_size and 128"
                 "bwd_protocol_64|$B -k protocol and 64" "bwd_protocol_128|$B -k protocol and 128"
                 "fwd_fa2_64|$V -k fa2 and 64" "fwd_fa2_128|$V -k fa2 and 128"
-                "fwd_fa1|$V -k fa1" "fwd_rest|$V -k not fa2 and not fa1")
+                "fwd_fa1_64|$V -k fa1 and 64" "fwd_fa1_128|$V -k fa1 and 128" "fwd_rest|$V -k not fa2 and not fa1")
         pids=()
         for g in "${groups[@]}"; do
           name=${g%%|*} spec=${g#*|}

@@ -99,7 +99,10 @@ FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(dq_reduce="red"), dict(causal_
                         dict(query_warps=1, kv_in_registers=True),
                         dict(query_warps=1, swizzle=False, dq_reduce="red"),
                         dict(head_dim=128, query_warps=1),
-                        dict(head_dim=128, query_warps=1, kv_in_registers=True)]
+                        dict(head_dim=128, query_warps=1, kv_in_registers=True),
+                        # the dQ product's warps as 1 x 2 (32 columns each: the simulator's tile
+                        # has 2 warps)
+                        dict(dq_query_warps=1), dict(dq_query_warps=1, dq_reduce="red")]
 
 
 @pytest.mark.parametrize("options", FA2_BACKWARD_OPTIONS,

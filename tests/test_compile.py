@@ -51,9 +51,10 @@ def test_no_spills_in_the_kv_loop(report):
     """Registers stay within the hardware's 255 and the loop over K/V blocks (the largest loop in
     the SASS) keeps its fragments in registers. ptxas may park a few values that are only needed
     before or after that loop (epilogue addresses) in local memory: a handful of accesses per thread
-    block. Inside the loop the only local traffic allowed is the causal d=128 kernel's: it keeps
-    the four row sums l_i in local memory, 4 loads and 4 stores a step against 256 HMMA (docs/
-    performance.md)."""
+    block. Inside the loop the only local traffic allowed is the d=128 kernels': they keep the four
+    row sums l_i in local memory, 4 loads and 4 stores a step against 256 HMMA, and the non-causal
+    one (one K/V buffer, refilled inside the step) reloads 4 copy addresses (docs/performance.md:
+    each measured faster than its spill-free alternative)."""
     if "registers" not in report[0]:
         pytest.skip("ptxas not installed (pip install -e '.[test]' brings it)")
     for r in report:
@@ -72,7 +73,7 @@ def test_no_spills_in_the_kv_loop(report):
             assert r["loop_local"] <= allowed, r
             assert r["loop_HMMA"] == r["expected_loop_mma"], r
         elif "loop_local" in r and r["kernel"].startswith("fa2"):
-            allowed = 12 if "d=128" in r["kernel"] and "causal=True" in r["kernel"] else 0
+            allowed = 12 if "d=128" in r["kernel"] else 0
             assert r["loop_local"] <= allowed, r
             assert r["loop_HMMA"] == r["expected_loop_mma"], r   # every MMA of a step inside, unrolled
         elif "loop_local" in r and r["kernel"].startswith("fa1"):

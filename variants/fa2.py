@@ -89,9 +89,12 @@ OPTIONS = ("block_m", "block_n", "warps", "pipeline", "swizzle", "kv_stages", "q
 # m16 tiles a warp, so every K/V fragment a warp loads from shared memory feeds two MMAs, and
 # double-buffered K/V (a full step for each copy to land, one barrier a step). At d=128 the O
 # accumulator alone is 128 registers a thread, so Q_i is re-read from shared memory each step (as in
-# FA2's kernels) instead of held in 64 more registers.
+# FA2's kernels) instead of held in 64 more registers. Except at d=128 non-causal, where one K/V
+# buffer (FA2's own: K_{j+1} copied while P V runs) measured 2-4% faster (H100 2k-8k,
+# docs/results/fwd_kv_stages_h100.csv; +3% on the H200) and two buffers 4-5% faster causal.
 DEFAULTS = {64: dict(block_m=128, block_n=64, kv_stages=2),
-            128: dict(block_m=128, block_n=64, kv_stages=2, q_in_registers=False)}
+            128: dict(block_m=128, block_n=64, kv_stages=2, q_in_registers=False),
+            (128, False): dict(kv_stages=1)}
 
 
 default_config = configs.default_config_function("fa2", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
@@ -373,6 +376,9 @@ class BackwardConfig:
                                # memory (fewer ldmatrix a step)
     dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel,
                                # deterministic)
+    dq_query_warps: int = 0    # dq="atomic": warps across B_r in the dQ product (the others across
+                               # d); 0: FA2's split, two m16 tiles of queries a warp where the
+                               # warps allow (min(warps, B_r / 32), at least 1)
     dq_reduce: str = "bulk"    # dq="atomic": how dS K_j is added into dQ's fp32 accumulator:
                                # "bulk": staged in shared memory, one bulk reduction by the copy
                                # engine a step (sm_90); "red": red.global.add.v2.f32 from registers
@@ -404,7 +410,7 @@ class BackwardConfig:
     @property
     def dq_split(self):
         """(WQ, WD): the warps' grid over dQ_i (B_r x d) in the fused dQ product."""
-        wq = min(self.warps, self.block_m // 16)
+        wq = self.dq_query_warps or max(1, min(self.warps, self.block_m // 32))
         return wq, self.warps // wq
 
     @property
@@ -472,10 +478,12 @@ class BackwardConfig:
                 (" (dq_reduce='red' needs less)" if self.bulk else ""))
         if self.dq == "atomic":
             wq, wd = self.dq_split
-            cols = self.head_dim // wd
-            if wq * wd != self.warps or (self.block_m // 16) % wq or cols % (64 if self.swizzle else 16):
+            cols = self.head_dim // max(wd, 1)
+            if wq < 1 or wq * wd != self.warps or (self.block_m // 16) % wq or cols < 16 or \
+                    cols & (cols - 1):
                 raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.head_dim} "
-                                 "dQ block into whole m16 tiles and column slices of 64")
+                                 f"dQ block ({wq} across its rows) into whole m16 tiles and column "
+                                 "slices of a power of two >= 16")
         else:
             if self.dq_block_m % (16 * self.dq_warps) or self.dq_block_n % 16:
                 raise ValueError(f"dq_block_m={self.dq_block_m} must be a multiple of 16 * "
@@ -485,13 +493,16 @@ class BackwardConfig:
         return self
 
 
-BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "dq", "dq_reduce", "causal_skip",
-                    "swizzle", "kv_in_registers", "dq_block_m", "dq_block_n", "dq_warps",
-                    "kv_blocks")
+BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "dq", "dq_query_warps",
+                    "dq_reduce", "causal_skip", "swizzle", "kv_in_registers", "dq_block_m",
+                    "dq_block_n", "dq_warps", "kv_blocks")
 
-# B_c = 128 keys over 8 warps (one m16 tile of keys each: dK_j and dV_j take 2 * d/2 registers a
-# thread), B_r = 64 queries a step at d=128 (FA2's own tile) and 128 at d=64 (so that the 8 warps
-# split dQ_i in whole m16 tiles). dQ: since the reductions are issued after the next step's copies,
+# FA2's own tiles (Flash_bwd_kernel_traits for sm80): B_c = 128 keys over 8 warps in 2-D warp tiles
+# (query_warps=2: dK_j and dV_j take 2 * d/2 registers a thread), B_r = 64 queries a step at d=128
+# and 128 at d=64, and the dQ product's warps 2 x 4 at d=128 (32 x 32 of dQ_i each), 4 x 2 at d=64
+# (dq_query_warps=0: B_r / 32 warps across B_r). Measured on an H100 (docs/results/bwd_breakdown_h100.txt, backward call,
+# session 9): the 2-D tiles 5-6% faster than one row of S^T a warp at d=128, 1-4% at d=64 (2k-8k);
+# FA2's dQ split another 2-6% (3-4% at 8k; level at d=64 2k causal). dQ: since the reductions are issued after the next step's copies,
 # the atomics are faster at both head dims (backward call alone on an H100, seqlen 8k non-causal,
 # docs/results/bwd_breakdown_h100.txt: 9.95 vs 10.67 ms at d=64, 10.06 vs 11.50 ms at d=128;
 # causal 2k: 1.62 vs 1.71 and 1.62 vs 1.70). Not bitwise reproducible: pass dq="separate" for that.
@@ -573,7 +584,7 @@ def build_backward(cfg):
         for m in range(MQ):
             tiles.load_a_fragments_transposed(dsa, m, ds_s, row + 16 * m, lane, DS_STRIDE, SWIZZLE)
         tiles.fill(dq, float32(0))
-        tiles.gemm_ab(dq, dsa, k_s[col:], lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.gemm_ab(dq, dsa, k_s, lane, STRIDE, SWIZZLE, IS_BF16, col)
         if BULK:
             dqf = DQF0 + warp * DQF_WARP
             if lane == 0:
