@@ -100,9 +100,10 @@ FA2_BACKWARD_OPTIONS = [dict(dq="separate"), dict(dq_reduce="red"), dict(causal_
                         dict(query_warps=1, swizzle=False, dq_reduce="red"),
                         dict(head_dim=128, query_warps=1),
                         dict(head_dim=128, query_warps=1, kv_in_registers=True),
-                        # the dQ product's warps as 1 x 2 (32 columns each: the simulator's tile
-                        # has 2 warps)
-                        dict(dq_query_warps=1), dict(dq_query_warps=1, dq_reduce="red")]
+                        # the dQ product's warps away from FA2's split: 2 x 4 at d=64 on a GPU
+                        # (16 columns each), 1 x 2 in the simulator's 2-warp tile (32 each)
+                        dict(dq_query_warps=2 if ON_GPU else 1),
+                        dict(dq_query_warps=2 if ON_GPU else 1, dq_reduce="red")]
 
 
 @pytest.mark.parametrize("options", FA2_BACKWARD_OPTIONS,
