@@ -10,7 +10,7 @@
 #            finer split; give `tests` a call of its own; FA_KERNEL_CACHE (kept in .kcache/) makes a rerun after an edit to
 #            one variant short. tests/test_compile.py is the CPU-side `compile` step, not here.
 #            TESTS=<paths> runs those paths in one process instead.
-#   bwd_fa2, bwd_other   tests/test_backward.py for fa2, and for fa1, standard and the protocol
+#   bwd_fa2, bwd_other   tests/test_backward*.py for fa2, and for fa1, standard and the protocol
 #   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
 #   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
@@ -36,14 +36,14 @@ for step in $steps; do
         timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=12 $TESTS > "$OUT/tests.log" 2>&1 || status=1
         tail -3 "$OUT/tests.log"
       else
-        B=tests/test_backward.py V=tests/test_variants.py
+        B=tests/test_backward.py O=tests/test_backward_options.py V=tests/test_variants.py
         groups=("misc|tests/test_ptx.py tests/test_tiles.py tests/test_errors.py tests/test_arrays.py tests/test_config.py tests/test_reference.py"
                 "bwd_ref_fa2_64|$B -k match_reference and fa2 and 64" "bwd_ref_fa2_128|$B -k match_reference and fa2 and 128"
                 "bwd_ref_fa1_64|$B -k match_reference and fa1 and 64" "bwd_ref_fa1_128|$B -k match_reference and fa1 and 128"
                 "bwd_ref_standard|$B -k match_reference and standard"
                 "bwd_shapes_a|$B -k grouped or rectangular" "bwd_shapes_b|$B -k deterministic or autograd or profile_script"
-                "bwd_options_a|$B -k options and separate" "bwd_options_b|$B -k options and query_warps and not dq_query"
-                "bwd_options_c|$B -k options and dq_query" "bwd_options_d|$B -k options and not separate and not query_warps"
+                "bwd_options_a|$O -k separate" "bwd_options_b|$O -k query_warps and not dq_query"
+                "bwd_options_c|$O -k dq_query" "bwd_options_d|$O -k not separate and not query_warps"
                 "bwd_real_64|$B -k real_size and 64" "bwd_real_128|$B -k real_size and 128"
                 "bwd_protocol_64|$B -k protocol and 64" "bwd_protocol_128|$B -k protocol and 128"
                 "fwd_fa2_64|$V -k fa2 and 64" "fwd_fa2_128|$V -k fa2 and 128"
@@ -63,7 +63,7 @@ for step in $steps; do
     bwd_fa2|bwd_other)
       filter=$([ "$step" = bwd_fa2 ] && echo "fa2 and not protocol" || echo "not fa2 or protocol")
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=12 \
-        tests/test_backward.py -k "$filter" > "$OUT/$step.log" 2>&1 || status=1
+        tests/test_backward.py tests/test_backward_options.py -k "$filter" > "$OUT/$step.log" 2>&1 || status=1
       tail -3 "$OUT/$step.log" ;;
     bwd_ncu)
       # ncu sections of fa2's backward (both dQ paths) and SDPA's flash backward, one launch each

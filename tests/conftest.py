@@ -22,10 +22,13 @@ def pytest_report_header(config):
 
 
 # The README's command, `pytest -n 2 --dist loadfile --no-loadscope-reorder`, hands whole files to
-# the two workers in collection order. The slowest files (in the simulator: the compile report,
-# ~8 minutes, then the backward and forward sweeps) go first, so that the small ones fill the tail
-# instead of the compile report starting last.
-SLOW_FIRST = ("tests/test_compile.py", "tests/test_backward.py", "tests/test_variants.py")
+# the two workers in collection order, two to each at the start (the first and third to one, the
+# second and fourth to the other), then one to whichever finishes a file. The slowest files go
+# first, paired so that the two workers' loads are even (simulator, two cores, session 9: forward
+# sweep ~9.5 minutes + backward options ~2.5 on one, compile report ~7.5 + backward ~4.5 on the
+# other), and the small ones fill the tail.
+SLOW_FIRST = ("tests/test_variants.py", "tests/test_compile.py", "tests/test_backward_options.py",
+              "tests/test_backward.py")
 
 
 def _file_rank(item):
