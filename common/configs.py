@@ -1,7 +1,7 @@
 """From a caller's keyword options to a variant's compile-time configuration, the same way for every
 variant: unknown options and head dims are refused by name, `None` means "the default", defaults
-come per head_dim (refined per (head_dim, causal) where a measurement asked for it), and each distinct configuration is built and validated once (it keys the
-kernel caches)."""
+come per head_dim (refined per (head_dim, causal) where a measurement asked for it), and each
+distinct configuration is built and validated once (it keys the kernel caches)."""
 from dataclasses import replace
 from functools import lru_cache
 

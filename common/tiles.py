@@ -234,7 +234,8 @@ def gemm_abt_held_or_streamed(acc, a, held, tile_a, a_row0, k_steps, tile_b, lan
 def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_col0=0):
     """acc += A B with A in registers and B the columns b_col0.. of a [k][n] row-major tile (V in
     O += P V); b_col0 a multiple of 8 * 2^k >= 8 * acc.shape[1] (so that the steps right of it are
-    XORs: `column_step`). ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8), (k0+8, n0+8)."""
+    XORs: `column_step`). ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8),
+    (k0+8, n0+8)."""
     base = smem_offset((((lane >> 3) & 1) << 3) + (lane & 7), b_col0 + ((lane >> 4) << 3),
                        row_stride, swizzle)
     for kk in range(a.shape[1]):

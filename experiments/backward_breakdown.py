@@ -108,7 +108,7 @@ def main(specs, paths=tuple(PATHS)):
         for path in paths:
             try:
                 fa2.default_backward_config(head_dim, True, causal, **path_options(path))
-            except ValueError as e:     # e.g. 2-D warp tiles at head_dim 64
+            except ValueError as e:     # e.g. a dQ split this tile cannot take
                 print(f"d={head_dim}: no path {path}: {e}", flush=True)
                 continue
             res.update(parts(do, q, k, v, o, lse, causal, path))

@@ -370,10 +370,10 @@ class BackwardConfig:
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
-    query_warps: int = 1       # warps sharing a key's row of S^T, dP^T (each a 1/query_warps slice
-                               # of B_r, and of d in dK_j, dV_j): 1 = every product in the warp's own
-                               # registers; 2 = FA2's 2-D warp tiles, P^T and dS^T through shared
-                               # memory (fewer ldmatrix a step)
+    query_warps: int = 1       # warps sharing a key's row of S^T, dP^T (each a 1/query_warps
+                               # slice of B_r, and of d in dK_j, dV_j): 1 = every product in the
+                               # warp's own registers; 2 = FA2's 2-D warp tiles, P^T and dS^T
+                               # through shared memory (fewer ldmatrix a step)
     dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel,
                                # deterministic)
     dq_query_warps: int = 0    # dq="atomic": warps across B_r in the dQ product (the others across
@@ -453,8 +453,8 @@ class BackwardConfig:
             raise ValueError(f"query_warps must be 1, 2 or 4 and divide warps={self.warps}, got "
                              f"{self.query_warps}")
         if self.block_n % (16 * self.key_warps):
-            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * (warps / query_warps)"
-                             f"={16 * self.key_warps}")
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * (warps / "
+                             f"query_warps)={16 * self.key_warps}")
         if self.block_m % (16 * self.query_warps):
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 * query_warps="
                              f"{16 * self.query_warps}")
@@ -500,9 +500,10 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "dq", "dq_quer
 # FA2's own tiles (Flash_bwd_kernel_traits for sm80): B_c = 128 keys over 8 warps in 2-D warp tiles
 # (query_warps=2: dK_j and dV_j take 2 * d/2 registers a thread), B_r = 64 queries a step at d=128
 # and 128 at d=64, and the dQ product's warps 2 x 4 at d=128 (32 x 32 of dQ_i each), 4 x 2 at d=64
-# (dq_query_warps=0: B_r / 32 warps across B_r). Measured on an H100 (docs/results/bwd_breakdown_h100.txt, backward call,
-# session 9): the 2-D tiles 5-6% faster than one row of S^T a warp at d=128, 1-4% at d=64 (2k-8k);
-# FA2's dQ split another 2-6% (3-4% at 8k; level at d=64 2k causal). dQ: since the reductions are issued after the next step's copies,
+# (dq_query_warps=0: B_r / 32 warps across B_r). Measured on an H100
+# (docs/results/bwd_breakdown_h100.txt, backward call, session 9): the 2-D tiles 5-6% faster than
+# one row of S^T a warp at d=128, 1-4% at d=64 (2k-8k); FA2's dQ split another 2-6% (3-4% at 8k;
+# level at d=64 2k causal). dQ: since the reductions are issued after the next step's copies,
 # the atomics are faster at both head dims (backward call alone on an H100, seqlen 8k non-causal,
 # docs/results/bwd_breakdown_h100.txt: 9.95 vs 10.67 ms at d=64, 10.06 vs 11.50 ms at d=128;
 # causal 2k: 1.62 vs 1.71 and 1.62 vs 1.70). Not bitwise reproducible: pass dq="separate" for that.
