@@ -110,51 +110,81 @@ def ldmatrix_lanes(smem, offsets, trans):
 _setup_lock = threading.Lock()
 
 
-class _Warp:
-    """Per-warp rendezvous state, double-buffered by call parity."""
-    __slots__ = ("slots", "arrivals", "results")
+class _Group:
+    """Rendezvous state of one group of threads that meet in a collective (a warp, a warpgroup, the
+    threads of a named barrier): a barrier of the group's size and slots double-buffered by call
+    parity."""
+    __slots__ = ("barrier", "slots", "arrivals", "results", "size")
 
-    def __init__(self):
-        self.slots = [[None] * 32, [None] * 32]
+    def __init__(self, size):
+        self.size = size
+        self.barrier = threading.Barrier(size)
+        self.slots = [[None] * size, [None] * size]
         self.arrivals = [itertools.count(), itertools.count()]
         self.results = [None, None]
 
 
-def _warps_of(t):
-    warps = getattr(t._manager, "_ptx_warps", None)
-    if warps is None:
+def block_state(t=None):
+    """Per-thread-block state of the stand-ins (kept on the simulator's block manager), created on
+    first use: `groups` (key -> _Group) and whatever other stand-ins keep there."""
+    t = t or threading.current_thread()
+    if not hasattr(t, "_manager"):
+        raise RuntimeError("PTX stand-ins run only inside a kernel launched in the CUDA simulator")
+    state = getattr(t._manager, "_ptx_state", None)
+    if state is None:
         with _setup_lock:
-            warps = getattr(t._manager, "_ptx_warps", None)
-            if warps is None:
-                bx, by, bz = t._manager._block_dim
-                if (bx * by * bz) % 32:
-                    raise RuntimeError("warp-collective stand-ins need a block of whole warps")
-                warps = t._manager._ptx_warps = [_Warp() for _ in range(bx * by * bz // 32)]
-    return warps
+            state = getattr(t._manager, "_ptx_state", None)
+            if state is None:
+                state = t._manager._ptx_state = {"groups": {}}
+    return state
+
+
+def _group(key, size):
+    groups = block_state()["groups"]
+    group = groups.get(key)
+    if group is None:
+        with _setup_lock:
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = _Group(size)
+    if group.size != size:
+        raise RuntimeError(f"collective {key!r} met with {size} threads, earlier with {group.size}")
+    return group
+
+
+def group_collective(key, size, index, value, compute=None):
+    """Publish this thread's `value` as member `index` of the group `key` of `size` threads; once
+    all have, `compute(values)` runs once (in the last to arrive) and every member gets the result
+    after the group's barrier (only the group's threads wait, as on the GPU: other warps run on).
+
+    One barrier per call: slots, arrival counters and results are double-buffered by call parity
+    (counted per thread and group). Call n's buffers are reused only by call n+2, which no member
+    reaches before every member has left call n+1's barrier, i.e. has finished with call n. (`next`
+    on itertools.count is atomic under the GIL, so exactly one member sees the last arrival.)"""
+    t = threading.current_thread()
+    group = _group(key, size)
+    calls = t.__dict__.setdefault("_ptx_calls", {})
+    n = calls.get(key, 0)
+    calls[key] = n + 1
+    p = n & 1
+    group.slots[p][index] = value
+    if next(group.arrivals[p]) == size - 1:
+        group.arrivals[1 - p] = itertools.count()
+        group.results[p] = compute(group.slots[p]) if compute else list(group.slots[p])
+    group.barrier.wait()
+    return group.results[p]
 
 
 def _warp_collective(value, compute=None):
-    """Publish this lane's `value`; once all 32 lanes of the warp have, `compute(values)` runs once
-    (in the last lane to arrive) and every lane gets (result, its lane id) after the block barrier.
-
-    One barrier per call: slots, arrival counters and results are double-buffered by call parity.
-    Call n's buffers are reused only by call n+2, which no lane reaches before every lane has left
-    call n+1's barrier, i.e. has finished with call n. (`next` on itertools.count is atomic under the
-    GIL, so exactly one lane sees the 32nd arrival.)"""
+    """group_collective over the 32 lanes of this thread's warp: returns (result, lane)."""
     t = threading.current_thread()
     if not hasattr(t, "_manager"):
         raise RuntimeError("PTX stand-ins run only inside a kernel launched in the CUDA simulator")
-    warp = _warps_of(t)[t.thread_id // 32]
-    n = getattr(t, "_ptx_calls", 0)
-    t._ptx_calls = n + 1
-    p = n & 1
+    bx, by, bz = t._manager._block_dim
+    if (bx * by * bz) % 32:
+        raise RuntimeError("warp-collective stand-ins need a block of whole warps")
     lane = t.thread_id % 32
-    warp.slots[p][lane] = value
-    if next(warp.arrivals[p]) == 31:
-        warp.arrivals[1 - p] = itertools.count()
-        warp.results[p] = compute(warp.slots[p]) if compute else list(warp.slots[p])
-    t.syncthreads()
-    return warp.results[p], lane
+    return group_collective(("warp", t.thread_id // 32), 32, lane, value, compute), lane
 
 
 # --------------------------------------------------------------------------- stand-ins
@@ -234,17 +264,15 @@ unpack_f16x2 = _make_unpack("float16")
 
 
 def syncwarp():
-    """All 32 lanes meet here (a rendezvous through `_warp_collective`, which waits at the block
-    barrier), so that one lane may hand what the others stored in shared memory to something that is
-    not a warp collective (lane 0's bulk reduction)."""
+    """All 32 lanes meet here, so that one lane may hand what the others stored in shared memory to
+    something that is not a warp collective (lane 0's bulk reduction)."""
     _warp_collective(None)
 
 
 def bar_sync(barrier, nthreads):
-    """A named barrier among some warps: here the whole block meets (`_warp_collective` waits at the
-    block barrier), which orders at least what the named barrier orders, provided every warp reaches
-    its bar_sync at the same point of the kernel (as in this project's kernels)."""
-    _warp_collective(None)
+    """A named barrier: the first `nthreads` threads to reach barrier `barrier` meet (the others of
+    the block run on, as on the GPU)."""
+    group_collective(("bar", int(barrier)), int(nthreads), 0, None)
 
 
 def cp_async_16(dst, dst_offset, src, row, col, src_bytes):

@@ -27,6 +27,16 @@ device_function = cuda.jit(device=True, inline="always")
 kernel = cuda.jit
 
 
+def kernel_for_one_block_per_sm(threads):
+    """`kernel` with launch bounds (threads, 1): ptxas may give each thread up to 65536 / threads
+    registers (rounded down to 8) and no more, so a block of `threads` always launches (warp-
+    specialised kernels of 288 threads, whose consumers want ~200). The simulator has no launch
+    bounds."""
+    if SIMULATOR:
+        return cuda.jit
+    return cuda.jit(launch_bounds=(threads, 1))
+
+
 # --------------------------------------------------------------------------- loop unrolling
 # The fragment arrays (`cuda.local.array`) are registers only if every loop that indexes them is
 # unrolled completely. NVVM decides that by a size threshold, and with two m16 tiles a warp at
@@ -298,6 +308,8 @@ def _describe(value, seen):
         return repr(value)
     if callable(getattr(value, "py_func", None)) or hasattr(value, "__code__"):
         return closure_constants(value, seen)
+    if type(value).__name__ == "_Intrinsic":
+        return f"intrinsic:{getattr(value, 'cache_name', value._name)}"   # sm90.py names each
     if type(value).__module__ == "numba.core.types.abstract" or hasattr(value, "bitwidth"):
         return repr(value)   # a Numba type (e.g. a dtype closed over as a constant)
     raise TypeError(f"cannot describe closure constant {value!r} of type {type(value).__name__}")
@@ -351,7 +363,9 @@ def _load_or_compile(kern, sig):
         return module.get_function(entry.read_text())
     library = kern.compile(sig)._codelibrary
     cufunc = library.get_cufunc()
-    image = library.get_cubin(cc)                  # numba-cuda 0.30: a cuda.core ObjectCode
+    # the cubin get_cufunc loaded: built for the device's arch, sm_90a on Hopper (numba-cuda 0.30
+    # adds the "a"; asking for cc (9, 0) would compile again, for sm_90, which rejects wgmma)
+    image = library.get_cubin()                    # numba-cuda 0.30: a cuda.core ObjectCode
     tmp = directory / f"{key}.{os.getpid()}.tmp"
     tmp.write_bytes(getattr(image, "code", image))
     os.replace(tmp, cubin)        # cubin first: an entry file means a complete pair

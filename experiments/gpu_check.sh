@@ -77,6 +77,19 @@ for step in $steps; do
     compile)
       python3 -m common.compile_report > "$OUT/compile_report.txt" 2>&1 || status=1
       cat "$OUT/compile_report.txt" ;;
+    fa3)
+      # fa3 and the sm90 layer on the GPU: the instructions against NumPy, fa3 against float64
+      # (every case, option and library), bitwise repeatability; one process (fa3 compiles in ~5 s)
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=8 \
+        tests/test_sm90.py tests/test_variants.py -k "sm90 or fa3" > "$OUT/tests_fa3.log" 2>&1 || status=1
+      tail -3 "$OUT/tests_fa3.log"; grep -h "^FAILED\|^ERROR" "$OUT/tests_fa3.log" | head -20 ;;
+    fa3_quick)
+      # fa3 beside fa2 and the SDPA peers (timed in the fa3 jobs): bf16, d 64/128, causal and not
+      rm -rf /tmp/fa3_quick
+      python3 experiments/run.py -m variant=fa3,fa2 problem.head_dim=64,128 \
+        problem.causal=false,true problem.seqlen=${FA3_SEQLENS:-4096,16384} \
+        'bench.peer_variants=[fa3]' hydra.sweep.dir=/tmp/fa3_quick > "$OUT/fa3_quick.log" 2>&1 || status=1
+      cp /tmp/fa3_quick/results.csv "$OUT/fa3_quick.csv" 2>/dev/null ;;
     quick)
       rm -rf /tmp/fa_quick
       python3 experiments/run.py -m problem.head_dim=64,128 problem.causal=false,true \
@@ -98,7 +111,7 @@ for step in $steps; do
   esac
   echo "== $step: $(( $(date +%s) - start )) s"
 done
-for f in "$OUT"/quick.csv "$OUT"/grid.csv; do
+for f in "$OUT"/quick.csv "$OUT"/grid.csv "$OUT"/fa3_quick.csv; do
   [ -f "$f" ] && { echo "== $(basename "$f")"; python3 experiments/summarize.py "$f" | tee "$OUT/summary_$(basename "$f" .csv).txt"; }
 done
 exit $status

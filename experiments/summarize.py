@@ -1,5 +1,5 @@
 """Summarise results.csv files: TFLOP/s per problem and pass (fwd, bwd, fwd_bwd), one column per
-kernel, and fa2's ratio to torch SDPA's FlashAttention-2 backend.
+kernel, and the ratios of fa2 and fa3 to torch SDPA's FlashAttention-2 (and fa3's to cuDNN's).
 
     python experiments/summarize.py multirun/<date>/<time>/results.csv [more.csv ...]
     python experiments/summarize.py --options results.csv    # one line per option setting (ablations)
@@ -11,7 +11,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-ORDER = ["fa2", "standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
+ORDER = ["fa3", "fa2", "standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
 
 
 def load(paths):
@@ -40,7 +40,10 @@ def table(rows):
             status[key, r["variant"]] = "FAIL"
     kernels = [k for k in ORDER if any(v == k for _, v in list(cells) + list(status))]
     keys = sorted({k for k, _ in list(cells) + list(status)})
-    header = ["pass", "dtype", "hd", "causal", "seqlen"] + kernels + ["fa2/flash"]
+    ratios = [("fa2", "sdpa_flash"), ("fa3", "sdpa_flash"), ("fa3", "sdpa_cudnn")]
+    ratios = [(a, b) for a, b in ratios if a in kernels and b in kernels] or [("fa2", "sdpa_flash")]
+    header = ["pass", "dtype", "hd", "causal", "seqlen"] + kernels + [
+        f"{a}/{b.replace('sdpa_', '')}" for a, b in ratios]
     lines = [header]
     for key in keys:
         line = [key[0], key[1], str(key[2]), key[3], str(key[4])]
@@ -51,8 +54,10 @@ def table(rows):
                 line.append(f"{statistics.median(cells[key, k]):.1f}")
             else:
                 line.append(status.get((key, k), "-"))
-        fa2, flash = cells.get((key, "fa2")), cells.get((key, "sdpa_flash"))
-        line.append(f"{statistics.median(fa2) / statistics.median(flash):.2f}" if fa2 and flash else "-")
+        for a, b in ratios:
+            ours, peer = cells.get((key, a)), cells.get((key, b))
+            line.append(f"{statistics.median(ours) / statistics.median(peer):.2f}"
+                        if ours and peer else "-")
         lines.append(line)
     widths = [max(len(l[i]) for l in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines)

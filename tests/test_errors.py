@@ -145,3 +145,17 @@ def test_backward_bad_options(rng, qkv, variant, options, message):
     lse = arrays.empty(inputs.default_library(), (1, 2, 16), "float32", like=q)
     with pytest.raises((ValueError, TypeError), match=message):
         variants.backward(device(rng), q, k, v, device(rng), lse, variant=variant, **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(block_m=96), "block_m=96 must be 64, 128 or 192"),
+    (dict(block_n=96), "block_n=96 must be a multiple of 64"),
+    (dict(stages=5), "stages must be 1 to 4"),
+    (dict(block_m=192), "does not fit head_dim 128"),
+    (dict(block_n=256, stages=2), "bytes of shared memory; the limit is"),
+    (dict(pipeline=False), "fa3 has no option pipeline"),
+])
+def test_fa3_bad_options(rng, options, message):
+    q = device(rng, (1, 16, 2, 128))
+    with pytest.raises(ValueError, match=message):
+        variants.forward(q, q, q, variant="fa3", **options)

@@ -14,7 +14,7 @@ import variants
 from common import arrays, checks, inputs, reference
 from tests.conftest import ON_GPU
 
-VARIANTS = ["standard", "fa1", "fa2"]
+VARIANTS = ["standard", "fa1", "fa2", "fa3"]
 AWKWARD = [1, 17, 97, 130]
 DTYPES = ["bfloat16", "float16"]
 
@@ -55,8 +55,11 @@ def run_and_check(rng, variant, *, batch, seqlen, heads, head_dim, dtype, causal
 
 # In the simulator fa1 leaves out N=130: at its default B_c (256 and 128 keys) that is still one or
 # two K/V blocks, and test_fa1_options runs the multi-block HBM round trips at N=97 with B_c=64.
+# fa3 runs three cases there (each wgmma stand-in gathers a warpgroup); test_fa3_options runs its
+# ring of stages through several wrap-arounds.
+SIM_FA3 = {(17, True, "bfloat16", 64), (130, False, "float16", 64), (130, True, "float16", 128)}
 MATRIX = [(v, *case) for v in VARIANTS for case in CASES
-          if ON_GPU or not (v == "fa1" and case[0] == 130)]
+          if ON_GPU or not ((v == "fa1" and case[0] == 130) or (v == "fa3" and case not in SIM_FA3))]
 
 
 @pytest.mark.parametrize("variant, seqlen, causal, dtype, head_dim", MATRIX)
@@ -113,6 +116,32 @@ def test_fa1_options(rng, options, causal):
     head_dim = options.pop("head_dim", 64)
     run_and_check(rng, "fa1", batch=1, seqlen=130 if ON_GPU else 97, heads=1, head_dim=head_dim,
                   dtype="float16", causal=causal, **options)
+
+
+# fa3's switches: the ring's depth and wrap-around (B_c = 64 gives 4-7 K/V steps), one and three
+# consumer warpgroups.
+FA3_CASES = [(dict(block_n=64, stages=2), True), (dict(block_n=64, stages=1), False),
+             (dict(block_n=64, stages=3, block_m=64), True)]
+if ON_GPU:
+    FA3_CASES += [(dict(block_m=64, block_n=256, stages=1), False),
+                  (dict(block_m=64, block_n=64, stages=4), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_three_consumer_warpgroups(rng, causal):
+    """B_r = 192 (three consumer warpgroups, 416 threads: 152 registers each) at head_dim 64."""
+    run_and_check(rng, "fa3", batch=1, seqlen=450, heads=2, head_dim=64, dtype="bfloat16",
+                  causal=causal, block_m=192)
+
+
+@pytest.mark.parametrize("options, causal", FA3_CASES,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items())
+                         if isinstance(o, dict) else f"causal={o}")
+@pytest.mark.parametrize("head_dim", [64, 128] if ON_GPU else [64])
+def test_fa3_options(rng, options, causal, head_dim):
+    run_and_check(rng, "fa3", batch=1, seqlen=450 if ON_GPU else 200, heads=2, heads_kv=1,
+                  head_dim=head_dim, dtype="bfloat16", causal=causal, **options)
 
 
 @pytest.mark.gpu

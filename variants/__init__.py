@@ -19,6 +19,7 @@ REGISTRY = {
     "standard": "variants.standard",   # S and P materialised in HBM: the O(N^2) baseline
     "fa1": "variants.fa1",             # FlashAttention-1, Algorithm 1, and the ladder's rungs to FA2
     "fa2": "variants.fa2",             # FlashAttention-2, Algorithm 1
+    "fa3": "variants.fa3",             # FlashAttention-3 (Hopper): wgmma, TMA, warp specialisation
 }
 
 

@@ -1,0 +1,575 @@
+"""Hopper (sm_90a) instructions: warpgroup MMA on shared-memory descriptors, mbarriers, bulk tensor
+copies (TMA). Each GPU intrinsic (inline PTX through `common/_ptx_gpu.py`'s helpers) stands beside
+its simulator stand-in, which has the instruction's semantics for the whole group of threads it
+involves; `common/ptx.py` is the same for the sm_80-style instructions (mma.sync, ldmatrix, cp.async).
+
+| name                                     | PTX                                                       |
+|------------------------------------------|-----------------------------------------------------------|
+| shared_address                           | cvta.to.shared (the 32-bit address of a shared element)   |
+| smem_descriptor                          | (arithmetic) a wgmma matrix descriptor, 128-byte swizzle  |
+| wgmma_ss(n, dtype), wgmma_rs(n, dtype)   | wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}       |
+| wgmma_fence, wgmma_commit, wgmma_wait(k) | wgmma.fence / commit_group / wait_group k                 |
+| mbarrier_init, fence_mbarrier_init       | mbarrier.init.shared::cta.b64, fence.mbarrier_init        |
+| mbarrier_arrive(_expect_tx)              | mbarrier.arrive[.expect_tx].shared::cta.b64               |
+| mbarrier_try_wait, mbarrier_wait         | mbarrier.try_wait.parity.shared::cta.b64 (and its loop)   |
+| tma_load_4d                              | cp.async.bulk.tensor.4d.shared::cluster.global.tile       |
+| tensormap_acquire                        | prefetch.tensormap; fence.proxy.tensormap::generic.acquire|
+
+Layouts (PTX ISA, "Matrix Descriptor" and "Shared Memory Matrix Layout"): every operand tile is
+stored as the bulk tensor copy lands it with SWIZZLE_128B: rows of 64 16-bit elements (128 bytes),
+16-byte chunk c of row r at chunk c ^ (r % 8), tiles 1024-byte aligned; a tile wider than 64
+columns is several such 64-column panels one after another. In descriptor terms:
+- K-major (the contraction index runs along the row: Q and K for S = Q K^T): element (r, k) at
+  byte  (r // 8) * SBO + (r % 8) * 128 + 2k  (SBO = 1024; k < 64; LBO unused),
+- MN-major (the other index runs along the row: V for O = P V, read transposed): element (k, n)
+  at byte  (n // 64) * LBO + 2 (n % 64) + (k // 8) * SBO + (k % 8) * 128  (LBO = the panel size),
+then the swizzle applied to the whole shared address: byte a -> a ^ (((a >> 7) & 7) << 4).
+
+Accumulators are `cuda.local.array((1, n // 8, 4), float32)`: element [0, c, j] of a thread is
+row 16 w + g + 8 (j // 2), column 8 c + 2 t + (j % 2) of the warpgroup's 64 x n tile (w = warp in
+the warpgroup, g = lane // 4, t = lane % 4): each warp's 16 rows laid out as the m16n8 accumulator
+of mma.sync, so the tile layer's fragment helpers (softmax rows, masks, re-packing as an A operand)
+apply unchanged. The register A operand of wgmma_rs is likewise per warp the A fragment of
+mma.m16n8k16 (rows 16 w..16 w + 15).
+"""
+import threading
+from functools import lru_cache
+
+import numpy as np
+from numba import uint32, uint64
+
+from common.target import SIMULATOR, device_function
+
+SWIZZLE_BYTES = 128          # the swizzle span: one row of a panel
+PANEL_COLS = 64              # 16-bit elements in a 128-byte swizzled row
+SWIZZLE_ATOM_BYTES = 1024    # 8 rows x 128 bytes: the pattern's period, the tiles' alignment
+
+
+def _swizzle(address):
+    """Byte address -> where SWIZZLE_128B puts it (host and simulator side)."""
+    return address ^ (((address >> 7) & 7) << 4)
+
+
+# =========================================================================== descriptors
+
+@device_function
+def smem_descriptor(address, lbo, sbo):
+    """wgmma matrix descriptor of an operand at shared byte `address` with the 128-byte swizzle:
+    start address >> 4 in bits 0-13, leading byte offset >> 4 in 16-29, stride byte offset >> 4 in
+    32-45, base offset 0 (tiles are 1024-byte aligned), layout type 1 (SWIZZLE_128B) in 62-63."""
+    lo = (uint32(address) & uint32(0x3FFFF)) >> uint32(4)
+    lo = lo | ((uint32(lbo) >> uint32(4)) << uint32(16))
+    hi = (uint32(sbo) >> uint32(4)) | uint32(1 << 30)
+    return (uint64(hi) << uint64(32)) | uint64(lo)
+
+
+def decode_descriptor(desc):
+    """(start address, LBO, SBO) in bytes of a descriptor (simulator and tests)."""
+    desc = int(desc)
+    if desc >> 62 != 1:
+        raise ValueError(f"descriptor {desc:#x}: only the 128-byte swizzle (layout type 1) is modelled")
+    return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+
+
+def operand_addresses(desc, rows, k, mn_major):
+    """Byte addresses (after the swizzle) of a wgmma shared-memory operand: for K-major an array
+    [row, kk] (rows x k), for MN-major [kk, n] (k x rows), following the layouts of the header."""
+    start, lbo, sbo = decode_descriptor(desc)
+    r = np.arange(rows)
+    kk = np.arange(k)
+    if mn_major:
+        addr = (start + (r[None, :] // PANEL_COLS) * lbo + 2 * (r[None, :] % PANEL_COLS)
+                + (kk[:, None] // 8) * sbo + (kk[:, None] % 8) * SWIZZLE_BYTES)
+    else:
+        addr = start + (r[:, None] // 8) * sbo + (r[:, None] % 8) * SWIZZLE_BYTES + 2 * kk[None, :]
+    return _swizzle(addr)
+
+
+# =========================================================================== simulator side
+
+if SIMULATOR:
+    from numba.cuda.simulator.kernel import _get_kernel_context
+
+    from common import _ptx_sim as sim
+
+    _DTYPES = {"bf16": "bfloat16", "f16": "float16"}
+    WAIT_TIMEOUT_S = 60.0
+
+    def _dynamic_shared():
+        """The launch's dynamic shared memory as bytes (what shared addresses index here)."""
+        return _get_kernel_context()._shared._dynshared.view(np.uint8)
+
+    def shared_address(smem, offset):
+        """Byte offset of element `offset` of `smem` in the dynamic shared memory (on the GPU the
+        real shared address; both are 1024-aligned where the dynamic buffer starts aligned)."""
+        ary = sim._unwrap(smem)
+        base = _dynamic_shared()
+        addr = ary.ctypes.data + int(offset) * ary.itemsize - base.ctypes.data
+        if not 0 <= addr < base.size:
+            raise ValueError("shared_address: not an element of the dynamic shared memory")
+        return np.uint32(addr)
+
+    def _halves_at(addresses):
+        """uint16 values at the given shared byte addresses."""
+        mem = _dynamic_shared()
+        a = np.asarray(addresses, dtype=np.int64)
+        if a.size and (a.min() < 0 or a.max() + 2 > mem.size or (a % 2).any()):
+            raise ValueError("a wgmma operand reaches outside shared memory or is misaligned")
+        return mem[a].astype(np.uint16) | (mem[a + 1].astype(np.uint16) << 8)
+
+    def _warpgroup():
+        t = threading.current_thread()
+        return t.thread_id // 128, t.thread_id % 128
+
+    def _accumulator_rows_cols(n):
+        """Row and column in the 64 x n tile of each thread's accumulator element, (128, n/2)."""
+        tid = np.arange(128)[:, None]
+        i = np.arange(n // 2)[None, :]
+        warp, lane = tid // 32, tid % 32
+        row = 16 * warp + lane // 4 + 8 * ((i % 4) // 2)
+        col = 8 * (i // 4) + 2 * (lane % 4) + (i % 2)
+        return row, col
+
+    def _a_from_registers(regs, dtype):
+        """(128, 4) uint32 A registers of a warpgroup -> its 64 x 16 A operand."""
+        regs = np.asarray(regs, dtype=np.uint32)
+        return np.concatenate([sim.a_fragment_matrix(regs[32 * w:32 * w + 32], dtype)
+                               for w in range(4)])
+
+    def _wgmma_apply(ops, n, dtype, a_regs, trans_b):
+        """D = A B (+ D): ops[i] = (acc array, A registers or descriptor, B descriptor, scale_d)."""
+        if a_regs:
+            a = _a_from_registers([op[1] for op in ops], dtype)
+        else:
+            a = sim.halves_to_float(_halves_at(operand_addresses(ops[0][1], 64, 16, False)), dtype)
+        b = sim.halves_to_float(_halves_at(operand_addresses(ops[0][2], n, 16, trans_b)), dtype)
+        b = b if trans_b else b.T                       # K x N
+        row, col = _accumulator_rows_cols(n)
+        d = a @ b
+        for tid, op in enumerate(ops):
+            acc = op[0].reshape(-1)
+            new = d[row[tid], col[tid]]
+            if op[3]:
+                new = new + acc.astype(np.float64)
+            acc[:] = new.astype(np.float32)
+
+    def _make_wgmma(n, dtype, a_regs, trans_b):
+        dt = _DTYPES[dtype]
+
+        def compute(ops):
+            if len({(op[1] if not a_regs else None, op[2], bool(op[3])) for op in ops}) != 1:
+                raise RuntimeError("the threads of a warpgroup disagree on a wgmma's descriptors")
+            _wgmma_apply(ops, n, dt, a_regs, trans_b)
+
+        if a_regs:
+            def wgmma(acc, a0, a1, a2, a3, desc_b, scale_d):
+                wg, i = _warpgroup()
+                sim.group_collective(("wgmma", wg), 128, i,
+                                     (sim._unwrap(acc), (a0, a1, a2, a3), int(desc_b), int(scale_d)),
+                                     compute)
+        else:
+            def wgmma(acc, desc_a, desc_b, scale_d):
+                wg, i = _warpgroup()
+                sim.group_collective(("wgmma", wg), 128, i,
+                                     (sim._unwrap(acc), int(desc_a), int(desc_b), int(scale_d)),
+                                     compute)
+        wgmma.__name__ = wgmma.__qualname__ = _wgmma_name(n, dtype, a_regs, trans_b)
+        return wgmma
+
+    def wgmma_fence():
+        pass
+
+    def wgmma_commit():
+        pass
+
+    def _make_wait(pending, counts):
+        def wait(*accs):
+            pass   # the stand-in's MMA is complete when issued
+        wait.__name__ = wait.__qualname__ = f"wgmma_wait{pending}_" + "_".join(map(str, counts))
+        return wait
+
+    # ------------------------------------------------------------------ mbarriers
+
+    class _MBarrier:
+        """An mbarrier: `count` arrivals and `tx` transaction bytes complete the current phase."""
+
+        def __init__(self, count):
+            self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+            self.cond = threading.Condition()
+
+        def _complete_if_done(self):
+            if self.pending == 0 and self.tx == 0:
+                self.phase += 1
+                self.pending = self.count
+                self.cond.notify_all()
+
+        def arrive(self, tx=0):
+            with self.cond:
+                if self.pending == 0:
+                    raise RuntimeError("mbarrier: more arrivals than its count in one phase")
+                self.tx += tx
+                self.pending -= 1
+                self._complete_if_done()
+
+        def complete_tx(self, nbytes):
+            with self.cond:
+                self.tx -= nbytes
+                self._complete_if_done()
+
+        def wait_parity(self, parity, where):
+            with self.cond:
+                done = self.cond.wait_for(lambda: (self.phase & 1) != parity, WAIT_TIMEOUT_S)
+            if not done:
+                raise RuntimeError(
+                    f"mbarrier at shared byte {where}: phase of parity {parity} not completed after "
+                    f"{WAIT_TIMEOUT_S:.0f} s ({self.pending} arrivals and {self.tx} transaction "
+                    "bytes missing): a missing arrive, or expect_tx bytes the copies never reach")
+            return True
+
+    def _barriers():
+        return sim.block_state()["groups"].setdefault(("mbarriers",), {})
+
+    def _barrier(smem, offset):
+        addr = int(shared_address(smem, offset))
+        bar = _barriers().get(addr)
+        if bar is None:
+            raise RuntimeError(f"mbarrier at shared byte {addr} used before mbarrier_init")
+        return bar, addr
+
+    def mbarrier_init(smem, offset, count):
+        addr = int(shared_address(smem, offset))
+        if addr % 8:
+            raise ValueError("an mbarrier must be 8-byte aligned")
+        _barriers()[addr] = _MBarrier(int(count))
+
+    def fence_mbarrier_init():
+        pass
+
+    def mbarrier_arrive(smem, offset):
+        _barrier(smem, offset)[0].arrive()
+
+    def mbarrier_arrive_expect_tx(smem, offset, nbytes):
+        _barrier(smem, offset)[0].arrive(int(nbytes))
+
+    def mbarrier_try_wait(smem, offset, parity):
+        """Blocks until the phase completes (a GPU try_wait may return false first and be
+        retried); after WAIT_TIMEOUT_S raises an error naming what is missing (a GPU would hang)."""
+        bar, addr = _barrier(smem, offset)
+        return bar.wait_parity(int(parity) & 1, addr)
+
+    # ------------------------------------------------------------------ bulk tensor copies
+
+    _TENSOR_MAPS = {}     # id -> (4-D array, box rows, box cols), what a simulated map stands for
+    _next_map = [1]
+
+    def encode_tensor_map(view, box_rows, box_cols):
+        """The 16 words the kernel gets for a tensor map over `view` (see `tensor_maps`): here the
+        first word names the array in a registry."""
+        key = _next_map[0]
+        _next_map[0] += 1
+        _TENSOR_MAPS[key] = (sim._unwrap(view.array), int(box_rows), int(box_cols))
+        words = np.zeros(16, np.uint64)
+        words[0] = key
+        return words
+
+    def tensormap_acquire(tmaps, i):
+        pass
+
+    def tma_load_4d(dst, dst_offset, tmaps, i, c0, c1, c2, c3, bar_smem, bar_offset):
+        """Box [c3, c2, c1:c1+rows, c0:c0+cols] of the map's (B, H, N, d) array (zeros past its
+        end) into shared memory at dst with the 128-byte swizzle, then complete_tx of the box's
+        bytes on the barrier."""
+        src, rows, cols = _TENSOR_MAPS[int(sim._unwrap(tmaps)[int(i), 0])]
+        box = np.zeros((rows, cols), np.uint16)
+        r0, col0 = int(c1), int(c0)
+        part = src[int(c3), int(c2), r0:r0 + rows, col0:col0 + cols]
+        box[:part.shape[0], :part.shape[1]] = part
+        start = int(shared_address(dst, dst_offset))
+        if start % SWIZZLE_ATOM_BYTES or cols * 2 != SWIZZLE_BYTES:
+            raise ValueError("a 128-byte-swizzled box is 64 16-bit columns at a 1024-aligned address")
+        addr = _swizzle(start + np.arange(rows)[:, None] * SWIZZLE_BYTES
+                        + 2 * np.arange(cols)[None, :])
+        mem = _dynamic_shared()
+        mem[addr] = (box & 0xFF).astype(np.uint8)
+        mem[addr + 1] = (box >> 8).astype(np.uint8)
+        _barrier(bar_smem, bar_offset)[0].complete_tx(rows * cols * 2)
+
+# =========================================================================== GPU side
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    from common._ptx_gpu import _as, _asm, _f32, _i32, _i64, _shared_address, _item_pointer
+
+    @intrinsic
+    def shared_address(typingctx, smem, offset):
+        sig = types.uint32(smem, offset)
+
+        def codegen(context, builder, sig, args):
+            return _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+
+        return sig, codegen
+
+    def _acc_pointers(context, builder, aryty, aryval, count):
+        ary = context.make_array(aryty)(context, builder, aryval)
+        return [builder.gep(ary.data, [ir.Constant(_i32, i)]) for i in range(count)]
+
+    def _make_wgmma(n, dtype, a_regs, trans_b):
+        count = n // 2
+        d = ",".join(f"${i}" for i in range(count))
+        if a_regs:
+            a = "{" + ",".join(f"${count + i}" for i in range(4)) + "}"
+            b, scale = f"${count + 4}", f"${count + 5}"
+            tail = f"p, 1, 1, {int(trans_b)}"
+            ins = ["r", "r", "r", "r", "l", "r"]
+        else:
+            a, b, scale = f"${count}", f"${count + 1}", f"${count + 2}"
+            tail = f"p, 1, 1, 0, {int(trans_b)}"
+            ins = ["l", "l", "r"]
+        text = (f"{{ .reg .pred p; setp.ne.b32 p, {scale}, 0; "
+                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype} "
+                f"{{{d}}}, {a}, {b}, {tail}; }}")
+        # the accumulators: outputs $0.., and (after the other inputs) the same registers as inputs
+        constraints = ",".join(["=f"] * count + ins + [str(i) for i in range(count)])
+
+        def codegen(context, builder, sig, args):
+            ptrs = _acc_pointers(context, builder, sig.args[0], args[0], count)
+            accs = [builder.load(p) for p in ptrs]
+            if a_regs:
+                ops = [_as(context, builder, v, t, types.uint32) for v, t in zip(args[1:5], sig.args[1:5])]
+                ops += [_as(context, builder, args[5], sig.args[5], types.uint64),
+                        _as(context, builder, args[6], sig.args[6], types.int32)]
+            else:
+                ops = [_as(context, builder, args[1], sig.args[1], types.uint64),
+                       _as(context, builder, args[2], sig.args[2], types.uint64),
+                       _as(context, builder, args[3], sig.args[3], types.int32)]
+            out = _asm(builder, [_f32] * count, ops + accs, text, constraints, side_effect=True)
+            for i, p in enumerate(ptrs):
+                builder.store(builder.extract_value(out, i), p)
+            return context.get_dummy_value()
+
+        if a_regs:
+            @intrinsic
+            def wgmma(typingctx, acc, a0, a1, a2, a3, desc_b, scale_d):
+                return types.void(acc, a0, a1, a2, a3, desc_b, scale_d), codegen
+        else:
+            @intrinsic
+            def wgmma(typingctx, acc, desc_a, desc_b, scale_d):
+                return types.void(acc, desc_a, desc_b, scale_d), codegen
+        wgmma.cache_name = _wgmma_name(n, dtype, a_regs, trans_b)
+        return wgmma
+
+    def _simple(text):
+        @intrinsic
+        def instruction(typingctx):
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+                return context.get_dummy_value()
+            return types.void(), codegen
+        return instruction
+
+    wgmma_fence = _simple("wgmma.fence.sync.aligned;")
+    wgmma_commit = _simple("wgmma.commit_group.sync.aligned;")
+    fence_mbarrier_init = _simple("fence.mbarrier_init.release.cluster;")
+
+    def _make_wait(pending, counts):
+        total = sum(counts)
+        text = f"wgmma.wait_group.sync.aligned {pending};"
+        constraints = ",".join(["=f"] * total + [str(i) for i in range(total)] + ["~{memory}"])
+
+        def codegen(context, builder, sig, args):
+            ptrs = []
+            for aryty, aryval, count in zip(sig.args, args, counts):
+                ptrs += _acc_pointers(context, builder, aryty, aryval, count)
+            if not ptrs:
+                _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
+                return context.get_dummy_value()
+            out = _asm(builder, [_f32] * total, [builder.load(p) for p in ptrs], text, constraints,
+                       side_effect=True)
+            for i, p in enumerate(ptrs):
+                builder.store(builder.extract_value(out, i), p)
+            return context.get_dummy_value()
+
+        if len(counts) == 0:
+            @intrinsic
+            def wait(typingctx):
+                return types.void(), codegen
+        elif len(counts) == 1:
+            @intrinsic
+            def wait(typingctx, acc):
+                return types.void(acc), codegen
+        else:
+            @intrinsic
+            def wait(typingctx, acc, acc2):
+                return types.void(acc, acc2), codegen
+        wait.cache_name = f"wgmma_wait{pending}_" + "_".join(map(str, counts))
+        return wait
+
+    @intrinsic
+    def mbarrier_init(typingctx, smem, offset, count):
+        sig = types.void(smem, offset, count)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            c = _as(context, builder, args[2], sig.args[2], types.uint32)
+            _asm(builder, ir.VoidType(), [addr, c], "mbarrier.init.shared::cta.b64 [$0], $1;",
+                 "r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def mbarrier_arrive(typingctx, smem, offset):
+        sig = types.void(smem, offset)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            _asm(builder, ir.VoidType(), [addr], "mbarrier.arrive.shared::cta.b64 _, [$0];",
+                 "r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def mbarrier_arrive_expect_tx(typingctx, smem, offset, nbytes):
+        sig = types.void(smem, offset, nbytes)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            nb = _as(context, builder, args[2], sig.args[2], types.uint32)
+            _asm(builder, ir.VoidType(), [addr, nb],
+                 "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
+                 side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def mbarrier_try_wait(typingctx, smem, offset, parity):
+        sig = types.uint32(smem, offset, parity)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            par = _as(context, builder, args[2], sig.args[2], types.uint32)
+            return _asm(builder, _i32, [addr, par],
+                        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+                        "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", side_effect=True)
+
+        return sig, codegen
+
+    def encode_tensor_map(view, box_rows, box_cols):
+        """cuTensorMapEncodeTiled over a (B, H, N, d) 16-bit view (any strides, head_dim
+        contiguous): dimensions innermost first (d, N, H, B), a box of box_cols x box_rows x 1 x 1,
+        SWIZZLE_128B, zeros past the ends. Returns its 16 words (128 bytes)."""
+        from cuda.bindings import driver as cu
+        b, h, n, d = view.shape
+        sb, sh, sn, sd = view.strides
+        dims = [cu.cuuint64_t(x) for x in (d, n, h, b)]
+        strides = [cu.cuuint64_t(x) for x in (sn, sh, sb)]
+        box = [cu.cuuint32_t(x) for x in (box_cols, box_rows, 1, 1)]
+        ones = [cu.cuuint32_t(1)] * 4
+        err, tmap = cu.cuTensorMapEncodeTiled(
+            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, cu.cuuint32_t(4), view.ptr,
+            dims, strides, box, ones, cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if int(err) != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err!r}) for shape {view.shape}, "
+                               f"strides {view.strides}, box {box_rows}x{box_cols}")
+        return np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
+
+    def _tmap_address(context, builder, aryty, aryval, index, index_type):
+        zero = context.get_constant(types.intp, 0)
+        ptr = _item_pointer(context, builder, aryty, aryval, [index, zero], [index_type, types.intp])
+        # the generic address of the map (kept in an ordinary global array): the copy's operand
+        return builder.ptrtoint(ptr, _i64)
+
+    @intrinsic
+    def tensormap_acquire(typingctx, tmaps, i):
+        sig = types.void(tmaps, i)
+
+        def codegen(context, builder, sig, args):
+            t = _tmap_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            _asm(builder, ir.VoidType(), [t],
+                 "prefetch.tensormap [$0]; fence.proxy.tensormap::generic.acquire.gpu [$0], 128;",
+                 "l,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def tma_load_4d(typingctx, dst, dst_offset, tmaps, i, c0, c1, c2, c3, bar_smem, bar_offset):
+        sig = types.void(dst, dst_offset, tmaps, i, c0, c1, c2, c3, bar_smem, bar_offset)
+
+        def codegen(context, builder, sig, args):
+            d = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            t = _tmap_address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            cs = [_as(context, builder, v, ty, types.int32) for v, ty in zip(args[4:8], sig.args[4:8])]
+            bar = _shared_address(context, builder, sig.args[8], args[8], args[9], sig.args[9])
+            _asm(builder, ir.VoidType(), [d, t] + cs + [bar],
+                 "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+
+def _wgmma_name(n, dtype, a_regs, trans_b):
+    return f"wgmma_m64n{n}k16_{dtype}_{'rs' if a_regs else 'ss'}{'_tb' if trans_b else ''}"
+
+
+@lru_cache(maxsize=None)
+def wgmma_ss(n, is_bf16, trans_b=False):
+    """wgmma(acc, desc_a, desc_b, scale_d): acc (64 x n a warpgroup, fp32) = A B + (acc if scale_d
+    else 0), A (64 x 16) and B (16 x n) both read from shared memory through descriptors (B K-major,
+    i.e. given as n rows of k, unless trans_b)."""
+    return _make_wgmma(n, "bf16" if is_bf16 else "f16", False, trans_b)
+
+
+@lru_cache(maxsize=None)
+def wgmma_rs(n, is_bf16, trans_b=True):
+    """wgmma(acc, a0, a1, a2, a3, desc_b, scale_d): as wgmma_ss with A from registers (each warp
+    its 16 rows as an mma.m16n8k16 A fragment); B MN-major (k rows of n) unless trans_b=False."""
+    return _make_wgmma(n, "bf16" if is_bf16 else "f16", True, trans_b)
+
+
+@lru_cache(maxsize=None)
+def wgmma_wait(pending, *counts):
+    """wait(acc, ...): wgmma.wait_group `pending` (at most that many committed groups still in
+    flight), for accumulators of `counts` fp32 registers a thread (n/2 for m64n{n}): they pass
+    through the instruction, so no read of them is moved above it."""
+    return _make_wait(pending, counts)
+
+
+@device_function
+def mbarrier_wait(smem, offset, parity):
+    """Wait until the phase of parity `parity` of the mbarrier at smem[offset] has completed."""
+    while not mbarrier_try_wait(smem, offset, parity):
+        pass
+
+
+_MAP_CACHE = {}
+_MAP_CACHE_SIZE = 256
+
+
+def tensor_maps(boxes):
+    """A (len(boxes), 16) uint64 device array of tensor maps, as a KernelView for `launch`:
+    boxes = ((view, box_rows, box_cols), ...) over (B, H, N, d) 16-bit KernelViews. A map depends
+    only on (address, shape, strides, box), so maps are encoded and uploaded once per such key."""
+    from numba import cuda
+
+    from common.target import KernelView
+    key = tuple((v.ptr, v.shape, v.strides, r, c) for v, r, c in boxes)
+    hit = _MAP_CACHE.get(key)
+    if hit is None:
+        words = np.stack([encode_tensor_map(v, r, c) for v, r, c in boxes])
+        dev = cuda.to_device(words)
+        if len(_MAP_CACHE) >= _MAP_CACHE_SIZE:
+            _MAP_CACHE.pop(next(iter(_MAP_CACHE)))
+        hit = _MAP_CACHE[key] = KernelView(
+            dev.__cuda_array_interface__["data"][0] if not SIMULATOR else 0, words.shape,
+            (16 * 8, 8), np.dtype(np.uint64), owner=dev, array=dev)
+    return hit

@@ -1,0 +1,133 @@
+"""The Hopper instructions of common/sm90.py against NumPy, on the GPU (the real wgmma, TMA and
+mbarriers) and in the simulator (their stand-ins): one kernel loads A (64 x d), B (n x d) and
+V (n x d) with bulk tensor copies onto one mbarrier, computes S = A B^T with SS-wgmma (both operands
+through 128-byte-swizzle descriptors) and O = bf16(S) V with RS-wgmma (A from registers, V read
+transposed), and writes both accumulators out by the fragment layout of sm90's header. A wrong
+descriptor field (LBO, SBO, swizzle), fragment order or transpose gives a wrong S or O."""
+import numpy as np
+import pytest
+from numba import cuda, float32, int32, uint16, uint32
+
+from common import _ptx_sim as sem
+from common import arrays, sm90, tiles
+from common.target import launch
+from tests.conftest import ON_GPU
+from tests.test_ptx import random_halves
+
+CASES = [(64, 64, "bfloat16"), (128, 128, "float16"), (128, 64, "bfloat16"), (64, 256, "bfloat16")]
+if not ON_GPU:
+    CASES = CASES[:2]
+
+
+def build_gemm_kernel(d, n, is_bf16):
+    panels = d // 64
+    mma_s, mma_o = sm90.wgmma_ss(n, is_bf16), sm90.wgmma_rs(d, is_bf16)
+    wait_s, wait_o = sm90.wgmma_wait(0, n // 2), sm90.wgmma_wait(0, d // 2)
+    a_elems, b_elems = 64 * d, n * d
+    s_shape, o_shape, p_shape = (1, n // 8, 4), (1, d // 8, 4), (1, n // 16, 4)
+    total = 2 * (a_elems + 2 * b_elems)
+
+    @cuda.jit
+    def gemm(tmaps, s_out, o_out):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        smem = cuda.shared.array(0, uint16)
+        base = sm90.shared_address(smem, 0)
+        t0 = int32(((base + uint32(1024 + 127)) & uint32(0xFFFFFC00)) - base) >> 1
+        if tid == 0:
+            sm90.mbarrier_init(smem, 0, 1)
+            sm90.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid == 0:
+            for m in range(3):
+                sm90.tensormap_acquire(tmaps, m)
+            sm90.mbarrier_arrive_expect_tx(smem, 0, total)
+            for p in range(panels):
+                sm90.tma_load_4d(smem, t0 + p * 64 * 64, tmaps, 0, p * 64, 0, 0, 0, smem, 0)
+                sm90.tma_load_4d(smem, t0 + a_elems + p * n * 64, tmaps, 1, p * 64, 0, 0, 0, smem, 0)
+                sm90.tma_load_4d(smem, t0 + a_elems + b_elems + p * n * 64, tmaps, 2, p * 64, 0, 0,
+                                 0, smem, 0)
+        sm90.mbarrier_wait(smem, 0, 0)
+        a_addr = sm90.shared_address(smem, t0)
+        b_addr = sm90.shared_address(smem, t0 + a_elems)
+        v_addr = sm90.shared_address(smem, t0 + a_elems + b_elems)
+        s = cuda.local.array(s_shape, float32)
+        o = cuda.local.array(o_shape, float32)
+        p_frag = cuda.local.array(p_shape, uint32)
+        tiles.fill(o, float32(0))
+        sm90.wgmma_fence()
+        for kk in range(d // 16):
+            mma_s(s, sm90.smem_descriptor(a_addr + (kk >> 2) * 64 * 128 + (kk & 3) * 32, 16, 1024),
+                  sm90.smem_descriptor(b_addr + (kk >> 2) * n * 128 + (kk & 3) * 32, 16, 1024), kk)
+        sm90.wgmma_commit()
+        wait_s(s)
+        tiles.accumulator_to_a(p_frag, s, is_bf16)
+        sm90.wgmma_fence()
+        for kk in range(n // 16):
+            mma_o(o, p_frag[0, kk, 0], p_frag[0, kk, 1], p_frag[0, kk, 2], p_frag[0, kk, 3],
+                  sm90.smem_descriptor(v_addr + kk * 16 * 128, n * 128, 1024), 1)
+        sm90.wgmma_commit()
+        wait_o(o)
+        for c in range(n // 8):
+            for j in range(4):
+                r, col = tiles.accumulator_position(0, c, j, lane)
+                s_out[16 * warp + r, col] = s[0, c, j]
+        for c in range(d // 8):
+            for j in range(4):
+                r, col = tiles.accumulator_position(0, c, j, lane)
+                o_out[16 * warp + r, col] = o[0, c, j]
+
+    return gemm, 1024 + 128 + 2 * total
+
+
+def device_view(host, library):
+    x = cuda.to_device(host)
+    return arrays.bits_view(arrays.describe(x, "x"), host.dtype.type), x
+
+
+@pytest.mark.parametrize("d, n, dtype", CASES)
+def test_wgmma_on_tma_tiles_matches_numpy(rng, d, n, dtype):
+    a = random_halves(rng, (64, d), dtype)
+    b = random_halves(rng, (n, d), dtype)
+    v = random_halves(rng, (n, d), dtype)
+    views = [device_view(x.reshape(1, 1, *x.shape), None) for x in (a, b, v)]
+    tmaps = sm90.tensor_maps(((views[0][0], 64, 64), (views[1][0], n, 64), (views[2][0], n, 64)))
+    s_view, s_dev = device_view(np.full((64, n), np.nan, np.float32), None)
+    o_view, o_dev = device_view(np.full((64, d), np.nan, np.float32), None)
+    kern, smem = build_gemm_kernel(d, n, dtype == "bfloat16")
+    launch(kern, 1, 128, smem, 0, tmaps, s_view, o_view)
+    s_got, o_got = s_dev.copy_to_host(), o_dev.copy_to_host()
+    af, bf, vf = (sem.halves_to_float(x, dtype) for x in (a, b, v))
+    s_ref = af @ bf.T
+    np.testing.assert_allclose(s_got, s_ref, rtol=1e-5, atol=1e-5 * np.abs(s_ref).max())
+    p = sem.halves_to_float(sem.float_to_halves(s_got, dtype), dtype)   # P as the kernel re-packed it
+    o_ref = p @ vf
+    np.testing.assert_allclose(o_got, o_ref, rtol=1e-5, atol=1e-5 * np.abs(o_ref).max())
+
+
+def test_descriptor_fields_round_trip():
+    """The descriptor's bit fields (the simulator decodes what the GPU reads)."""
+    if ON_GPU:
+        pytest.skip("host-side check: runs in the simulator")
+    desc = int(sm90.smem_descriptor(np.uint32(0x12400 + 96), 16384, 1024))
+    assert desc >> 62 == 1
+    assert sm90.decode_descriptor(desc) == (0x12400 + 96, 16384, 1024)
+
+
+@pytest.mark.sim
+def test_mbarrier_wait_that_cannot_complete_raises(monkeypatch):
+    """An expect_tx larger than what the copies deliver hangs a GPU; the stand-in names it."""
+    monkeypatch.setattr(sm90, "WAIT_TIMEOUT_S", 0.5)
+
+    @cuda.jit
+    def never(flag):
+        smem = cuda.shared.array(0, uint16)
+        if cuda.threadIdx.x == 0:
+            sm90.mbarrier_init(smem, 0, 1)
+            sm90.mbarrier_arrive_expect_tx(smem, 0, 128)   # 128 bytes promised, none copied
+        cuda.syncthreads()
+        sm90.mbarrier_wait(smem, 0, 0)
+        flag[0] = 1
+
+    with pytest.raises(RuntimeError, match="transaction bytes missing"):
+        never[1, 32, 0, 64](np.zeros(1, np.int32))

@@ -1,0 +1,300 @@
+"""FlashAttention-3 forward (Shah et al. 2024, Algorithm 1) on Hopper: asynchronous warpgroup MMAs
+(wgmma) on shared-memory descriptors, K/V brought in by the bulk tensor copy engine (TMA) into a
+ring of stages guarded by mbarriers, and warp specialisation (a producer warp that only copies,
+consumer warpgroups that only compute).
+
+What makes it FA3 rather than FA2 (variants/fa2.py):
+- the GEMMs are wgmma: a warpgroup (4 warps, 128 threads) owns 64 query rows and issues
+  m64n{B_c}k16 for S = Q K^T with both operands read by the tensor cores from shared memory through
+  matrix descriptors (no ldmatrix, no A/B fragments in registers), and m64n{d}k16 for O += P~ V
+  with P~ from registers (the register-A form) and V read transposed from shared memory;
+- the loads are TMA: one thread issues a whole 64-column panel of a tile per instruction (the
+  copy engine computes addresses, zero-fills past the end of the sequence and lands the tile in
+  the 128-byte swizzle the descriptors read); completion is counted in bytes on an mbarrier;
+- warp specialisation (Alg.1's producer/consumer split): the producer warp waits for a stage to be
+  released (its "empty" mbarrier), then issues K_j and V_j into it (the "full" mbarriers); the
+  consumer warpgroups wait on "full", compute, and release. With `stages` buffers the copies run
+  up to stages - 1 blocks ahead of the compute, with no block-wide barrier in the loop.
+
+Alg.1 of the FA3 paper, with its line numbers (producer: l.3-9; consumer: l.10-22):
+  producer  l.5  load Q_i;  l.6-8  for j: wait for stage j % s to be released, load K_j, V_j
+  consumer  l.13 wait for Q_i;  l.14-19  for j: wait for K_j, S = Q_i K_j^T (SS-GEMM), m_i,
+            P~_i, l_i, rescale O_i; wait for V_j; O_i += P~_i V_j (RS-GEMM); release the stage;
+            l.20-22  O_i = diag(l_i)^-1 O_i, L_i = m_i + log l_i, write O_i and L_i.
+
+Still to come (docs/performance.md, "fa3"): ping-pong scheduling of two warpgroups (named
+barriers), intra-warpgroup overlap of softmax with the next QK^T, setmaxnreg, a TMA store of O, the
+FP8 path, and the cp.async producer as the `producer` switch's other setting.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint16, uint32
+
+from common import configs, ptx, sm90, softmax, tiles
+from common.problem import LSE_TYPE, OUT_TYPE, prepare
+from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
+
+HEAD_DIMS = (64, 128)
+WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m64nNk16
+WG_THREADS = 128
+BARRIER_BYTES = 128     # room for 16 mbarriers ahead of the tiles
+TMAP_TYPE = types.Array(types.uint64, 2, "C")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Compile-time shape of the kernel. block_m = B_r (64 per consumer warpgroup), block_n = B_c."""
+    head_dim: int
+    is_bf16: bool
+    causal: bool
+    block_m: int = 128      # B_r: 64 query rows per consumer warpgroup
+    block_n: int = 128      # B_c: keys per step (the N of the QK^T wgmma)
+    stages: int = 2         # K/V buffers in the ring (2: the copy of K_{j+1}, V_{j+1} overlaps step j)
+
+    @property
+    def consumers(self):
+        return self.block_m // WG_ROWS
+
+    @property
+    def threads(self):   # the consumer warpgroups, then the producer warp
+        return WG_THREADS * self.consumers + 32
+
+    def layout(self):
+        """Element offsets (16-bit) from the first 1024-aligned byte after the mbarriers: Q, then
+        stages x (K, V); each tile d/64 panels of rows x 64 (Q: per warpgroup, 64 rows a panel)."""
+        q = self.block_m * self.head_dim
+        kv = self.block_n * self.head_dim
+        return dict(q=0, k=[q + 2 * s * kv for s in range(self.stages)],
+                    v=[q + (2 * s + 1) * kv for s in range(self.stages)], end=q + 2 * self.stages * kv)
+
+    def smem_bytes(self):
+        return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + 2 * self.layout()["end"]
+
+    def validate(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"fa3 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        if self.block_m % WG_ROWS or not 1 <= self.block_m // WG_ROWS <= 3:
+            raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows a consumer "
+                             "warpgroup, at most 3)")
+        if self.consumers == 3 and self.head_dim > 64:
+            raise ValueError("block_m=192 (three consumer warpgroups, 416 threads, at most 152 "
+                             f"registers each) does not fit head_dim {self.head_dim}'s accumulators "
+                             "without moving registers from the producer (setmaxnreg, not yet)")
+        if self.block_n % 64 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 64 from 64 to 256 (the "
+                             "N of the wgmma, and whole 128-byte swizzle rows of the K tile)")
+        if not 1 <= self.stages <= 4:
+            raise ValueError(f"stages must be 1 to 4, got {self.stages}")
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(f"fa3 block_m={self.block_m}, block_n={self.block_n}, stages="
+                             f"{self.stages} at head_dim {self.head_dim} needs {self.smem_bytes()} "
+                             f"bytes of shared memory; the limit is {MAX_SHARED_BYTES}")
+        return self
+
+
+OPTIONS = ("block_m", "block_n", "stages")
+
+# B_r = 128 (two consumer warpgroups), B_c = 128, two stages: FA3's own tile for head_dim 128
+# (flash_attn/cute flash_fwd_sm90); 160 KB of shared memory at d=128.
+DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
+            128: dict(block_m=128, block_n=128, stages=2)}
+
+default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
+
+
+@lru_cache(maxsize=None)
+def build(cfg):
+    """Compile-time constants of one configuration, closed over by its kernel."""
+    D, BR, BC, STAGES, NWG = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    IS_BF16, CAUSAL = cfg.is_bf16, cfg.causal
+    PANEL = sm90.PANEL_COLS                     # 64 columns: one 128-byte swizzled row
+    PANELS = D // PANEL
+    K0 = cfg.layout()["k"][0]                   # element offset of stage 0's K tile (Q is at 0)
+    K_TILE_ELEMS = BC * D
+    WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's part of Q_i (its own panels)
+    Q_BYTES, KV_BYTES = BR * D * 2, BC * D * 2
+    PRODUCER_WARP = 4 * NWG
+    # mbarriers (8 bytes = 4 elements each): Q full, then per stage K full, V full, K/V empty.
+    BAR_Q, BAR_K, BAR_V, BAR_EMPTY = 0, 4, 4 + 4 * STAGES, 4 + 8 * STAGES
+    # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
+    # and one panel (rows x 128 bytes) per 64 columns; V (MN-major) one 2 KB row group per 16 keys,
+    # its d/64 panels LBO apart.
+    SBO = 8 * sm90.SWIZZLE_BYTES
+    V_LBO = BC * sm90.SWIZZLE_BYTES
+    MMA_S = sm90.wgmma_ss(BC, IS_BF16)          # S = Q K^T         (m64 n=B_c k16)
+    MMA_O = sm90.wgmma_rs(D, IS_BF16)           # O += P~ V         (m64 n=d   k16, V transposed)
+    WAIT_S = sm90.wgmma_wait(0, BC // 2)
+    WAIT_O = sm90.wgmma_wait(0, D // 2)
+    S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, BC // 16, 4)
+
+    @device_function
+    def produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c):
+        """The producer (one thread): Q_i, then K_j, V_j into stage j % STAGES once it is free."""
+        for m in range(3):
+            sm90.tensormap_acquire(tmaps, m)
+        sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)                       # Alg.1 l.5
+        for w in range(NWG):
+            for p in range(PANELS):
+                sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * PANEL,
+                                 tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
+        for j in range(t_c):                                                       # l.6
+            stage = j % STAGES
+            if j >= STAGES:   # l.7: wait until the consumers released block j - STAGES's buffers
+                sm90.mbarrier_wait(smem, BAR_EMPTY + 4 * stage, ((j // STAGES) - 1) & 1)
+            k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
+            sm90.mbarrier_arrive_expect_tx(smem, BAR_K + 4 * stage, KV_BYTES)      # l.8
+            for p in range(PANELS):
+                sm90.tma_load_4d(smem, k0 + p * BC * PANEL, tmaps, 1, p * PANEL, j * BC, h_kv, b,
+                                 smem, BAR_K + 4 * stage)
+            sm90.mbarrier_arrive_expect_tx(smem, BAR_V + 4 * stage, KV_BYTES)
+            for p in range(PANELS):
+                sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * BC * PANEL, tmaps, 2, p * PANEL,
+                                 j * BC, h_kv, b, smem, BAR_V + 4 * stage)
+
+    @kernel_for_one_block_per_sm(cfg.threads)
+    def fa3_forward(tmaps, o, lse, n_q, n_k, kv_group, softmax_scale, scale_log2):
+        """tmaps: (3, 16) tensor maps of q, k, v; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q)."""
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x   # longest first
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        h_kv = h // kv_group
+        row0 = i * BR
+
+        smem = cuda.shared.array(0, uint16)
+        base = sm90.shared_address(smem, 0)
+        # the tiles start 1024-byte aligned (the swizzle's period), after the mbarriers
+        aligned = (base + uint32(BARRIER_BYTES + 1023)) & uint32(0xFFFFFC00)
+        tiles0 = int32(aligned - base) >> 1
+
+        t_c = (n_k + BC - 1) // BC
+        if CAUSAL:
+            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+
+        if tid == 0:
+            sm90.mbarrier_init(smem, BAR_Q, 1)
+            for s in range(STAGES):
+                sm90.mbarrier_init(smem, BAR_K + 4 * s, 1)
+                sm90.mbarrier_init(smem, BAR_V + 4 * s, 1)
+                sm90.mbarrier_init(smem, BAR_EMPTY + 4 * s, 4 * NWG)   # one arrival a consumer warp
+            sm90.fence_mbarrier_init()
+        cuda.syncthreads()
+
+        if warp == PRODUCER_WARP:
+            if lane == 0:
+                produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c)
+            return
+
+        # ---- a consumer warpgroup: 64 rows of Q_i
+        wg, wg_warp = warp >> 2, warp & 3
+        wg_row0 = row0 + wg * WG_ROWS               # its first query row
+        warp_row = wg_row0 + 16 * wg_warp           # this warp's first row (mask, LSE)
+        q_addr = sm90.shared_address(smem, tiles0 + wg * WG_Q_ELEMS)
+        kv_addr = sm90.shared_address(smem, tiles0 + K0)
+
+        o_acc = cuda.local.array(O_ACC, float32)                                  # l.11
+        tiles.fill(o_acc, float32(0))
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        softmax.init_rows(m_i, l_i)
+        s = cuda.local.array(S_ACC, float32)
+        p = cuda.local.array(P_FRAG, uint32)
+
+        sm90.mbarrier_wait(smem, BAR_Q, 0)                                         # l.13
+        for j in range(t_c):                                                       # l.14
+            stage = j % STAGES
+            parity = (j // STAGES) & 1
+            k_addr = kv_addr + stage * 2 * 2 * K_TILE_ELEMS
+            v_addr = k_addr + 2 * K_TILE_ELEMS
+            # l.15: S = Q_i K_j^T, an SS-GEMM: d/16 wgmma k-steps, one commit group.
+            sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+            sm90.wgmma_fence()
+            for kk in range(D // 16):
+                MMA_S(s, sm90.smem_descriptor(q_addr + (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32,
+                                              16, SBO),
+                      sm90.smem_descriptor(k_addr + (kk >> 2) * BC * 128 + (kk & 3) * 32, 16, SBO),
+                      kk)
+            sm90.wgmma_commit()
+            WAIT_S(s)
+            col0 = j * BC
+            if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > wg_row0):
+                tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lane)
+            # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
+            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)
+            tiles.accumulator_to_a(p, s, IS_BF16)
+            # l.18: O_i += P~_i V_j, an RS-GEMM: P~ from registers, V_j read transposed.
+            sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+            sm90.wgmma_fence()
+            for kk in range(BC // 16):
+                MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3],
+                      sm90.smem_descriptor(v_addr + kk * 16 * 128, V_LBO, SBO), 1)
+            sm90.wgmma_commit()
+            WAIT_O(o_acc)
+            if lane == 0:   # l.19: this warp is done with stage j % STAGES
+                sm90.mbarrier_arrive(smem, BAR_EMPTY + 4 * stage)
+
+        # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
+        inv_l = cuda.local.array(2, float32)
+        lse_rows = cuda.local.array(2, float32)
+        softmax.finalize(m_i, l_i, inv_l, lse_rows, softmax_scale)
+        tiles.scale_rows(o_acc, inv_l)
+        # l.22: write O_i, staged for 16-byte stores through this warpgroup's part of the Q tile
+        # (its last reader, the final QK^T wgmma, has completed).
+        wg_tid = tid & (WG_THREADS - 1)
+        start = (tiles0 + wg * WG_Q_ELEMS) >> 1
+        stage32 = cuda.shared.array(0, uint32)[start:start + WG_Q_ELEMS // 2]
+        ptx.bar_sync(1 + wg, WG_THREADS)
+        tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, IS_BF16)
+        ptx.bar_sync(1 + wg, WG_THREADS)
+        tiles.store_tile(o[b, h], stage32, wg_row0, n_q, WG_ROWS, D, D, True, wg_tid, WG_THREADS)
+        if lane & 3 == 0:
+            for r in range(2):
+                row = warp_row + (lane >> 2) + 8 * r
+                if row < n_q:
+                    lse[b, h, row] = lse_rows[r]
+
+    return fa3_forward
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
+    """FA3 forward (Hopper: sm_90a). q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's
+    layout, fp16 or bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and
+    lse (B, H, N_q) fp32. options: see Config and OPTIONS."""
+    prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
+                   head_dims=HEAD_DIMS, variant="fa3")
+    cfg = default_config(prob.head_dim, prob.is_bf16, causal, **options)
+    tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, sm90.PANEL_COLS),
+                              (prob.k, cfg.block_n, sm90.PANEL_COLS),
+                              (prob.v, cfg.block_n, sm90.PANEL_COLS)))
+    grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
+    launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
+           tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
+           np.int32(prob.kv_group), np.float32(prob.softmax_scale),
+           np.float32(prob.softmax_scale * math.log2(math.e)))
+    return prob.result()
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, **options):
+    """fa3 has no backward of its own yet: FA2's backward (Algorithm 2, variants/fa2.py) from fa3's
+    o and lse, which are the same quantities (options: fa2's BackwardConfig)."""
+    from variants import fa2
+    return fa2.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, **options)
+
+
+def compile_targets():
+    """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
+    launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal)."""
+    argtypes = (TMAP_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32, types.int32,
+                types.float32, types.float32)
+    for head_dim in HEAD_DIMS:
+        for is_bf16 in (True, False):
+            for causal in (False, True):
+                if not is_bf16 and (causal or head_dim != 64):
+                    continue
+                cfg = default_config(head_dim, is_bf16, causal)
+                # Q K^T: d/16 wgmma; P V: B_c/16 wgmma a step
+                yield f"fa3 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}", \
+                    build(cfg), argtypes, head_dim // 16 + cfg.block_n // 16
