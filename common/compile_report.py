@@ -19,12 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANT_MODULES = ("variants.standard", "variants.fa1", "variants.fa2", "common.backward")
+VARIANT_MODULES = ("variants.standard", "variants.fa1", "variants.fa2", "variants.fa3",
+                   "common.backward")
 
 
 def ptx_counts(ptx):
     return {
         "mma": len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16", ptx)),
+        "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
         "ldmatrix": len(re.findall(r"\bldmatrix\.sync", ptx)),
         "cp_async": len(re.findall(r"\bcp\.async\.cg", ptx)),
         "f64_ops": len(re.findall(r"^\s*[a-z][a-z0-9.]*\.f64\b", ptx, flags=re.M)),
@@ -44,7 +46,8 @@ def find_tool(name):
     return None
 
 
-SASS_OPS = ("HMMA", "LDSM", "LDGSTS", "MUFU", "BAR", "IMAD", "ISETP", "LDL", "STL")
+SASS_OPS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "USETMAXREG", "MUFU", "BAR", "IMAD", "ISETP",
+            "LDL", "STL")
 
 
 def ptxas_resources(ptx, arch="sm_90"):
@@ -76,6 +79,7 @@ def ptxas_resources(ptx, arch="sm_90"):
         row["sass_total"] = len(ops)
         loop = main_loop(sass)
         row.update(loop_instructions=len(loop), loop_HMMA=loop.count("HMMA"),
+                   loop_HGMMA=loop.count("HGMMA"),
                    loop_local=loop.count("LDL") + loop.count("STL"))
     return row
 
@@ -103,14 +107,18 @@ def report(cc=(9, 0)):
         raise RuntimeError("compile_report needs NUMBA_ENABLE_CUDASIM=0 (the simulator cannot compile)")
     rows = []
     for mod in VARIANT_MODULES:
-        for name, kern, argtypes, mma in import_module(mod).compile_targets():
-            # mma: the mma.sync count the tile shapes call for, or (in the PTX, in the main loop)
-            # where some sit outside the loop (the atomic backward's last dQ product)
+        module = import_module(mod)
+        # fa3's wgmma and setmaxnreg need sm_90a (what numba-cuda builds for on a Hopper GPU)
+        arch = getattr(module, "COMPILE_CC", cc)
+        for name, kern, argtypes, mma in module.compile_targets():
+            # mma: the mma.sync (fa3: wgmma) count the tile shapes call for, or (in the PTX, in the
+            # main loop) where some sit outside the loop (the atomic backward's last dQ product)
             total, in_loop = mma if isinstance(mma, tuple) else (mma, mma)
-            ptx, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=cc)
+            ptx, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=arch,
+                                      launch_bounds=kern.targetoptions.get("launch_bounds"))
             row = {"kernel": name, "expected_mma": total, "expected_loop_mma": in_loop,
                    **ptx_counts(ptx)}
-            row.update(ptxas_resources(ptx) or {})
+            row.update(ptxas_resources(ptx, arch="sm_" + "".join(map(str, arch))) or {})
             rows.append(row)
     return rows
 

@@ -14,6 +14,7 @@ involves; `common/ptx.py` is the same for the sm_80-style instructions (mma.sync
 | mbarrier_try_wait, mbarrier_wait         | mbarrier.try_wait.parity.shared::cta.b64 (and its loop)   |
 | tma_load_4d                              | cp.async.bulk.tensor.4d.shared::cluster.global.tile       |
 | tensormap_acquire                        | prefetch.tensormap; fence.proxy.tensormap::generic.acquire|
+| setmaxnreg(direction, count)             | setmaxnreg.{inc,dec}.sync.aligned.u32 (a warpgroup's cap) |
 
 Layouts (PTX ISA, "Matrix Descriptor" and "Shared Memory Matrix Layout"): every operand tile is
 stored as the bulk tensor copy lands it with SWIZZLE_128B: rows of 64 16-bit elements (128 bytes),
@@ -275,6 +276,11 @@ if SIMULATOR:
     def tensormap_acquire(tmaps, i):
         pass
 
+    def _make_setmaxnreg(direction, count):
+        def setmaxnreg():
+            pass   # registers are not modelled
+        return setmaxnreg
+
     def tma_load_4d(dst, dst_offset, tmaps, i, c0, c1, c2, c3, bar_smem, bar_offset):
         """Box [c3, c2, c1:c1+rows, c0:c0+cols] of the map's (B, H, N, d) array (zeros past its
         end) into shared memory at dst with the 128-byte swizzle, then complete_tx of the box's
@@ -375,19 +381,21 @@ else:
     fence_mbarrier_init = _simple("fence.mbarrier_init.release.cluster;")
 
     def _make_wait(pending, counts):
-        total = sum(counts)
         text = f"wgmma.wait_group.sync.aligned {pending};"
-        constraints = ",".join(["=f"] * total + [str(i) for i in range(total)] + ["~{memory}"])
 
         def codegen(context, builder, sig, args):
-            ptrs = []
+            ptrs, kinds = [], []
             for aryty, aryval, count in zip(sig.args, args, counts):
                 ptrs += _acc_pointers(context, builder, aryty, aryval, count)
+                f32 = aryty.dtype == types.float32   # accumulators; else 32-bit A registers
+                kinds += [(_f32, "f") if f32 else (_i32, "r")] * count
             if not ptrs:
                 _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
                 return context.get_dummy_value()
-            out = _asm(builder, [_f32] * total, [builder.load(p) for p in ptrs], text, constraints,
-                       side_effect=True)
+            constraints = ",".join([f"={c}" for _, c in kinds] + [str(i) for i in range(len(ptrs))]
+                                   + ["~{memory}"])
+            out = _asm(builder, [t for t, _ in kinds], [builder.load(p) for p in ptrs], text,
+                       constraints, side_effect=True)
             for i, p in enumerate(ptrs):
                 builder.store(builder.extract_value(out, i), p)
             return context.get_dummy_value()
@@ -406,6 +414,11 @@ else:
                 return types.void(acc, acc2), codegen
         wait.cache_name = f"wgmma_wait{pending}_" + "_".join(map(str, counts))
         return wait
+
+    def _make_setmaxnreg(direction, count):
+        instruction = _simple(f"setmaxnreg.{direction}.sync.aligned.u32 {count};")
+        instruction.cache_name = f"setmaxnreg_{direction}_{count}"
+        return instruction
 
     @intrinsic
     def mbarrier_init(typingctx, smem, offset, count):
@@ -539,8 +552,9 @@ def wgmma_rs(n, is_bf16, trans_b=True):
 @lru_cache(maxsize=None)
 def wgmma_wait(pending, *counts):
     """wait(acc, ...): wgmma.wait_group `pending` (at most that many committed groups still in
-    flight), for accumulators of `counts` fp32 registers a thread (n/2 for m64n{n}): they pass
-    through the instruction, so no read of them is moved above it."""
+    flight), for register arrays of `counts` elements a thread: fp32 accumulators (n/2 for
+    m64n{n}) or the uint32 A registers of an RS-wgmma. They pass through the instruction, so the
+    compiler neither reads an accumulator nor reuses an operand's registers before it."""
     return _make_wait(pending, counts)
 
 
@@ -573,3 +587,13 @@ def tensor_maps(boxes):
             dev.__cuda_array_interface__["data"][0] if not SIMULATOR else 0, words.shape,
             (16 * 8, 8), np.dtype(np.uint64), owner=dev, array=dev)
     return hit
+
+
+@lru_cache(maxsize=None)
+def setmaxnreg(direction, count):
+    """An instruction (no arguments) that sets the executing warpgroup's registers a thread to
+    `count` ("inc" waits until the registers are free, "dec" frees them). Every warp of the
+    warpgroup executes it; the kernel needs launch bounds so that its entry count is fixed."""
+    if direction not in ("inc", "dec") or count % 8 or not 24 <= count <= 256:
+        raise ValueError(f"setmaxnreg: {direction!r} {count} (inc/dec, a multiple of 8 in 24..256)")
+    return _make_setmaxnreg(direction, count)

@@ -90,6 +90,21 @@ def online_softmax(s, m_i, l_i, o, scale_log2):
 
 
 @device_function
+def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2):
+    """online_softmax without touching O: S <- P~, m and l updated, and each row's rescale factor
+    exp(m_old - m_new) left in alpha[r] for O to be rescaled later (`tiles.scale_rows`), once the
+    MMA still accumulating into O has completed (FA3's intra-warpgroup overlap)."""
+    for m in range(s.shape[0]):
+        for h in range(2):
+            r = 2 * m + h
+            row_max = quad_max(lane_row_max(s, m, h, m_i[r]))
+            base = exp2_base(row_max, scale_log2)
+            alpha[r] = ptx.ex2_approx(m_i[r] * scale_log2 - base)
+            m_i[r] = row_max
+            l_i[r] = l_i[r] * alpha[r] + exponentiate_row(s, m, h, base, scale_log2)
+
+
+@device_function
 def merge_statistics(m_old, l_old, m_blk, l_blk, scale_log2):
     """FA1 Alg.1 l.11 for one row: the running (m, l) and a block's own (m~, l~) (its P~ taken
     against m~) -> (m_new, l_new, e^(m_old - m_new), e^(m~ - m_new)); the two factors rescale the

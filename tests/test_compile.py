@@ -32,10 +32,14 @@ def test_every_kernel_is_covered(report):
     assert sum(n.startswith("fa1 backward") for n in names) == 1
     assert sum(n.startswith("standard") for n in names) == 16
     assert sum(n.startswith("backward ") for n in names) == 6   # D = rowsum(dO o O), dQ's casts
+    assert sum(n.startswith("fa3 d=") for n in names) == 5
 
 
 def test_tensor_core_instructions(report):
     for r in report:
+        if r["kernel"].startswith("fa3"):   # warpgroup MMAs only
+            assert r["wgmma"] == r["expected_mma"] and r["mma"] == 0 and r["ldmatrix"] == 0, r
+            continue
         assert r["mma"] == r["expected_mma"], r
         if r["mma"]:
             assert r["ldmatrix"] > 0 and r["cp_async"] > 0, r
@@ -81,6 +85,13 @@ def test_no_spills_in_the_kv_loop(report):
             # local memory, reloaded a few times a step (docs/performance.md, the ladder).
             assert r["loop_local"] <= (40 if "d=128" in r["kernel"] else 0), r
             assert r["loop_HMMA"] == r["expected_loop_mma"], r
+        elif r["kernel"].startswith("fa3"):
+            # no spills at all (with too few registers ptxas also serialises the wgmma: C7512),
+            # every wgmma an HGMMA, setmaxnreg kept (one USETMAXREG a role), TMA loads
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+            if "sass_HGMMA" in r:
+                assert r["sass_HGMMA"] == r["expected_mma"] and r["loop_local"] == 0, r
+                assert r["sass_USETMAXREG"] == 2 and r["sass_UTMALDG"] > 0, r
         elif r["kernel"].startswith(("standard", "backward ")):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 

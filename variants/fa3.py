@@ -42,6 +42,7 @@ WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m
 WG_THREADS = 128
 BARRIER_BYTES = 128     # room for 16 mbarriers ahead of the tiles
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
+COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (common/compile_report.py)
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,22 @@ class Config:
     block_m: int = 128      # B_r: 64 query rows per consumer warpgroup
     block_n: int = 128      # B_c: keys per step (the N of the QK^T wgmma)
     stages: int = 2         # K/V buffers in the ring (2: the copy of K_{j+1}, V_{j+1} overlaps step j)
+    intra_overlap: bool = True   # softmax of S_j overlaps O += P~_{j-1} V_{j-1} (FA3 Alg.2)
+    setmaxnreg: bool = True      # a producer warpgroup that gives its registers to the consumers
 
     @property
     def consumers(self):
         return self.block_m // WG_ROWS
 
     @property
-    def threads(self):   # the consumer warpgroups, then the producer warp
-        return WG_THREADS * self.consumers + 32
+    def threads(self):   # the consumer warpgroups, then the producer warp (or warpgroup)
+        return WG_THREADS * (self.consumers + 1) if self.setmaxnreg else WG_THREADS * self.consumers + 32
+
+    @property
+    def registers(self):
+        """(consumer, producer) registers a thread after setmaxnreg (FA3's split): 65536 a block,
+        a multiple of 8, the producer warpgroup down to what issuing copies needs."""
+        return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
     def layout(self):
         """Element offsets (16-bit) from the first 1024-aligned byte after the mbarriers: Q, then
@@ -79,10 +88,10 @@ class Config:
         if self.block_m % WG_ROWS or not 1 <= self.block_m // WG_ROWS <= 3:
             raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows a consumer "
                              "warpgroup, at most 3)")
-        if self.consumers == 3 and self.head_dim > 64:
+        if self.consumers == 3 and self.head_dim > 64 and not self.setmaxnreg:
             raise ValueError("block_m=192 (three consumer warpgroups, 416 threads, at most 152 "
                              f"registers each) does not fit head_dim {self.head_dim}'s accumulators "
-                             "without moving registers from the producer (setmaxnreg, not yet)")
+                             "without moving registers from the producer (setmaxnreg=True)")
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n={self.block_n} must be a multiple of 64 from 64 to 256 (the "
                              "N of the wgmma, and whole 128-byte swizzle rows of the K tile)")
@@ -95,7 +104,7 @@ class Config:
         return self
 
 
-OPTIONS = ("block_m", "block_n", "stages")
+OPTIONS = ("block_m", "block_n", "stages", "intra_overlap", "setmaxnreg")
 
 # B_r = 128 (two consumer warpgroups), B_c = 128, two stages: FA3's own tile for head_dim 128
 # (flash_attn/cute flash_fwd_sm90); 160 KB of shared memory at d=128.
@@ -117,6 +126,9 @@ def build(cfg):
     WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's part of Q_i (its own panels)
     Q_BYTES, KV_BYTES = BR * D * 2, BC * D * 2
     PRODUCER_WARP = 4 * NWG
+    SETMAXNREG = cfg.setmaxnreg
+    TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
+    GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
     # mbarriers (8 bytes = 4 elements each): Q full, then per stage K full, V full, K/V empty.
     BAR_Q, BAR_K, BAR_V, BAR_EMPTY = 0, 4, 4 + 4 * STAGES, 4 + 8 * STAGES
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
@@ -126,9 +138,42 @@ def build(cfg):
     V_LBO = BC * sm90.SWIZZLE_BYTES
     MMA_S = sm90.wgmma_ss(BC, IS_BF16)          # S = Q K^T         (m64 n=B_c k16)
     MMA_O = sm90.wgmma_rs(D, IS_BF16)           # O += P~ V         (m64 n=d   k16, V transposed)
-    WAIT_S = sm90.wgmma_wait(0, BC // 2)
-    WAIT_O = sm90.wgmma_wait(0, D // 2)
+    WAIT_S = sm90.wgmma_wait(0, BC // 2)        # S has landed
+    WAIT1_S = sm90.wgmma_wait(1, BC // 2)       # S has landed, the P V issued after it may run on
+    WAIT_OP = sm90.wgmma_wait(0, D // 2, BC // 4)   # O has landed and P~'s registers are free
     S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, BC // 16, 4)
+    INTRA_OVERLAP = cfg.intra_overlap
+    K_TILE_BYTES = 2 * K_TILE_ELEMS
+    STAGE_BYTES = 2 * K_TILE_BYTES              # a stage: K_j then V_j
+
+    @device_function
+    def scores(s, q_addr, k_addr):
+        """Issue S = Q_i K_j^T: d/16 SS-wgmma k-steps (the first overwrites S), one commit group."""
+        for kk in range(D // 16):
+            MMA_S(s, sm90.smem_descriptor(q_addr + (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32, 16, SBO),
+                  sm90.smem_descriptor(k_addr + (kk >> 2) * BC * 128 + (kk & 3) * 32, 16, SBO), kk)
+        sm90.wgmma_commit()
+
+    @device_function
+    def values(o_acc, p, v_addr):
+        """Issue O += P~ V_j: B_c/16 RS-wgmma k-steps (16 keys each), one commit group."""
+        for kk in range(BC // 16):
+            MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3],
+                  sm90.smem_descriptor(v_addr + kk * 16 * 128, V_LBO, SBO), 1)
+        sm90.wgmma_commit()
+
+    @device_function
+    def mask(s, j, n_k, wg_row0, warp_row, lane):
+        """-inf where block j's keys run past n_k or (causal) past a row's diagonal."""
+        col0 = j * BC
+        if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > wg_row0):
+            tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lane)
+
+    @device_function
+    def release(smem, stage, lane):
+        """This warp is done with the stage's K and V (one arrival a consumer warp)."""
+        if lane == 0:
+            sm90.mbarrier_arrive(smem, BAR_EMPTY + 4 * stage)
 
     @device_function
     def produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c):
@@ -183,10 +228,14 @@ def build(cfg):
             sm90.fence_mbarrier_init()
         cuda.syncthreads()
 
-        if warp == PRODUCER_WARP:
-            if lane == 0:
+        if warp >= PRODUCER_WARP:
+            if SETMAXNREG:
+                GIVE_REGISTERS()   # the whole producer warpgroup, then 3 of its warps leave
+            if warp == PRODUCER_WARP and lane == 0:
                 produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c)
             return
+        if SETMAXNREG:
+            TAKE_REGISTERS()
 
         # ---- a consumer warpgroup: 64 rows of Q_i
         wg, wg_warp = warp >> 2, warp & 3
@@ -202,39 +251,59 @@ def build(cfg):
         softmax.init_rows(m_i, l_i)
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
+        alpha = cuda.local.array(2, float32)
 
         sm90.mbarrier_wait(smem, BAR_Q, 0)                                         # l.13
-        for j in range(t_c):                                                       # l.14
-            stage = j % STAGES
-            parity = (j // STAGES) & 1
-            k_addr = kv_addr + stage * 2 * 2 * K_TILE_ELEMS
-            v_addr = k_addr + 2 * K_TILE_ELEMS
-            # l.15: S = Q_i K_j^T, an SS-GEMM: d/16 wgmma k-steps, one commit group.
-            sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+        if not INTRA_OVERLAP:
+            for j in range(t_c):                                                   # l.14
+                stage = j % STAGES
+                k_addr = kv_addr + stage * STAGE_BYTES
+                # l.15: S = Q_i K_j^T, an SS-GEMM, waited for at once.
+                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, (j // STAGES) & 1)
+                sm90.wgmma_fence()
+                scores(s, q_addr, k_addr)
+                WAIT_S(s)
+                mask(s, j, n_k, wg_row0, warp_row, lane)
+                # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
+                softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)
+                tiles.accumulator_to_a(p, s, IS_BF16)
+                # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed).
+                sm90.mbarrier_wait(smem, BAR_V + 4 * stage, (j // STAGES) & 1)
+                sm90.wgmma_fence()
+                values(o_acc, p, k_addr + K_TILE_BYTES)
+                WAIT_OP(o_acc, p)
+                release(smem, stage, lane)                                         # l.19
+        else:
+            # FA3 Alg.2 (intra-warpgroup overlap): S_{j} = Q K_j^T is issued together with
+            # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the P V
+            # product; O is rescaled once that product has landed.
+            sm90.mbarrier_wait(smem, BAR_K, 0)
             sm90.wgmma_fence()
-            for kk in range(D // 16):
-                MMA_S(s, sm90.smem_descriptor(q_addr + (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32,
-                                              16, SBO),
-                      sm90.smem_descriptor(k_addr + (kk >> 2) * BC * 128 + (kk & 3) * 32, 16, SBO),
-                      kk)
-            sm90.wgmma_commit()
+            scores(s, q_addr, kv_addr)
             WAIT_S(s)
-            col0 = j * BC
-            if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > wg_row0):
-                tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lane)
-            # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
-            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)
+            mask(s, 0, n_k, wg_row0, warp_row, lane)
+            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)   # O = 0: nothing to defer
             tiles.accumulator_to_a(p, s, IS_BF16)
-            # l.18: O_i += P~_i V_j, an RS-GEMM: P~ from registers, V_j read transposed.
-            sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+            for j in range(1, t_c):
+                stage, prev = j % STAGES, (j - 1) % STAGES
+                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, (j // STAGES) & 1)
+                sm90.mbarrier_wait(smem, BAR_V + 4 * prev, ((j - 1) // STAGES) & 1)
+                sm90.wgmma_fence()
+                scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                  # S_j
+                values(o_acc, p, kv_addr + prev * STAGE_BYTES + K_TILE_BYTES)     # O += P~_{j-1} V_{j-1}
+                WAIT1_S(s)                    # S_j has landed; the P V product may still run
+                mask(s, j, n_k, wg_row0, warp_row, lane)
+                softmax.online_softmax_deferred(s, m_i, l_i, alpha, scale_log2)
+                WAIT_OP(o_acc, p)             # ... now it has: O and P~_{j-1}'s registers free
+                release(smem, prev, lane)
+                tiles.scale_rows(o_acc, alpha)
+                tiles.accumulator_to_a(p, s, IS_BF16)
+            last = (t_c - 1) % STAGES
+            sm90.mbarrier_wait(smem, BAR_V + 4 * last, ((t_c - 1) // STAGES) & 1)
             sm90.wgmma_fence()
-            for kk in range(BC // 16):
-                MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3],
-                      sm90.smem_descriptor(v_addr + kk * 16 * 128, V_LBO, SBO), 1)
-            sm90.wgmma_commit()
-            WAIT_O(o_acc)
-            if lane == 0:   # l.19: this warp is done with stage j % STAGES
-                sm90.mbarrier_arrive(smem, BAR_EMPTY + 4 * stage)
+            values(o_acc, p, kv_addr + last * STAGE_BYTES + K_TILE_BYTES)
+            WAIT_OP(o_acc, p)
+            release(smem, last, lane)
 
         # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
         inv_l = cuda.local.array(2, float32)
@@ -295,6 +364,8 @@ def compile_targets():
                 if not is_bf16 and (causal or head_dim != 64):
                     continue
                 cfg = default_config(head_dim, is_bf16, causal)
-                # Q K^T: d/16 wgmma; P V: B_c/16 wgmma a step
+                # Q K^T: d/16 wgmma, P V: B_c/16 a step; with the intra-warpgroup overlap each
+                # appears twice (the loop's and the first S / last P V outside it)
+                step = head_dim // 16 + cfg.block_n // 16
                 yield f"fa3 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}", \
-                    build(cfg), argtypes, head_dim // 16 + cfg.block_n // 16
+                    build(cfg), argtypes, ((2 if cfg.intra_overlap else 1) * step, step)
