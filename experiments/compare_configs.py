@@ -1,4 +1,4 @@
-"""Time several fa2 configurations and torch SDPA's flash backend on the same tensors, in one
+"""Time several fa2 (or --variant) configurations and torch SDPA's flash backend on the same tensors, in one
 process (quicker than a Hydra sweep when exploring; each result is checked against float64).
 
     python experiments/compare_configs.py '[{}, {"hd": 128, "block_m": 128, "q_in_registers": false}]' \
@@ -25,13 +25,15 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="4096")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--variant", default="fa2")
     args = ap.parse_args(argv)
 
     import numpy as np
 
     from common import checks, flops, inputs, reference, timing
     from experiments import peers
-    from variants import fa2
+    import variants
+    module = variants.get(args.variant)
 
     configs = json.loads(args.configs)
     rng = np.random.default_rng(0)
@@ -52,7 +54,7 @@ def main(argv=None):
                     if options.pop("hd", hd) != hd or options.pop("causal", causal) != causal:
                         continue
                     candidates.append((json.dumps(options, separators=(",", ":")),
-                                       lambda q, k, v, o=options: fa2.forward(q, k, v, causal=causal, **o)))
+                                       lambda q, k, v, o=options: module.forward(q, k, v, causal=causal, **o)))
                 base = None
                 for name, fn in candidates:
                     out = fn(*sets[0])
