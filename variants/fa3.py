@@ -54,7 +54,7 @@ class Config:
     block_m: int = 128      # B_r: 64 query rows per consumer warpgroup
     block_n: int = 128      # B_c: keys per step (the N of the QK^T wgmma)
     stages: int = 2         # K/V buffers in the ring (2: the copy of K_{j+1}, V_{j+1} overlaps step j)
-    intra_overlap: bool = True   # softmax of S_j overlaps O += P~_{j-1} V_{j-1} (FA3 Alg.2)
+    intra_overlap: bool = False  # softmax of S_j overlaps O += P~_{j-1} V_{j-1} (FA3 Alg.2)
     setmaxnreg: bool = True      # a producer warpgroup that gives its registers to the consumers
 
     @property
@@ -107,7 +107,11 @@ class Config:
 OPTIONS = ("block_m", "block_n", "stages", "intra_overlap", "setmaxnreg")
 
 # B_r = 128 (two consumer warpgroups), B_c = 128, two stages: FA3's own tile for head_dim 128
-# (flash_attn/cute flash_fwd_sm90); 160 KB of shared memory at d=128.
+# (flash_attn/cute flash_fwd_sm90); 160 KB of shared memory at d=128. Measured on an H100
+# (experiments/compare_configs.py --variant fa3, bf16, 4k, non-causal, TFLOP/s; sdpa_flash 347 / 301):
+#   d=128: setmaxnreg 545, + intra_overlap 487, neither 546, intra_overlap alone 413 (spills);
+#   d=64:  setmaxnreg 419, + intra_overlap 366, neither 389, intra_overlap alone 356.
+# So intra_overlap stays a switch, off: as built it costs 11-13% (docs/performance.md, "fa3").
 DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             128: dict(block_m=128, block_n=128, stages=2)}
 
