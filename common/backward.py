@@ -250,7 +250,3 @@ def compile_targets():
             (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32, types.int32), 0
         yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, True), \
             (f32_4, OUT_TYPE, types.int32, types.float32), 0
-        from variants import fa2      # the layout of fa2's default (bulk-reduced) dQ terms
-        layout = fa2.default_backward_config(head_dim, True, False).dq_layout()
-        yield f"backward convert_dq fragments d={head_dim} bf16", \
-            build_convert_dq_fragments(layout, True), (f32_4, OUT_TYPE, types.int32, types.float32), 0

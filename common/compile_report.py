@@ -19,8 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANT_MODULES = ("variants.standard", "variants.fa1", "variants.fa2", "variants.fa3",
-                   "common.backward")
+def variant_modules():
+    """Every registered variant's module (variants.REGISTRY, the one list), then the kernels every
+    backward shares. (Read lazily: this report is measurement, above the variants it compiles.)"""
+    from variants import REGISTRY
+    return tuple(REGISTRY.values()) + ("common.backward",)
 
 
 def ptx_counts(ptx):
@@ -106,7 +109,7 @@ def report(cc=(9, 0)):
     if config.ENABLE_CUDASIM:
         raise RuntimeError("compile_report needs NUMBA_ENABLE_CUDASIM=0 (the simulator cannot compile)")
     rows = []
-    for mod in VARIANT_MODULES:
+    for mod in variant_modules():
         module = import_module(mod)
         # fa3's wgmma and setmaxnreg need sm_90a (what numba-cuda builds for on a Hopper GPU)
         arch = getattr(module, "COMPILE_CC", cc)

@@ -32,7 +32,7 @@ import variants  # noqa: E402
 from common import backward as bwd  # noqa: E402
 from common import flops, timing  # noqa: E402
 from common.target import launch  # noqa: E402
-from variants import fa2  # noqa: E402
+from variants import fa2_backward  # noqa: E402
 
 
 def median_ms(fn):
@@ -64,10 +64,10 @@ def parts(do, q, k, v, o, lse, causal, path):
     options = path_options(path)
     head_dim = q.shape[-1]
     prepare = lambda: bwd.prepare_backward(do, q, k, v, o, lse, causal=causal,  # noqa: E731
-                                           softmax_scale=None, head_dims=fa2.HEAD_DIMS,
+                                           softmax_scale=None, head_dims=fa2_backward.HEAD_DIMS,
                                            variant="fa2")
     g = prepare()
-    cfg = fa2.default_backward_config(head_dim, True, causal, **options)
+    cfg = fa2_backward.default_backward_config(head_dim, True, causal, **options)
     atomic = cfg.dq == "atomic"
     out = {f"call_{path}": median_ms(lambda: variants.backward(do, q, k, v, o, lse, causal=causal,
                                                                **options)),
@@ -79,14 +79,14 @@ def parts(do, q, k, v, o, lse, causal, path):
     sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
     grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
     out[f"kv_{path}"] = median_ms(lambda: launch(
-        fa2.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
+        fa2_backward.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
         prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales))
     if atomic:
         out[f"convert_{path}"] = median_ms(lambda: bwd.convert_dq(g))
     else:
         grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         out["dqk"] = median_ms(lambda: launch(
-            fa2.build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
+            fa2_backward.build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
             prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales))
     return out
 
@@ -107,7 +107,7 @@ def main(specs, paths=tuple(PATHS)):
         res = {}
         for path in paths:
             try:
-                fa2.default_backward_config(head_dim, True, causal, **path_options(path))
+                fa2_backward.default_backward_config(head_dim, True, causal, **path_options(path))
             except ValueError as e:     # e.g. a dQ split this tile cannot take
                 print(f"d={head_dim}: no path {path}: {e}", flush=True)
                 continue

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def report():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-m", "common.compile_report", "--json"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True)   # no time limit: a slow machine is no defect
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -119,7 +119,7 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
     its closure holds; a kernel closing over something the key cannot describe is not cached."""
     code = ("from importlib import import_module\nfrom common import compile_report, target\n"
             "keys, n = set(), 0\n"
-            "for mod in compile_report.VARIANT_MODULES:\n"
+            "for mod in compile_report.variant_modules():\n"
             "    for name, kern, argtypes, mma in import_module(mod).compile_targets():\n"
             "        keys.add(target.cache_key(kern, tuple(argtypes), (9, 0)))\n"
             "        n += 1\n"
@@ -133,8 +133,9 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
     targets, keys = map(int, out.stdout.split()[-2:])
     assert targets > 30 and keys == targets
     # The source in a key: common/ and the variants modules the kernel is built from (fa1's
-    # backward runs fa2's kernel, so an edit to fa2.py must invalidate it; standard's must not).
-    assert "fa1 ('variants.fa2',)" in out.stdout and "standard ('variants.standard',)" in out.stdout
+    # backward runs fa2_backward's kernel, so an edit to fa2_backward.py must invalidate it;
+    # standard's must not).
+    assert "fa1 ('variants.fa2_backward',)" in out.stdout and "standard ('variants.standard',)" in out.stdout
 
     from common.target import closure_constants
 

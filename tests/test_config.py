@@ -43,9 +43,11 @@ def test_variant_configs_name_registered_variants_and_real_options():
         accepted = set(getattr(module, "OPTIONS", ()))
         assert set(cfg.variant.options) <= accepted, (name, set(cfg.variant.options) - accepted)
     fa2 = variants.get("fa2")
+    from variants import fa2_backward
     assert set(fa2.OPTIONS) <= {f.name for f in dataclasses.fields(fa2.Config)}
-    assert set(composed("variant=fa2").variant.backward_options) <= set(fa2.BACKWARD_OPTIONS)
-    assert set(fa2.BACKWARD_OPTIONS) <= {f.name for f in dataclasses.fields(fa2.BackwardConfig)}
+    assert set(composed("variant=fa2").variant.backward_options) <= set(fa2_backward.BACKWARD_OPTIONS)
+    assert set(fa2_backward.BACKWARD_OPTIONS) <= {
+        f.name for f in dataclasses.fields(fa2_backward.BackwardConfig)}
 
 
 def test_fa2_grid_sweeps_the_paper_grid():

@@ -382,9 +382,9 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "causal_skip",
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None, **options):
-    """FA1 backward (Algorithm 4's schedule); arguments as variants.fa2.backward. options: the tile
+    """FA1 backward (Algorithm 4's schedule); arguments as variants.fa2_backward.backward. options: the tile
     of fa2's backward kernel (BACKWARD_OPTIONS), causal_skip False unless set."""
-    from variants import fa2
+    from variants import fa2_backward
     unknown = set(options) - set(BACKWARD_OPTIONS)
     if unknown:
         raise ValueError(f"fa1 backward has no option {', '.join(sorted(unknown))}; its options: "
@@ -393,9 +393,9 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=Non
                              grads=grads, head_dims=HEAD_DIMS, variant="fa1")
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("causal_skip", False)
-    cfg = fa2.default_backward_config(g.prob.head_dim, g.prob.is_bf16, causal, dq="atomic",
+    cfg = fa2_backward.default_backward_config(g.prob.head_dim, g.prob.is_bf16, causal, dq="atomic",
                                       kv_blocks="sequential", **options)
-    return fa2.run_backward(g, cfg)
+    return fa2_backward.run_backward(g, cfg)
 
 
 def compile_targets():
@@ -419,7 +419,7 @@ def compile_targets():
                     tag = "".join(f" {k}={v}" for k, v in options.items())
                     yield f"fa1 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}{tag}", \
                         build(cfg), argtypes, mma
-    from variants import fa2
-    cfg = fa2.default_backward_config(128, True, False, dq="atomic", kv_blocks="sequential",
+    from variants import fa2_backward
+    cfg = fa2_backward.default_backward_config(128, True, False, dq="atomic", kv_blocks="sequential",
                                       causal_skip=False)
-    yield from fa2.backward_compile_targets(cfg, "fa1 backward d=128 bf16 causal=False")
+    yield from fa2_backward.backward_compile_targets(cfg, "fa1 backward d=128 bf16 causal=False")

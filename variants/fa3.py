@@ -88,10 +88,11 @@ class Config:
         if self.block_m % WG_ROWS or not 1 <= self.block_m // WG_ROWS <= 3:
             raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows a consumer "
                              "warpgroup, at most 3)")
-        if self.consumers == 3 and self.head_dim > 64 and not self.setmaxnreg:
-            raise ValueError("block_m=192 (three consumer warpgroups, 416 threads, at most 152 "
-                             f"registers each) does not fit head_dim {self.head_dim}'s accumulators "
-                             "without moving registers from the producer (setmaxnreg=True)")
+        if self.consumers == 3 and self.head_dim > 64:
+            raise ValueError(f"block_m=192 (three consumer warpgroups) does not fit head_dim "
+                             f"{self.head_dim}: its O and S accumulators and P~ (160 registers) "
+                             "leave nothing of the 160 a consumer thread gets (152 without "
+                             "setmaxnreg)")
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n={self.block_n} must be a multiple of 64 from 64 to 256 (the "
                              "N of the wgmma, and whole 128-byte swizzle rows of the K tile)")
@@ -351,10 +352,10 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, **options):
-    """fa3 has no backward of its own yet: FA2's backward (Algorithm 2, variants/fa2.py) from fa3's
+    """fa3 has no backward of its own yet: FA2's backward (Algorithm 2, variants/fa2_backward.py) from fa3's
     o and lse, which are the same quantities (options: fa2's BackwardConfig)."""
-    from variants import fa2
-    return fa2.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, **options)
+    from variants import fa2_backward
+    return fa2_backward.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, **options)
 
 
 def compile_targets():

@@ -1,0 +1,643 @@
+"""FlashAttention-2 backward (Dao 2023, Algorithm 2) on the tile layer of `common/`: dQ, dK, dV from
+Q, K, V, O, L and dO without an N x N matrix in HBM. The backward of fa2 and of fa3 (from their o and
+lse), and, with `kv_blocks="sequential"`, of fa1 (Algorithm 4's schedule: variants/fa1.py).
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint16, uint32
+
+from common import backward as bwd
+from common import configs, ptx, softmax, tiles
+from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE
+from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
+
+HEAD_DIMS = (64, 128)
+
+# FA2 Algorithm 2: given Q, K, V, O, L and dO, return dQ, dK, dV without ever storing an N x N
+# matrix; P is recomputed from Q, K and L (recomputation, FlashAttention's fourth technique).
+#
+#   l.4   D = rowsum(dO o O)                                   (common/backward.py: preprocess)
+#   l.5   for 1 <= j <= T_c  (the grid: one thread block per K/V block j, batch, K/V head)
+#   l.6     load K_j, V_j to SRAM;  l.7  dK_j = 0, dV_j = 0 on chip
+#   l.8     for 1 <= i <= T_r  (causal: only blocks i that reach the diagonal of block j)
+#   l.9       load Q_i, dO_i, L_i, D_i to SRAM
+#   l.10      S_i^(j) = Q_i K_j^T;  l.11  P_i^(j) = exp(S_ij - L_i)
+#   l.12      dV_j += (P_i^(j))^T dO_i
+#   l.13      dP_i^(j) = dO_i V_j^T;  l.14  dS_i^(j) = P_i^(j) o (dP_i^(j) - D_i)
+#   l.15      dQ_i += dS_i^(j) K_j   (read-modify-write in HBM: fp32 atomics here, `dq="atomic"`)
+#   l.16      dK_j += (dS_i^(j))^T Q_i
+#   l.17    write dK_j, dV_j to HBM
+#
+# The kernel computes S^T = K_j Q_i^T and dP^T = V_j dO_i^T (keys x queries). Its warps tile them
+# in one of two ways (`query_warps`):
+# - 1: warp w owns keys [16*M*w, 16*M*(w+1)) of K_j, their whole rows of S^T, dP^T and of dK_j,
+#   dV_j, so the accumulators re-pack straight into the A operands of dV_j += P^T dO_i and
+#   dK_j += dS^T Q_i, all in the warp's registers; but every warp reads all of Q_i and dO_i twice.
+# - 2 (FA2's 2-D warp tiles, the default): warps 2p and 2p+1 share keys [32p, 32p+32) (M = 2);
+#   each computes half of the pair's queries of S^T, dP^T, writes P^T and dS^T to shared memory,
+#   meets its partner at a named barrier, and accumulates half of d of dK_j, dV_j from the pair's
+#   whole rows: each B fragment read from shared memory feeds two m16 tiles (152 ldmatrix.x4 a
+#   warp-step at d=128 against 184).
+# dQ_i += dS K_j needs every warp's keys: dS^T is staged in shared memory and read back transposed
+# (ldmatrix.trans) one step later, after the barrier that step needs anyway (two dS^T buffers), so
+# the product costs no barrier.
+# The product's terms reach HBM either as 16 red.global.add.v2.f32 a thread (`dq_reduce="red"`), or
+# (`"bulk"`, the default) stored by each warp to its own fp32 shared buffer in fragment order and
+# added by one bulk reduction of the copy engine (cp.reduce.async.bulk .add.f32, sm_90) that the
+# warp's lane 0 issues at once (it waits for the reduction's read a step later, before the warp
+# stages again: no barrier involved); dQ's accumulator then holds each query block contiguous in
+# that order and `convert_dq` unpermutes it.
+# `dq="separate"` instead leaves dQ to a second kernel with the query blocks outer (one thread block
+# per Q_i, looping over K/V blocks, as the forward): deterministic, at the price of recomputing S
+# and dP once more.
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Compile-time shape of the backward kernels. block_n = B_c (keys a thread block owns),
+    block_m = B_r (queries per inner step)."""
+    head_dim: int
+    is_bf16: bool
+    causal: bool
+    block_m: int = 64          # B_r
+    block_n: int = 128         # B_c
+    warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
+    query_warps: int = 1       # warps sharing a key's row of S^T, dP^T (each a 1/query_warps
+                               # slice of B_r, and of d in dK_j, dV_j): 1 = every product in the
+                               # warp's own registers; 2 = FA2's 2-D warp tiles, P^T and dS^T
+                               # through shared memory (fewer ldmatrix a step)
+    dq: str = "atomic"         # "atomic" | "separate" (a second, query-block-outer kernel,
+                               # deterministic)
+    dq_query_warps: int = 0    # dq="atomic": warps across B_r in the dQ product (the others across
+                               # d); 0: FA2's split, two m16 tiles of queries a warp where the
+                               # warps allow (min(warps, B_r / 32), at least 1)
+    dq_reduce: str = "bulk"    # dq="atomic": how dS K_j is added into dQ's fp32 accumulator:
+                               # "bulk": staged in shared memory, one bulk reduction by the copy
+                               # engine a step (sm_90); "red": red.global.add.v2.f32 from registers
+    causal_skip: bool = True   # causal: never visit query blocks entirely above the diagonal
+    swizzle: bool = True
+    kv_in_registers: bool = False   # K_j, V_j A fragments held in registers through the i loop
+    dq_block_m: int = 64       # the separate dQ kernel: queries a thread block owns,
+    dq_block_n: int = 64       # keys per inner step,
+    dq_warps: int = 4          # and warps (split-Q, as the forward)
+    kv_blocks: str = "parallel"     # "parallel": a thread block per K/V block (FA2) | "sequential":
+                                    # one per (batch, K/V head) walking them all (FA1 Alg. 4)
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def key_warps(self):    # warps across B_c
+        return self.warps // self.query_warps
+
+    @property
+    def m_tiles(self):      # m16 tiles of keys per warp
+        return self.block_n // (16 * self.key_warps)
+
+    @property
+    def staged_ds(self):    # dS^T goes through shared memory (dQ's product, or 2-D warp tiles)
+        return self.dq == "atomic" or self.query_warps > 1
+
+    @property
+    def dq_split(self):
+        """(WQ, WD): the warps' grid over dQ_i (B_r x d) in the fused dQ product."""
+        wq = self.dq_query_warps or max(1, min(self.warps, self.block_m // 32))
+        return wq, self.warps // wq
+
+    @property
+    def bulk(self):
+        return self.dq == "atomic" and self.dq_reduce == "bulk"
+
+    def smem_bytes(self):
+        d = tiles.tile_row_stride(self.head_dim, self.swizzle)
+        # dS^T: two buffers; P^T: one, with 2-D warp tiles
+        ds = (2 + (self.query_warps > 1)) * self.block_n * \
+            tiles.tile_row_stride(self.block_m, self.swizzle) if self.staged_ds else 0
+        dq = self.block_m * self.head_dim if self.bulk else 0     # fp32: dQ_i's terms
+        return 2 * (d * (2 * self.block_n + 4 * self.block_m) + ds) + 4 * (4 * self.block_m + dq)
+
+    def dq_layout(self):
+        """Where the fused dQ product's terms go in dQ's accumulator: fragment order when added
+        by bulk reductions (a query block's B_r x d floats contiguous), else row-major (None)."""
+        if not self.bulk:
+            return None
+        return bwd.DqLayout(rows=self.block_m, cols=self.head_dim, threads=self.threads,
+                            warps_across=self.dq_split[1])
+
+    def dq_smem_bytes(self):
+        d = tiles.tile_row_stride(self.head_dim, self.swizzle)
+        return 2 * d * (2 * self.dq_block_m + 4 * self.dq_block_n)
+
+    def validate(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        if self.dq not in ("atomic", "separate"):
+            raise ValueError(f"dq must be 'atomic' or 'separate', got {self.dq!r}")
+        if self.dq_reduce not in ("bulk", "red"):
+            raise ValueError(f"dq_reduce must be 'bulk' or 'red', got {self.dq_reduce!r}")
+        if self.kv_blocks not in ("parallel", "sequential"):
+            raise ValueError(f"kv_blocks must be 'parallel' or 'sequential', got {self.kv_blocks!r}")
+        if self.kv_blocks == "sequential" and self.dq != "atomic":
+            raise ValueError("kv_blocks='sequential' (FA1's schedule) accumulates dQ in its own "
+                             "kernel: it needs dq='atomic'")
+        if self.query_warps not in (1, 2, 4) or self.warps % self.query_warps:
+            raise ValueError(f"query_warps must be 1, 2 or 4 and divide warps={self.warps}, got "
+                             f"{self.query_warps}")
+        if self.block_n % (16 * self.key_warps):
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * (warps / "
+                             f"query_warps)={16 * self.key_warps}")
+        if self.block_m % (16 * self.query_warps):
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 16 * query_warps="
+                             f"{16 * self.query_warps}")
+        if self.query_warps > 1:
+            # A warp's slices of B_r (its S^T columns) and of d (its dK_j, dV_j columns) start at
+            # multiples of their own width, so their n8 tiles are XOR steps in a swizzled tile.
+            slices = (self.block_m // self.query_warps, self.head_dim // self.query_warps)
+            if any(w < 16 or w & (w - 1) for w in slices):
+                raise ValueError(f"query_warps={self.query_warps} needs block_m / query_warps and "
+                                 f"head_dim / query_warps to be powers of two >= 16, got {slices}")
+        if self.staged_ds:
+            tiles.tile_row_stride(self.block_m, self.swizzle)   # the dS^T (and P^T) tiles
+        for rows in (self.block_m, self.block_n):
+            tiles.check_tile_copy(rows, self.head_dim, self.threads)
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(
+                f"fa2 backward (dq={self.dq!r}, dq_reduce={self.dq_reduce!r}, query_warps="
+                f"{self.query_warps}) with block_m={self.block_m}, block_n={self.block_n} at "
+                f"head_dim {self.head_dim} needs {self.smem_bytes()} bytes of shared memory, over "
+                f"the {MAX_SHARED_BYTES} a thread block may have" +
+                (" (dq_reduce='red' needs less)" if self.bulk else ""))
+        if self.dq == "atomic":
+            wq, wd = self.dq_split
+            cols = self.head_dim // max(wd, 1)
+            if wq < 1 or wq * wd != self.warps or (self.block_m // 16) % wq or cols < 16 or \
+                    cols & (cols - 1):
+                raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.head_dim} "
+                                 f"dQ block ({wq} across its rows) into whole m16 tiles and column "
+                                 "slices of a power of two >= 16")
+        else:
+            if self.dq_block_m % (16 * self.dq_warps) or self.dq_block_n % 16:
+                raise ValueError(f"dq_block_m={self.dq_block_m} must be a multiple of 16 * "
+                                 f"dq_warps={16 * self.dq_warps}, dq_block_n of 16")
+            for rows in (self.dq_block_m, self.dq_block_n):
+                tiles.check_tile_copy(rows, self.head_dim, 32 * self.dq_warps)
+        return self
+
+
+BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "dq", "dq_query_warps",
+                    "dq_reduce", "causal_skip", "swizzle", "kv_in_registers", "dq_block_m",
+                    "dq_block_n", "dq_warps", "kv_blocks")
+
+# FA2's own tiles (Flash_bwd_kernel_traits for sm80): B_c = 128 keys over 8 warps in 2-D warp tiles
+# (query_warps=2: dK_j and dV_j take 2 * d/2 registers a thread), B_r = 64 queries a step at d=128
+# and 128 at d=64, and the dQ product's warps 2 x 4 at d=128 (32 x 32 of dQ_i each), 4 x 2 at d=64
+# (dq_query_warps=0: B_r / 32 warps across B_r). Measured on an H100
+# (docs/results/bwd_breakdown_h100.txt, backward call, session 9): the 2-D tiles 5-6% faster than
+# one row of S^T a warp at d=128, 1-4% at d=64 (2k-8k); FA2's dQ split another 2-6% (3-4% at 8k;
+# level at d=64 2k causal). dQ: since the reductions are issued after the next step's copies,
+# the atomics are faster at both head dims (backward call alone on an H100, seqlen 8k non-causal,
+# docs/results/bwd_breakdown_h100.txt: 9.95 vs 10.67 ms at d=64, 10.06 vs 11.50 ms at d=128;
+# causal 2k: 1.62 vs 1.71 and 1.62 vs 1.70). Not bitwise reproducible: pass dq="separate" for that.
+# The separate dQ kernel at d=64 takes two m16 tiles of queries a warp (B_r = 128 over 4 warps), so
+# each K and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
+BACKWARD_DEFAULTS = {64: dict(block_m=128, query_warps=2, dq="atomic", dq_block_m=128),
+                     128: dict(dq="atomic", query_warps=2)}
+
+default_backward_config = configs.default_config_function(
+    "fa2 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
+
+
+@lru_cache(maxsize=None)
+def build_backward(cfg):
+    """The K/V-block-outer kernel of Algorithm 2 (dK, dV, and with dq="atomic" dQ)."""
+    D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
+    M = cfg.m_tiles
+    IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
+    SKIP = cfg.causal and cfg.causal_skip
+    ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
+    BULK = cfg.bulk
+    SEQUENTIAL = cfg.kv_blocks == "sequential"
+    STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    QW, TWO_D, STAGED_DS = cfg.query_warps, cfg.query_warps > 1, cfg.staged_ds
+    QC, DC = BR // QW, D // QW      # a warp's queries of S^T, dP^T and columns of dK_j, dV_j
+    QW_SHIFT = QW.bit_length() - 1
+    DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if STAGED_DS else 0
+    KV_TILE, QO_TILE, DS_TILE = BC * STRIDE, BR * STRIDE, BC * DS_STRIDE
+    # Shared memory (16-bit units): K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | with 2-D warp tiles,
+    # P^T | fp32: 2 x (L2, D) | with bulk reductions, dQ_i's terms (B_r x d, a slice a warp,
+    # fragment order).
+    V0, QO0 = KV_TILE, 2 * KV_TILE
+    DS0 = QO0 + 4 * QO_TILE
+    P0 = DS0 + 2 * DS_TILE
+    STAT0 = (P0 + (DS_TILE if TWO_D else 0)) // 2
+    DQF0 = STAT0 + 4 * BR
+    DQF_WARP = BR * D // cfg.warps          # floats of dQ_i's terms a warp stages and reduces
+    WQ, WD = cfg.dq_split if ATOMIC else (1, 1)
+    MQ, DQ_COLS = BR // WQ // 16, D // WD
+    KV_FRAG = (M, D // 16 if KV_IN_REGISTERS else 1, 4)
+    ST_ACC, P_FRAG, DKV_ACC = (M, QC // 8, 4), (M, BR // 16, 4), (M, DC // 8, 4)
+    DQ_ACC, DS_FRAG = (MQ, DQ_COLS // 8, 4), (MQ, BC // 16, 4)
+    STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
+
+    @device_function
+    def next_position(h, i, i0, t_r):
+        """The inner step after (query head h, query block i): the steps walk every query head of
+        the K/V head's group, each over the query blocks i0..t_r-1 that block j meets. Heads are
+        unsigned so that indexing with them costs no negative-index wrap-around."""
+        if int32(i + 1) < t_r:
+            return uint32(h), int32(i + 1)
+        return uint32(h + 1), int32(i0)
+
+    @device_function
+    def load_q_do(smem, stage, q, do, b, h, i, n_q, tid):
+        """Start the cp.async copies of Q_i and dO_i into stage `stage`."""
+        base = QO0 + stage * 2 * QO_TILE
+        tiles.load_tile_async(smem[base:base + QO_TILE], q[b, h], i * BR, n_q, 0, BR, D, STRIDE,
+                              SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(smem[base + QO_TILE:base + 2 * QO_TILE], do[b, h], i * BR, n_q, 0,
+                              BR, D, STRIDE, SWIZZLE, tid, THREADS)
+
+    @device_function
+    def load_stats(lse, d_vec, b, h, i, n_q, r):
+        """L_i * log2(e) and D_i of row r of block i (0 past the block or n_q: masked anyway)."""
+        row = int32(i * BR + r)
+        if r < BR and row < n_q:
+            return softmax.lse_log2(lse[b, h, uint32(row)]), d_vec[b, h, uint32(row)]
+        return float32(0), float32(0)
+
+    @device_function
+    def update_dq(smem, smem_f32, k_s, dq_acc_bh, buf, q0, n_q, dq, dsa, warp, lane):
+        """l.15 for the step that staged dS^T in buffer `buf`: dQ_i += dS K_j, this warp's rows
+        and columns of it, added into dQ's fp32 accumulator in HBM (other thread blocks add the
+        other K/V blocks' terms). dq_reduce="red": by vector atomics from registers; "bulk": staged
+        in the warp's slice of the dQ buffer and added by one bulk reduction, issued by lane 0."""
+        ds_s = smem[DS0 + buf * DS_TILE:DS0 + (buf + 1) * DS_TILE]
+        row, col = (warp // WD) * 16 * MQ, (warp % WD) * DQ_COLS
+        for m in range(MQ):
+            tiles.load_a_fragments_transposed(dsa, m, ds_s, row + 16 * m, lane, DS_STRIDE, SWIZZLE)
+        tiles.fill(dq, float32(0))
+        tiles.gemm_ab(dq, dsa, k_s, lane, STRIDE, SWIZZLE, IS_BF16, col)
+        if BULK:
+            dqf = DQF0 + warp * DQF_WARP
+            if lane == 0:
+                ptx.bulk_wait_read(0)   # the warp's previous reduction has read its slice
+            ptx.syncwarp()
+            tiles.stage_accumulator_fragments_f32(smem_f32[dqf:dqf + DQF_WARP], dq, lane)
+            ptx.fence_proxy_async_shared()    # the copy engine reads what these stores wrote
+            ptx.syncwarp()
+            if lane == 0:   # the slice is rows q0 + warp * DQF_WARP / d.. of the (contiguous)
+                ptx.bulk_reduce_add_f32(dq_acc_bh, int32(q0 + warp * (DQF_WARP // D)), smem_f32,
+                                        dqf, 4 * DQF_WARP)
+                ptx.bulk_commit()
+        else:
+            tiles.atomic_add_accumulator_f32(dq_acc_bh, dq, q0 + row, col, n_q, lane)
+
+    @device_function
+    def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
+                 softmax_scale, scale_log2):
+        """l.6-17 for K/V block j of batch b, K/V head h_kv."""
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        key0 = int32(j * BC)
+        # This warp's first key in K_j, first query of Q_i in its S^T, dP^T tiles, and first
+        # column of its dK_j, dV_j (shifts and masks: QW is a power of two, and the compiler then
+        # knows these are not negative, so indexing with them needs no wrap-around).
+        warp_key = (warp >> QW_SHIFT) * 16 * M
+        warp_q = (warp & (QW - 1)) * QC
+        warp_col = (warp & (QW - 1)) * DC
+        smem = cuda.shared.array(0, uint16)
+        smem32 = cuda.shared.array(0, uint32)
+        smem_f32 = cuda.shared.array(0, float32)
+        stats = smem_f32
+        k_s = smem[0:KV_TILE]
+        v_s = smem[V0:V0 + KV_TILE]
+
+        # The query blocks block j meets: causal skips those entirely above the diagonal. (Step
+        # arithmetic in 32 bits: Numba types int32 + int32 as int64, so each sum is cast back.)
+        t_r = int32((n_q + BR - 1) // BR)
+        i0 = int32(key0 // BR) if SKIP else int32(0)
+        n_i = int32(t_r - i0)
+        n_steps = int32(kv_group * n_i)
+
+        # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
+        tiles.load_tile_async(k_s, k[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(v_s, v[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        h, i = uint32(h_kv * kv_group), int32(i0)   # the first step's query head and block
+        q0 = int32(i * BR)                 # first query of Q_i
+        load_q_do(smem, 0, q, do, b, h, i, n_q, tid)
+        ptx.cp_async_commit()
+        for r in range(tid, BR, THREADS):
+            lse2_0, d_0 = load_stats(lse, d_vec, b, h, i, n_q, r)
+            stats[STAT0 + r] = lse2_0
+            stats[STAT0 + BR + r] = d_0
+
+        # l.7: dK_j = 0, dV_j = 0, on chip.
+        dk = cuda.local.array(DKV_ACC, float32)
+        dv = cuda.local.array(DKV_ACC, float32)
+        tiles.fill(dk, float32(0))
+        tiles.fill(dv, float32(0))
+        kf = cuda.local.array(KV_FRAG, uint32)
+        vf = cuda.local.array(KV_FRAG, uint32)
+        s = cuda.local.array(ST_ACC, float32)
+        dp = cuda.local.array(ST_ACC, float32)
+        pa = cuda.local.array(P_FRAG, uint32)
+        dsa = cuda.local.array(DS_FRAG, uint32)
+        dq = cuda.local.array(DQ_ACC, float32)
+        next_lse2 = cuda.local.array(STATS_PER_THREAD, float32)
+        next_d = cuda.local.array(STATS_PER_THREAD, float32)
+        if KV_IN_REGISTERS:                 # K_j, V_j's A fragments of the warp's keys, once
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()
+            for m in range(M):
+                tiles.load_a_fragments(kf, m, k_s, warp_key + 16 * m, lane, STRIDE, SWIZZLE)
+                tiles.load_a_fragments(vf, m, v_s, warp_key + 16 * m, lane, STRIDE, SWIZZLE)
+
+        for step in range(n_steps):     # l.8 (over the group's query heads too, for GQA)
+            stage = step & 1
+            qo = QO0 + stage * 2 * QO_TILE
+            q_s = smem[qo:qo + QO_TILE]
+            do_s = smem[qo + QO_TILE:qo + 2 * QO_TILE]
+            st = STAT0 + stage * 2 * BR
+            lse2_s = stats[st:st + BR]
+            d_s = stats[st + BR:st + 2 * BR]
+            # l.9: Q_i, dO_i (and K_j, V_j at the first step) have landed and every warp is done
+            # with the other stage: start copying step+1's Q, dO there (and read its L, D).
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()
+            h_prev = h
+            if step > 0:
+                h, i = next_position(h, i, i0, t_r)
+            more = int32(step + 1) < n_steps
+            if more:
+                h1, i1 = next_position(h, i, i0, t_r)
+                load_q_do(smem, 1 - stage, q, do, b, h1, i1, n_q, tid)
+                for r in range(STATS_PER_THREAD):
+                    next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h1, i1, n_q,
+                                                         tid + r * THREADS)
+            ptx.cp_async_commit()
+            if ATOMIC and step > 0:
+                # l.15 of the previous step, its dS^T now visible to all warps. After the copies
+                # are issued: with dq_reduce="red" its 16 reductions a thread would otherwise
+                # queue ahead of them in the load/store unit (5% of the kernel's time at d=128 on
+                # an H100).
+                update_dq(smem, smem_f32, k_s, dq_acc[b, h_prev], 1 - stage, q0, n_q, dq, dsa,
+                          warp, lane)
+            q0 = int32(i * BR)
+
+            # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i). The warp's keys
+            # x its QC queries (all B_r of them when query_warps = 1).
+            tiles.fill(s, float32(0))
+            tiles.gemm_abt_held_or_streamed(s, kf, KV_IN_REGISTERS, k_s, warp_key, D // 16, q_s,
+                                            lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
+            if int32(q0 + BR) > n_q or int32(key0 + BC) > n_k or \
+                    (CAUSAL and q0 < int32(key0 + BC - 1)):
+                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, CAUSAL,
+                                             lane)
+            softmax.recompute_p_columns(s, lse2_s, lane, scale_log2, warp_q)
+            # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
+            tiles.fill(dp, float32(0))
+            tiles.gemm_abt_held_or_streamed(dp, vf, KV_IN_REGISTERS, v_s, warp_key, D // 16, do_s,
+                                            lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
+            softmax.grad_columns(s, dp, d_s, lane, warp_q)
+            ds = DS0 + stage * DS_TILE
+            ds_s = smem[ds:ds + DS_TILE]
+            if STAGED_DS:
+                # l.15 needs whole rows of dS (every warp's keys) for each warp's part of dQ_i, and
+                # with 2-D warp tiles l.16 needs every query of the warp's keys: stage dS^T in shared
+                # memory (l.15's product runs after the next barrier).
+                tiles.stage_accumulator(smem32[ds // 2:(ds + DS_TILE) // 2], dp, warp_key, lane,
+                                        DS_STRIDE, SWIZZLE, IS_BF16, warp_q)
+            if TWO_D:
+                # P^T too, and the warps that share these keys meet (named barrier 1 + key slice).
+                tiles.stage_accumulator(smem32[P0 // 2:(P0 + DS_TILE) // 2], s, warp_key, lane,
+                                        DS_STRIDE, SWIZZLE, IS_BF16, warp_q)
+                ptx.bar_sync(1 + (warp >> QW_SHIFT), 32 * QW)
+                # l.12: dV_j += P^T dO_i, the warp's DC columns of it;
+                for m in range(M):
+                    tiles.load_a_fragments(pa, m, smem[P0:P0 + DS_TILE], warp_key + 16 * m, lane,
+                                           DS_STRIDE, SWIZZLE)
+                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16, warp_col)
+                # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
+                for m in range(M):
+                    tiles.load_a_fragments(pa, m, ds_s, warp_key + 16 * m, lane, DS_STRIDE,
+                                           SWIZZLE)
+                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16, warp_col)
+            else:
+                # l.12: dV_j += P^T dO_i, P^T straight from its accumulator into A fragments.
+                tiles.accumulator_to_a(pa, s, IS_BF16)
+                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16)
+                # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
+                tiles.accumulator_to_a(pa, dp, IS_BF16)
+                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            if more:   # step+1's L, D: its stage's statistics are free since the barrier
+                nst = STAT0 + (1 - stage) * 2 * BR
+                for r in range(STATS_PER_THREAD):
+                    if tid + r * THREADS < BR:
+                        stats[nst + tid + r * THREADS] = next_lse2[r]
+                        stats[nst + BR + tid + r * THREADS] = next_d[r]
+
+        cuda.syncthreads()
+        if ATOMIC and n_steps > 0:   # l.15 of the last step
+            update_dq(smem, smem_f32, k_s, dq_acc[b, h], (n_steps - 1) & 1, q0, n_q, dq, dsa,
+                      warp, lane)
+            cuda.syncthreads()   # every warp is done reading K_j: its tile stages dK_j next
+        # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
+        tiles.scale_accumulator(dk, softmax_scale)
+        tiles.stage_accumulator(smem32[0:KV_TILE // 2], dk, warp_key, lane, STRIDE, SWIZZLE, IS_BF16,
+                                warp_col)
+        tiles.stage_accumulator(smem32[V0 // 2:(V0 + KV_TILE) // 2], dv, warp_key, lane, STRIDE,
+                                SWIZZLE, IS_BF16, warp_col)
+        cuda.syncthreads()
+        tiles.store_tile(dk32[b, h_kv], smem32[0:KV_TILE // 2], key0, n_k, BC, D, STRIDE, SWIZZLE,
+                         tid, THREADS)
+        tiles.store_tile(dv32[b, h_kv], smem32[V0 // 2:(V0 + KV_TILE) // 2], key0, n_k, BC, D,
+                         STRIDE, SWIZZLE, tid, THREADS)
+        if BULK and lane == 0:
+            ptx.bulk_wait(0)    # the warp's reductions are done (and its slice free for FA1's next j)
+
+    @kernel
+    def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
+                        softmax_scale, scale_log2):
+        """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
+        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views."""
+        b, h_kv = uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)   # unsigned: no index wrap
+        if SEQUENTIAL:   # FA1 Alg. 4: one thread block walks every K/V block j in turn
+            for j in range((n_k + BC - 1) // BC):
+                kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
+                         kv_group, softmax_scale, scale_log2)
+                cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
+        else:            # l.5: "for 1 <= j <= T_c" is the grid
+            kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
+                     n_k, kv_group, softmax_scale, scale_log2)
+
+    return fa2_backward_kv
+
+
+@lru_cache(maxsize=None)
+def build_backward_dq(cfg):
+    """dq="separate": dQ_i = softmax_scale * sum_j dS_i^(j) K_j with the query blocks outer (one
+    thread block per Q_i, warps split Q_i as in the forward), recomputing S and dP; no atomics, so
+    dQ is bitwise reproducible."""
+    D, BR, BC, THREADS = cfg.head_dim, cfg.dq_block_m, cfg.dq_block_n, 32 * cfg.dq_warps
+    M = BR // (16 * cfg.dq_warps)
+    IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
+    SKIP = cfg.causal and cfg.causal_skip
+    STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    Q_TILE, KV_TILE = BR * STRIDE, BC * STRIDE
+    DO0, KV0 = Q_TILE, 2 * Q_TILE
+    A_FRAG, S_ACC, P_FRAG, DQ_ACC = (M, 1, 4), (M, BC // 8, 4), (M, BC // 16, 4), (M, D // 8, 4)
+    ROWS = 2 * M
+
+    @kernel
+    def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, softmax_scale,
+                        scale_log2):
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        b, h = cuda.blockIdx.y, cuda.blockIdx.z
+        k_h, v_h = k[b, h // kv_group], v[b, h // kv_group]
+        row0 = i * BR
+        warp_row = warp * 16 * M
+        smem = cuda.shared.array(0, uint16)
+        q_s = smem[0:Q_TILE]
+        do_s = smem[DO0:DO0 + Q_TILE]
+        t_c = (n_k + BC - 1) // BC
+        if SKIP:
+            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+        tiles.load_tile_async(q_s, q[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(do_s, do[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, 0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid,
+                              THREADS)
+        tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, 0, n_k, 0, BC, D, STRIDE,
+                              SWIZZLE, tid, THREADS)
+        ptx.cp_async_commit()
+        # L_i * log2(e) and D_i of the lane's rows, in registers.
+        lse2 = cuda.local.array(ROWS, float32)
+        d_rows = cuda.local.array(ROWS, float32)
+        for r in range(ROWS):
+            row = row0 + warp_row + 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)
+            lse2[r] = softmax.lse_log2(lse[b, h, row]) if row < n_q else float32(0)
+            d_rows[r] = d_vec[b, h, row] if row < n_q else float32(0)
+        a = cuda.local.array(A_FRAG, uint32)
+        s = cuda.local.array(S_ACC, float32)
+        dp = cuda.local.array(S_ACC, float32)
+        pa = cuda.local.array(P_FRAG, uint32)
+        dq = cuda.local.array(DQ_ACC, float32)
+        tiles.fill(dq, float32(0))
+        for j in range(t_c):
+            col0 = j * BC
+            kv = KV0 + (j & 1) * 2 * KV_TILE
+            k_s = smem[kv:kv + KV_TILE]
+            v_s = smem[kv + KV_TILE:kv + 2 * KV_TILE]
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()
+            if j + 1 < t_c:
+                nxt = KV0 + ((j + 1) & 1) * 2 * KV_TILE
+                tiles.load_tile_async(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, 0, BC, D,
+                                      STRIDE, SWIZZLE, tid, THREADS)
+                tiles.load_tile_async(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k,
+                                      0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+            ptx.cp_async_commit()
+            # l.10-11: S = Q_i K_j^T, P = exp(S - L_i); l.13-14: dP = dO_i V_j^T, dS = P o (dP - D_i)
+            tiles.fill(s, float32(0))
+            tiles.gemm_abt_streamed(s, a, q_s, warp_row, D // 16, k_s, lane, STRIDE, SWIZZLE,
+                                    IS_BF16)
+            if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > row0):
+                tiles.mask_scores(s, row0 + warp_row, col0, n_k, CAUSAL, lane)
+            softmax.recompute_p_rows(s, lse2, scale_log2)
+            tiles.fill(dp, float32(0))
+            tiles.gemm_abt_streamed(dp, a, do_s, warp_row, D // 16, v_s, lane, STRIDE, SWIZZLE,
+                                    IS_BF16)
+            softmax.grad_rows(s, dp, d_rows)
+            # l.15: dQ_i += dS K_j, dS straight from its accumulator into A fragments.
+            tiles.accumulator_to_a(pa, dp, IS_BF16)
+            tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
+        # dQ_i = softmax_scale * dQ_i to HBM, staged through the Q tile.
+        cuda.syncthreads()
+        q_s32 = cuda.shared.array(0, uint32)[0:Q_TILE // 2]
+        tiles.scale_accumulator(dq, softmax_scale)
+        tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
+        cuda.syncthreads()
+        tiles.store_tile(dq32[b, h], q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+
+    return fa2_backward_dq
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None, **options):
+    """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs
+    (o, lse) and dO = dLoss/dO (like o). options: see BackwardConfig and BACKWARD_OPTIONS."""
+    g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                             grads=grads, head_dims=HEAD_DIMS, variant="fa2")
+    cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, causal, **options)
+    return run_backward(g, cfg)
+
+
+def run_backward(g, cfg):
+    """Launch Algorithm 2 (or, with cfg.kv_blocks="sequential", FA1's schedule of it) for the
+    checked problem `g` (common.backward.prepare_backward)."""
+    prob = g.prob
+    atomic = cfg.dq == "atomic"
+    bwd.preprocess(g, zero_dq=atomic, dq_layout=cfg.dq_layout())                # l.4
+    scale, scale_log2 = np.float32(prob.softmax_scale), \
+        np.float32(prob.softmax_scale * math.log2(math.e))
+    sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
+    kv_blocks = 1 if cfg.kv_blocks == "sequential" else (prob.n_k + cfg.block_n - 1) // cfg.block_n
+    grid = (kv_blocks, prob.batch, prob.heads_kv)
+    launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
+           prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
+           scale, scale_log2)
+    if atomic:
+        bwd.convert_dq(g)
+    else:
+        grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
+        launch(build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
+               prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2)
+    return g.result()
+
+
+def backward_compile_targets(cfg, tag):
+    """(name, kernel, argument types, mma count in its PTX, or (in the PTX, in the main loop)) of
+    the kernels `run_backward` launches for cfg (the preprocess and dQ conversion: common/
+    backward.py's compile_targets)."""
+    f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+    sizes = (types.int32, types.int32, types.int32, types.float32, types.float32)
+    # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
+    # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
+    # atomics dQ's product appears twice (in the loop and for the last step):
+    # 2 * MQ * (d / WD) * B_c / 128. In the SASS's main loop: the query loop's, or FA1's K/V loop's
+    # (which holds the last one too).
+    wq, wd = cfg.dq_split
+    mma = 4 * cfg.m_tiles * cfg.block_m * cfg.head_dim // (128 * cfg.query_warps)
+    if cfg.dq == "atomic":
+        dq_mma = (cfg.block_m // wq // 16) * (cfg.head_dim // wd) * cfg.block_n // 128
+        mma = (mma + 2 * dq_mma, mma + (2 if cfg.kv_blocks == "sequential" else 1) * dq_mma)
+    yield f"{tag} kv", build_backward(cfg), \
+        (QKV_TYPE,) * 4 + (LSE_TYPE, f32_3, f32_4, OUT_TYPE, OUT_TYPE) + sizes, mma
+    if cfg.dq == "separate":   # S, dP, dQ: 3 * M * B_c * d / 128
+        m = cfg.dq_block_m // (16 * cfg.dq_warps)
+        yield f"{tag} dq", build_backward_dq(cfg), \
+            (QKV_TYPE,) * 4 + (LSE_TYPE, f32_3, OUT_TYPE) + sizes, 3 * m * cfg.dq_block_n * cfg.head_dim // 128
+
+
+def compile_targets():
+    """(name, kernel, argument types, mma count) of the backward's kernels at the defaults, bf16
+    (the dtype changes only the mma and cvt opcodes), and of the default dQ path's other setting
+    (fa1's backward runs the atomic one's code on FA1's schedule); the dQ conversion of the default
+    (bulk-reduced) fragment order."""
+    for head_dim in HEAD_DIMS:
+        for causal in (False, True):
+            yield from backward_compile_targets(default_backward_config(head_dim, True, causal),
+                                                f"fa2 backward d={head_dim} bf16 causal={causal}")
+        other = "separate" if BACKWARD_DEFAULTS[head_dim]["dq"] == "atomic" else "atomic"
+        yield from backward_compile_targets(
+            default_backward_config(head_dim, True, False, dq=other),
+            f"fa2 backward d={head_dim} bf16 causal=False dq={other}")
+    # the conversion of the default (bulk-reduced) dQ terms, in this backward's fragment order
+    f32_4 = types.Array(types.float32, 4, "C")
+    for head_dim in HEAD_DIMS:
+        layout = default_backward_config(head_dim, True, False).dq_layout()
+        yield f"backward convert_dq fragments d={head_dim} bf16", \
+            bwd.build_convert_dq_fragments(layout, True), (f32_4, OUT_TYPE, types.int32, types.float32), 0
