@@ -30,7 +30,7 @@ from numba import cuda, float32, int32, types, uint32, uint16
 
 from common import configs, ptx, softmax, tiles
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
-from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
+from common.target import device_function, kernel, launch
 from variants import fa2_backward
 from variants.fa2_backward import backward  # noqa: F401  (Algorithm 2, variants/fa2_backward.py)
 
