@@ -420,57 +420,36 @@ else:
         instruction.cache_name = f"setmaxnreg_{direction}_{count}"
         return instruction
 
-    @intrinsic
-    def mbarrier_init(typingctx, smem, offset, count):
-        sig = types.void(smem, offset, count)
-
+    def _mbarrier_op(text, returns=False):
+        """An instruction on the mbarrier at smem[offset] (its shared address $0, or $1 when the
+        instruction returns a 32-bit value in $0) with one 32-bit operand after it, or none."""
         def codegen(context, builder, sig, args):
             addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            c = _as(context, builder, args[2], sig.args[2], types.uint32)
-            _asm(builder, ir.VoidType(), [addr, c], "mbarrier.init.shared::cta.b64 [$0], $1;",
-                 "r,r,~{memory}", side_effect=True)
+            ops = [addr] + [_as(context, builder, v, t, types.uint32)
+                            for v, t in zip(args[2:], sig.args[2:])]
+            regs = ",".join(["r"] * len(ops)) + ",~{memory}"
+            if returns:
+                return _asm(builder, _i32, ops, text, "=r," + regs, side_effect=True)
+            _asm(builder, ir.VoidType(), ops, text, regs, side_effect=True)
             return context.get_dummy_value()
 
-        return sig, codegen
+        if "$1" not in text:
+            @intrinsic
+            def op(typingctx, smem, offset):
+                return types.void(smem, offset), codegen
+        else:
+            @intrinsic
+            def op(typingctx, smem, offset, value):
+                return (types.uint32 if returns else types.void)(smem, offset, value), codegen
+        return op
 
-    @intrinsic
-    def mbarrier_arrive(typingctx, smem, offset):
-        sig = types.void(smem, offset)
-
-        def codegen(context, builder, sig, args):
-            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            _asm(builder, ir.VoidType(), [addr], "mbarrier.arrive.shared::cta.b64 _, [$0];",
-                 "r,~{memory}", side_effect=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def mbarrier_arrive_expect_tx(typingctx, smem, offset, nbytes):
-        sig = types.void(smem, offset, nbytes)
-
-        def codegen(context, builder, sig, args):
-            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            nb = _as(context, builder, args[2], sig.args[2], types.uint32)
-            _asm(builder, ir.VoidType(), [addr, nb],
-                 "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
-                 side_effect=True)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def mbarrier_try_wait(typingctx, smem, offset, parity):
-        sig = types.uint32(smem, offset, parity)
-
-        def codegen(context, builder, sig, args):
-            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            par = _as(context, builder, args[2], sig.args[2], types.uint32)
-            return _asm(builder, _i32, [addr, par],
-                        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
-                        "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", side_effect=True)
-
-        return sig, codegen
+    mbarrier_init = _mbarrier_op("mbarrier.init.shared::cta.b64 [$0], $1;")
+    mbarrier_arrive = _mbarrier_op("mbarrier.arrive.shared::cta.b64 _, [$0];")
+    mbarrier_arrive_expect_tx = _mbarrier_op(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
+    mbarrier_try_wait = _mbarrier_op(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+        "selp.u32 $0, 1, 0, p; }", returns=True)
 
     def encode_tensor_map(view, box_rows, box_cols):
         """cuTensorMapEncodeTiled over a (B, H, N, d) 16-bit view (any strides, head_dim
