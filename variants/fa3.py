@@ -1,7 +1,7 @@
 """FlashAttention-3 forward (Shah et al. 2024, Algorithm 1) on Hopper: asynchronous warpgroup MMAs
 (wgmma) on shared-memory descriptors, K/V brought in by the bulk tensor copy engine (TMA) into a
-ring of stages guarded by mbarriers, and warp specialisation (a producer warp that only copies,
-consumer warpgroups that only compute).
+ring of stages guarded by mbarriers, and warp specialisation (a producer that only copies, consumer
+warpgroups that only compute).
 
 What makes it FA3 rather than FA2 (variants/fa2.py):
 - the GEMMs are wgmma: a warpgroup (4 warps, 128 threads) owns 64 query rows and issues
@@ -11,10 +11,13 @@ What makes it FA3 rather than FA2 (variants/fa2.py):
 - the loads are TMA: one thread issues a whole 64-column panel of a tile per instruction (the
   copy engine computes addresses, zero-fills past the end of the sequence and lands the tile in
   the 128-byte swizzle the descriptors read); completion is counted in bytes on an mbarrier;
-- warp specialisation (Alg.1's producer/consumer split): the producer warp waits for a stage to be
-  released (its "empty" mbarrier), then issues K_j and V_j into it (the "full" mbarriers); the
-  consumer warpgroups wait on "full", compute, and release. With `stages` buffers the copies run
-  up to stages - 1 blocks ahead of the compute, with no block-wide barrier in the loop.
+- warp specialisation (Alg.1's producer/consumer split): the producer (one thread of its warp)
+  waits for a stage to be released (its "empty" mbarrier), then issues K_j and V_j into it (the
+  "full" mbarriers); the consumer warpgroups wait on "full", compute, and release. With `stages`
+  buffers the copies run up to stages - 1 blocks ahead of the compute, with no block-wide barrier
+  in the loop. `setmaxnreg=True`: the producer is a whole warpgroup that drops to 24 registers a
+  thread so that the consumers may take 240 (FA3's split); False: a producer warp beside them
+  (288 threads, at most 168 registers each: ptxas budgets registers by warpgroup).
 
 Alg.1 of the FA3 paper, with its line numbers (producer: l.3-9; consumer: l.10-22):
   producer  l.5  load Q_i;  l.6-8  for j: wait for stage j % s to be released, load K_j, V_j
@@ -22,9 +25,10 @@ Alg.1 of the FA3 paper, with its line numbers (producer: l.3-9; consumer: l.10-2
             P~_i, l_i, rescale O_i; wait for V_j; O_i += P~_i V_j (RS-GEMM); release the stage;
             l.20-22  O_i = diag(l_i)^-1 O_i, L_i = m_i + log l_i, write O_i and L_i.
 
-Still to come (docs/performance.md, "fa3"): ping-pong scheduling of two warpgroups (named
-barriers), intra-warpgroup overlap of softmax with the next QK^T, setmaxnreg, a TMA store of O, the
-FP8 path, and the cp.async producer as the `producer` switch's other setting.
+`intra_overlap=True` is FA3's Alg.2 (the softmax of block j while the P V wgmma of block j-1 runs);
+as built it is slower than the plain order (docs/performance.md, "fa3"), so it is off. Still to
+come: ping-pong scheduling of two warpgroups (named barriers), a TMA store of O, the FP8 path, and
+a cp.async producer as the other setting of a `producer` switch.
 """
 import math
 from dataclasses import dataclass
