@@ -2,8 +2,15 @@
 variant: unknown options and head dims are refused by name, `None` means "the default", defaults
 come per head_dim (refined per (head_dim, causal) where a measurement asked for it), and each
 distinct configuration is built and validated once (it keys the kernel caches)."""
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import lru_cache
+
+PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal")   # what every Config starts with: not options
+
+
+def options_of(config_class):
+    """A variant's option names: its Config's fields after the problem's (one declaration)."""
+    return tuple(f.name for f in fields(config_class) if f.name not in PROBLEM_FIELDS)
 
 
 def default_config_function(variant, config_class, defaults, option_names, head_dims):

@@ -116,8 +116,7 @@ class Config:
         return self
 
 
-OPTIONS = ("block_m", "block_n", "warps", "outer_loop", "deferred_rescale", "causal_skip",
-           "q_splits")
+OPTIONS = configs.options_of(Config)
 
 # Alg.1 l.1 with M = 64 Ki 16-bit elements (128 KB of the 227 KB of shared memory an H100/H200
 # thread block may use): B_c = ceil(M / 4d) = 256 at d=64 and 128 at d=128, which are also the key

@@ -82,8 +82,7 @@ class Config:
         return self
 
 
-OPTIONS = ("block_m", "block_n", "warps", "pipeline", "swizzle", "kv_stages", "q_in_registers",
-           "p_in_registers", "causal_skip")
+OPTIONS = configs.options_of(Config)
 
 # Defaults by head_dim, chosen by measurement on an H200 (docs/performance.md; sweeps in
 # conf/experiment/fa2_tiles.yaml and fa2_ablations.yaml). Both use B_r = 128 with 4 warps, i.e. two

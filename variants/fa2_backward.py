@@ -187,9 +187,7 @@ class BackwardConfig:
         return self
 
 
-BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "dq", "dq_query_warps",
-                    "dq_reduce", "causal_skip", "swizzle", "kv_in_registers", "dq_block_m",
-                    "dq_block_n", "dq_warps", "kv_blocks")
+BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
 
 # FA2's own tiles (Flash_bwd_kernel_traits for sm80): B_c = 128 keys over 8 warps in 2-D warp tiles
 # (query_warps=2: dK_j and dV_j take 2 * d/2 registers a thread), B_r = 64 queries a step at d=128

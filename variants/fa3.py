@@ -109,7 +109,7 @@ class Config:
         return self
 
 
-OPTIONS = ("block_m", "block_n", "stages", "intra_overlap", "setmaxnreg")
+OPTIONS = configs.options_of(Config)
 
 # B_r = 128 (two consumer warpgroups), B_c = 128, two stages: FA3's own tile for head_dim 128
 # (flash_attn/cute flash_fwd_sm90); 160 KB of shared memory at d=128. Measured on an H100
