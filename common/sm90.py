@@ -167,13 +167,13 @@ if SIMULATOR:
                 wg, i = _warpgroup()
                 sim.group_collective(("wgmma", wg), 128, i,
                                      (sim._unwrap(acc), (a0, a1, a2, a3), int(desc_b), int(scale_d)),
-                                     compute)
+                                     compute, always_own_barrier=True)
         else:
             def wgmma(acc, desc_a, desc_b, scale_d):
                 wg, i = _warpgroup()
                 sim.group_collective(("wgmma", wg), 128, i,
                                      (sim._unwrap(acc), int(desc_a), int(desc_b), int(scale_d)),
-                                     compute)
+                                     compute, always_own_barrier=True)
         wgmma.__name__ = wgmma.__qualname__ = _wgmma_name(n, dtype, a_regs, trans_b)
         return wgmma
 
@@ -241,6 +241,7 @@ if SIMULATOR:
         addr = int(shared_address(smem, offset))
         if addr % 8:
             raise ValueError("an mbarrier must be 8-byte aligned")
+        sim.independent_groups()
         _barriers()[addr] = _MBarrier(int(count))
 
     def fence_mbarrier_init():
