@@ -12,6 +12,8 @@
 #            TESTS=<paths> runs those paths in one process instead.
 #   bwd_fa2, bwd_other   tests/test_backward*.py for fa2, and for fa1, standard and the protocol
 #   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
+#   fa3      the sm90 instruction tests and every fa3 test (tests/test_sm90.py, test_variants -k fa3)
+#   fa3_quick  fa3 and fa2 with the SDPA peers, d 64/128, causal and not (FA3_SEQLENS, default 4k,16k)
 #   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
 #   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
