@@ -119,9 +119,11 @@ def test_fa1_options(rng, options, causal):
 
 
 # fa3's switches: the ring's depth and wrap-around (B_c = 64 gives 4-7 K/V steps), one and three
-# consumer warpgroups.
-FA3_CASES = [(dict(block_n=64, stages=2), True), (dict(block_n=64, stages=1), False),
-             (dict(block_n=64, intra_overlap=False), True),
+# consumer warpgroups, the producer warp instead of a warpgroup (setmaxnreg=False), the
+# intra-warpgroup overlap (off by default: its own loop).
+FA3_CASES = [(dict(block_n=64, stages=2), True),
+             (dict(block_n=64, stages=1, setmaxnreg=False), False),
+             (dict(block_n=64, intra_overlap=True), True),
              (dict(block_n=64, stages=3, block_m=64), True)]
 if ON_GPU:
     FA3_CASES += [(dict(block_m=64, block_n=256, stages=1), False),
