@@ -75,16 +75,14 @@ class Config:
         a multiple of 8, the producer warpgroup down to what issuing copies needs."""
         return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
-    def layout(self):
-        """Element offsets (16-bit) from the first 1024-aligned byte after the mbarriers: Q, then
-        stages x (K, V); each tile d/64 panels of rows x 64 (Q: per warpgroup, 64 rows a panel)."""
-        q = self.block_m * self.head_dim
-        kv = self.block_n * self.head_dim
-        return dict(q=0, k=[q + 2 * s * kv for s in range(self.stages)],
-                    v=[q + (2 * s + 1) * kv for s in range(self.stages)], end=q + 2 * self.stages * kv)
+    def tile_elements(self):
+        """16-bit elements of the tiles after the first 1024-aligned byte past the mbarriers: Q_i
+        (at 0), then stages x (K_j, V_j) (K of stage 0 at block_m * d); each tile d/64 panels of
+        rows x 64 (Q: per warpgroup, 64 rows a panel)."""
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim
 
-    def smem_bytes(self):
-        return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + 2 * self.layout()["end"]
+    def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
+        return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + 2 * self.tile_elements()
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
@@ -130,7 +128,7 @@ def build(cfg):
     IS_BF16, CAUSAL = cfg.is_bf16, cfg.causal
     PANEL = sm90.PANEL_COLS                     # 64 columns: one 128-byte swizzled row
     PANELS = D // PANEL
-    K0 = cfg.layout()["k"][0]                   # element offset of stage 0's K tile (Q is at 0)
+    K0 = BR * D                                 # element offset of stage 0's K tile (Q is at 0)
     K_TILE_ELEMS = BC * D
     WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's part of Q_i (its own panels)
     Q_BYTES, KV_BYTES = BR * D * 2, BC * D * 2
