@@ -214,6 +214,19 @@ def bar_sync(typingctx, barrier, nthreads):
     return types.void(barrier, nthreads), codegen
 
 
+@intrinsic
+def bar_arrive(typingctx, barrier, nthreads):
+    """Count this thread's warp into named barrier `barrier` of `nthreads` threads without waiting
+    (bar.arrive a, b): the threads that bar_sync on it wait for these arrivals too. Shared-memory
+    writes before it are visible to the syncing threads after their bar_sync."""
+    def codegen(context, builder, sig, args):
+        ops = [_as(context, builder, v, t, types.int32) for v, t in zip(args, sig.args)]
+        _asm(builder, ir.VoidType(), ops, "bar.arrive $0, $1;", "r,r,~{memory}", side_effect=True)
+        return context.get_dummy_value()
+
+    return types.void(barrier, nthreads), codegen
+
+
 # --------------------------------------------------------------------------- asynchronous copies
 
 @intrinsic

@@ -284,10 +284,66 @@ def syncwarp():
     _warp_collective(None)
 
 
+NAMED_BARRIER_TIMEOUT_S = 60.0
+
+
+class _NamedBarrier:
+    """bar.sync / bar.arrive on one named barrier: a phase completes when `size` threads have
+    reached it; those that sync wait for that, those that arrive run on."""
+    __slots__ = ("size", "count", "phase", "cond")
+
+    def __init__(self, size):
+        self.size, self.count, self.phase = size, 0, 0
+        self.cond = threading.Condition()
+
+    def reach(self, barrier, wait):
+        with self.cond:
+            phase = self.phase
+            self.count += 1
+            if self.count == self.size:
+                self.count, self.phase = 0, phase + 1
+                self.cond.notify_all()
+            elif wait and not self.cond.wait_for(lambda: self.phase != phase,
+                                                 NAMED_BARRIER_TIMEOUT_S):
+                raise RuntimeError(f"named barrier {barrier} ({self.size} threads): only "
+                                   f"{self.count} arrived in {NAMED_BARRIER_TIMEOUT_S:.0f} s (a "
+                                   "bar.arrive or bar.sync is missing)")
+
+
+def _named_barrier(barrier, nthreads):
+    state = block_state()
+    if not state.get("independent", False):
+        return None
+    named = state.setdefault("named", {})
+    with _setup_lock:
+        bar = named.get(barrier)
+        if bar is None:
+            bar = named[barrier] = _NamedBarrier(nthreads)
+    if bar.size != nthreads:
+        raise RuntimeError(f"named barrier {barrier} used with {nthreads} threads, earlier with "
+                           f"{bar.size}")
+    return bar
+
+
 def bar_sync(barrier, nthreads):
-    """A named barrier: the first `nthreads` threads to reach barrier `barrier` meet (the others of
-    the block run on, as on the GPU)."""
-    group_collective(("bar", int(barrier)), int(nthreads), 0, None)
+    """A named barrier: the first `nthreads` threads to reach barrier `barrier` (by bar_sync or
+    bar_arrive) meet; those of bar_sync wait for the rest (the others of the block run on, as on
+    the GPU)."""
+    bar = _named_barrier(int(barrier), int(nthreads))
+    if bar is None:
+        group_collective(("bar", int(barrier)), int(nthreads), 0, None)
+    else:
+        bar.reach(int(barrier), wait=True)
+
+
+def bar_arrive(barrier, nthreads):
+    """Count this thread into the current phase of named barrier `barrier` and run on (the
+    producer side of a bar_sync elsewhere)."""
+    bar = _named_barrier(int(barrier), int(nthreads))
+    if bar is None:
+        raise RuntimeError("bar_arrive needs independent_groups() (a warp-specialised kernel): the "
+                           "simulator's block-barrier mode cannot let a thread pass a barrier")
+    bar.reach(int(barrier), wait=False)
 
 
 def cp_async_16(dst, dst_offset, src, row, col, src_bytes):

@@ -11,6 +11,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | shfl_xor_f32                         | shfl.sync.bfly.b32                                     |
 | syncwarp                             | bar.warp.sync                                          |
 | bar_sync                             | bar.sync (a named barrier over some of the warps)      |
+| bar_arrive                           | bar.arrive (count into a named barrier, do not wait)   |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
 | unpack_bf16x2, unpack_f16x2          | mov.b32 {lo, hi}; cvt.f32.{bf16,f16} (both halves)     |
@@ -38,6 +39,7 @@ ldmatrix_x4_trans = _impl.ldmatrix_x4_trans
 shfl_xor_f32 = _impl.shfl_xor_f32
 syncwarp = _impl.syncwarp
 bar_sync = _impl.bar_sync
+bar_arrive = _impl.bar_arrive
 ex2_approx = _impl.ex2_approx
 pack_bf16x2 = _impl.pack_bf16x2
 pack_f16x2 = _impl.pack_f16x2

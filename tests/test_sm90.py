@@ -9,7 +9,7 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
 from common import _ptx_sim as sem
-from common import arrays, sm90, tiles
+from common import arrays, ptx, sm90, tiles
 from common.target import launch
 from tests.conftest import ON_GPU
 from tests.test_ptx import random_halves
@@ -131,3 +131,55 @@ def test_mbarrier_wait_that_cannot_complete_raises(monkeypatch):
 
     with pytest.raises(RuntimeError, match="transaction bytes missing"):
         never[1, 32, 0, 64](np.zeros(1, np.int32))
+
+
+@cuda.jit
+def handoff_kernel(out, spin):
+    """Warp 0 (the producer) spins, stores, then bar.arrive's on named barrier 1; warp 1 bar.sync's
+    on it and must see the stores (ping-pong's hand-off between consumer warpgroups in fa3)."""
+    tid = int32(cuda.threadIdx.x)
+    warp, lane = tid >> 5, tid & 31
+    smem = cuda.shared.array(0, uint16)
+    words = cuda.shared.array(0, uint32)
+    if tid == 0:
+        sm90.mbarrier_init(smem, 0, 1)     # a warp-specialised block (see _ptx_sim.independent_groups)
+        sm90.fence_mbarrier_init()
+    cuda.syncthreads()
+    for rnd in range(3):                   # three phases of the same barrier
+        if warp == 0:
+            x = int32(0)
+            for k in range(spin[0]):
+                x = (x * 7 + k) & 1023
+            words[8 + lane] = uint32(100 * rnd + lane + (x & 0))
+            ptx.bar_arrive(1, 64)
+        else:
+            ptx.bar_sync(1, 64)
+            out[rnd, lane] = words[8 + lane]
+            ptx.bar_arrive(2, 64)     # warp 0 may overwrite
+        if warp == 0:
+            ptx.bar_sync(2, 64)
+
+
+def test_bar_arrive_hands_stores_to_bar_sync():
+    out = np.full((3, 32), -1, np.int32)
+    handoff_kernel[1, 64, 0, 256](out, np.array([20000 if ON_GPU else 1], np.int32))
+    np.testing.assert_array_equal(out, 100 * np.arange(3)[:, None] + np.arange(32)[None, :])
+
+
+@pytest.mark.sim
+def test_named_barrier_that_cannot_complete_raises(monkeypatch):
+    """A bar.sync whose partner never arrives hangs a GPU; the stand-in names it."""
+    monkeypatch.setattr(sem, "NAMED_BARRIER_TIMEOUT_S", 0.5)
+
+    @cuda.jit
+    def lonely(flag):
+        smem = cuda.shared.array(0, uint16)
+        if cuda.threadIdx.x == 0:
+            sm90.mbarrier_init(smem, 0, 1)
+            sm90.fence_mbarrier_init()
+        cuda.syncthreads()
+        ptx.bar_sync(3, 64)           # 32 threads, 64 expected
+        flag[0] = 1
+
+    with pytest.raises(RuntimeError, match="named barrier 3"):
+        lonely[1, 32, 0, 64](np.zeros(1, np.int32))

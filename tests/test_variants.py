@@ -120,22 +120,26 @@ def test_fa1_options(rng, options, causal):
 
 # fa3's switches: the ring's depth and wrap-around (B_c = 64 gives 4-7 K/V steps), one and three
 # consumer warpgroups, the producer warp instead of a warpgroup (setmaxnreg=False), the
-# intra-warpgroup overlap (off by default: its own loop).
+# intra-warpgroup overlap (off by default: its own loop) with and without ping-pong, ping-pong off.
 FA3_CASES = [(dict(block_n=64, stages=2), True),
              (dict(block_n=64, stages=1, setmaxnreg=False), False),
              (dict(block_n=64, intra_overlap=True), True),
+             (dict(block_n=64, pingpong=False), True),
              (dict(block_n=64, stages=3, block_m=64), True)]
 if ON_GPU:
     FA3_CASES += [(dict(block_m=64, block_n=256, stages=1), False),
+                  (dict(block_n=64, stages=1, intra_overlap=True), True),
                   (dict(block_m=64, block_n=64, stages=4), True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_fa3_three_consumer_warpgroups(rng, causal):
-    """B_r = 192 (three consumer warpgroups, 416 threads: 152 registers each) at head_dim 64."""
+@pytest.mark.parametrize("intra_overlap", [False, True])
+def test_fa3_three_consumer_warpgroups(rng, causal, intra_overlap):
+    """B_r = 192 (three consumer warpgroups, 416 threads: 160 registers each) at head_dim 64, the
+    ping-pong turn passed round the three."""
     run_and_check(rng, "fa3", batch=1, seqlen=450, heads=2, head_dim=64, dtype="bfloat16",
-                  causal=causal, block_m=192)
+                  causal=causal, block_m=192, intra_overlap=intra_overlap)
 
 
 @pytest.mark.parametrize("options, causal", FA3_CASES,

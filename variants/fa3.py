@@ -12,10 +12,10 @@ What makes it FA3 rather than FA2 (variants/fa2.py):
   copy engine computes addresses, zero-fills past the end of the sequence and lands the tile in
   the 128-byte swizzle the descriptors read); completion is counted in bytes on an mbarrier;
 - warp specialisation (Alg.1's producer/consumer split): the producer (one thread of its warp)
-  waits for a stage to be released (its "empty" mbarrier), then issues K_j and V_j into it (the
-  "full" mbarriers); the consumer warpgroups wait on "full", compute, and release. With `stages`
-  buffers the copies run up to stages - 1 blocks ahead of the compute, with no block-wide barrier
-  in the loop. `setmaxnreg=True`: the producer is a whole warpgroup that drops to 24 registers a
+  waits for a stage's K (then V) buffer to be released (its "empty" mbarrier), then issues K_j
+  (V_j) into it (the "full" mbarriers); the consumer warpgroups wait on "full", compute, and
+  release K once S_j has landed, V once O has. With `stages` buffers the copies run up to
+  stages - 1 blocks ahead of the compute, with no block-wide barrier in the loop. `setmaxnreg=True`: the producer is a whole warpgroup that drops to 24 registers a
   thread so that the consumers may take 240 (FA3's split); False: a producer warp beside them
   (288 threads, at most 168 registers each: ptxas budgets registers by warpgroup).
 
@@ -25,10 +25,17 @@ Alg.1 of the FA3 paper, with its line numbers (producer: l.3-9; consumer: l.10-2
             P~_i, l_i, rescale O_i; wait for V_j; O_i += P~_i V_j (RS-GEMM); release the stage;
             l.20-22  O_i = diag(l_i)^-1 O_i, L_i = m_i + log l_i, write O_i and L_i.
 
-`intra_overlap=True` is FA3's Alg.2 (the softmax of block j while the P V wgmma of block j-1 runs);
-as built it is slower than the plain order (docs/performance.md, "fa3"), so it is off. Still to
-come: ping-pong scheduling of two warpgroups (named barriers), a TMA store of O, the FP8 path, and
-a cp.async producer as the other setting of a `producer` switch.
+Scheduling (FA3 section 3.1-3.2), each a switch:
+- `pingpong` (inter-warpgroup overlap): the consumer warpgroups take turns at the tensor cores. A
+  turn is "issue O += P~_{j-1} V_{j-1}, wait for it, issue S_j = Q K_j^T"; named barriers pass the
+  turn round the warpgroups (bar.sync to take it, bar.arrive to hand it on), so that one
+  warpgroup's softmax runs while the tensor cores do the next one's GEMMs instead of all of them
+  computing exponentials at once with the tensor cores idle.
+- `intra_overlap` (FA3's Alg.2): the softmax of block j while the P V wgmma of block j-1 runs in
+  the same warpgroup. With ping-pong on it gains nothing on average (docs/performance.md, "fa3"),
+  so it is off.
+Still to come: a TMA store of O, the FP8 path, and a cp.async producer as the other setting of a
+`producer` switch.
 """
 import math
 from dataclasses import dataclass
@@ -44,7 +51,7 @@ from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_bloc
 HEAD_DIMS = (64, 128)
 WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m64nNk16
 WG_THREADS = 128
-BARRIER_BYTES = 128     # room for 16 mbarriers ahead of the tiles
+BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (17 at 4 stages)
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
 COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (common/compile_report.py)
 
@@ -60,6 +67,8 @@ class Config:
     stages: int = 2         # K/V buffers in the ring (2: the copy of K_{j+1}, V_{j+1} overlaps step j)
     intra_overlap: bool = False  # softmax of S_j overlaps O += P~_{j-1} V_{j-1} (FA3 Alg.2)
     setmaxnreg: bool = True      # a producer warpgroup that gives its registers to the consumers
+    pingpong: bool = True        # named barriers make the consumer warpgroups take turns at the
+                                 # tensor cores (no effect with one consumer warpgroup)
 
     @property
     def consumers(self):
@@ -68,6 +77,11 @@ class Config:
     @property
     def threads(self):   # the consumer warpgroups, then the producer warp (or warpgroup)
         return WG_THREADS * (self.consumers + 1) if self.setmaxnreg else WG_THREADS * self.consumers + 32
+
+    @property
+    def scheduled(self):
+        """Ping-pong in effect: it orders two or more consumer warpgroups."""
+        return self.pingpong and self.consumers > 1
 
     @property
     def registers(self):
@@ -110,11 +124,13 @@ class Config:
 OPTIONS = configs.options_of(Config)
 
 # B_r = 128 (two consumer warpgroups), B_c = 128, two stages: FA3's own tile for head_dim 128
-# (flash_attn/cute flash_fwd_sm90); 160 KB of shared memory at d=128. Measured on an H100
-# (experiments/compare_configs.py --variant fa3, bf16, 4k, non-causal, TFLOP/s; sdpa_flash 347 / 301):
-#   d=128: setmaxnreg 545, + intra_overlap 487, neither 546, intra_overlap alone 413 (spills);
-#   d=64:  setmaxnreg 419, + intra_overlap 366, neither 389, intra_overlap alone 356.
-# So intra_overlap stays a switch, off: as built it costs 11-13% (docs/performance.md, "fa3").
+# (flash_attn/cute flash_fwd_sm90); 160 KB of shared memory at d=128. The schedule, measured on an
+# H100 (docs/results/fa3_pingpong_h100.txt: bf16, TFLOP/s at 4k / 16k, non-causal | causal):
+#   d=128  ping-pong 645 / 612 | 545 / 582;  both 589 / 628 | 553 / 603;
+#          intra_overlap 623 / 619 | 545 / 610;  neither 552 / 571 | 504 / 563
+#   d=64   ping-pong 444 / 459 | 378 / 443;  both 429 / 450 | 377 / 443;  neither 423 / 455
+# Either overlap is worth 8-17% at d=128; the three ways of having one are within 1% of each other
+# on average. Ping-pong alone is the default: the best at 4k non-causal and at d=64.
 DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             128: dict(block_m=128, block_n=128, stages=2)}
 
@@ -136,8 +152,11 @@ def build(cfg):
     SETMAXNREG = cfg.setmaxnreg
     TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
     GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
-    # mbarriers (8 bytes = 4 elements each): Q full, then per stage K full, V full, K/V empty.
-    BAR_Q, BAR_K, BAR_V, BAR_EMPTY = 0, 4, 4 + 4 * STAGES, 4 + 8 * STAGES
+    # mbarriers (8 bytes = 4 elements each): Q full, then per stage K full, V full, K empty, V
+    # empty. K and V are released apart (K once S has landed, V once O has): a turn of the
+    # ping-pong and the intra-warpgroup overlap both need K_{j+1} while V_j is still being read.
+    BAR_Q, BAR_K, BAR_V = 0, 4, 4 + 4 * STAGES
+    BAR_EMPTY_K, BAR_EMPTY_V = 4 + 8 * STAGES, 4 + 12 * STAGES
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
     # and one panel (rows x 128 bytes) per 64 columns; V (MN-major) one 2 KB row group per 16 keys,
     # its d/64 panels LBO apart.
@@ -152,6 +171,12 @@ def build(cfg):
     INTRA_OVERLAP = cfg.intra_overlap
     K_TILE_BYTES = 2 * K_TILE_ELEMS
     STAGE_BYTES = 2 * K_TILE_BYTES              # a stage: K_j then V_j
+    # Ping-pong (FA3 section 3.1): named barrier TURN + w (of 2 warpgroups' threads) completes when
+    # warpgroup w has asked for its turn (bar.sync) and warpgroup w - 1 has issued its GEMMs
+    # (bar.arrive). Barriers 1..NWG are the epilogue's.
+    PINGPONG = cfg.scheduled
+    TURN = 4
+    TURN_THREADS = 2 * WG_THREADS
 
     @device_function
     def scores(s, q_addr, k_addr):
@@ -177,10 +202,24 @@ def build(cfg):
             tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lane)
 
     @device_function
-    def release(smem, stage, lane):
-        """This warp is done with the stage's K and V (one arrival a consumer warp)."""
+    def wait_turn(wg):
+        """Ping-pong: wait until the warpgroup before this one has issued its GEMMs."""
+        if PINGPONG:
+            ptx.bar_sync(TURN + wg, TURN_THREADS)
+
+    @device_function
+    def pass_turn(wg):
+        """Ping-pong: this warpgroup's GEMMs are issued; the next warpgroup may issue its own (and
+        the tensor cores run them while this one computes its softmax)."""
+        if PINGPONG:
+            ptx.bar_arrive(TURN + (wg + 1) % NWG, TURN_THREADS)
+
+    @device_function
+    def release(smem, empty, stage, lane):
+        """This warp is done with the stage's K (empty = BAR_EMPTY_K) or V (BAR_EMPTY_V): one
+        arrival a consumer warp."""
         if lane == 0:
-            sm90.mbarrier_arrive(smem, BAR_EMPTY + 4 * stage)
+            sm90.mbarrier_arrive(smem, empty + 4 * stage)
 
     @device_function
     def produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c):
@@ -194,13 +233,16 @@ def build(cfg):
                                  tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
         for j in range(t_c):                                                       # l.6
             stage = j % STAGES
-            if j >= STAGES:   # l.7: wait until the consumers released block j - STAGES's buffers
-                sm90.mbarrier_wait(smem, BAR_EMPTY + 4 * stage, ((j // STAGES) - 1) & 1)
+            freed = ((j // STAGES) - 1) & 1   # l.7: the consumers released block j - STAGES's K
+            if j >= STAGES:
+                sm90.mbarrier_wait(smem, BAR_EMPTY_K + 4 * stage, freed)
             k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
             sm90.mbarrier_arrive_expect_tx(smem, BAR_K + 4 * stage, KV_BYTES)      # l.8
             for p in range(PANELS):
                 sm90.tma_load_4d(smem, k0 + p * BC * PANEL, tmaps, 1, p * PANEL, j * BC, h_kv, b,
                                  smem, BAR_K + 4 * stage)
+            if j >= STAGES:                   # ... and its V
+                sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, freed)
             sm90.mbarrier_arrive_expect_tx(smem, BAR_V + 4 * stage, KV_BYTES)
             for p in range(PANELS):
                 sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * BC * PANEL, tmaps, 2, p * PANEL,
@@ -231,7 +273,8 @@ def build(cfg):
             for s in range(STAGES):
                 sm90.mbarrier_init(smem, BAR_K + 4 * s, 1)
                 sm90.mbarrier_init(smem, BAR_V + 4 * s, 1)
-                sm90.mbarrier_init(smem, BAR_EMPTY + 4 * s, 4 * NWG)   # one arrival a consumer warp
+                sm90.mbarrier_init(smem, BAR_EMPTY_K + 4 * s, 4 * NWG)   # one arrival a consumer warp
+                sm90.mbarrier_init(smem, BAR_EMPTY_V + 4 * s, 4 * NWG)
             sm90.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -261,6 +304,12 @@ def build(cfg):
         alpha = cuda.local.array(2, float32)
 
         sm90.mbarrier_wait(smem, BAR_Q, 0)                                         # l.13
+        # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1} (or the
+        # first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the other's softmax
+        # does. The last warpgroup passes no turn at the end: nobody waits for it.
+        if PINGPONG and wg == 0:
+            ptx.bar_arrive(TURN, TURN_THREADS)
+        wait_turn(wg)
         if not INTRA_OVERLAP:
             for j in range(t_c):                                                   # l.14
                 stage = j % STAGES
@@ -269,17 +318,20 @@ def build(cfg):
                 sm90.mbarrier_wait(smem, BAR_K + 4 * stage, (j // STAGES) & 1)
                 sm90.wgmma_fence()
                 scores(s, q_addr, k_addr)
+                pass_turn(wg)
                 WAIT_S(s)
+                release(smem, BAR_EMPTY_K, stage, lane)
                 mask(s, j, n_k, wg_row0, warp_row, lane)
                 # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
                 softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)
                 tiles.accumulator_to_a(p, s, IS_BF16)
                 # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed).
                 sm90.mbarrier_wait(smem, BAR_V + 4 * stage, (j // STAGES) & 1)
+                wait_turn(wg)
                 sm90.wgmma_fence()
                 values(o_acc, p, k_addr + K_TILE_BYTES)
                 WAIT_OP(o_acc, p)
-                release(smem, stage, lane)                                         # l.19
+                release(smem, BAR_EMPTY_V, stage, lane)                            # l.19
         else:
             # FA3 Alg.2 (intra-warpgroup overlap): S_{j} = Q K_j^T is issued together with
             # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the P V
@@ -287,7 +339,9 @@ def build(cfg):
             sm90.mbarrier_wait(smem, BAR_K, 0)
             sm90.wgmma_fence()
             scores(s, q_addr, kv_addr)
+            pass_turn(wg)
             WAIT_S(s)
+            release(smem, BAR_EMPTY_K, 0, lane)
             mask(s, 0, n_k, wg_row0, warp_row, lane)
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)   # O = 0: nothing to defer
             tiles.accumulator_to_a(p, s, IS_BF16)
@@ -295,22 +349,28 @@ def build(cfg):
                 stage, prev = j % STAGES, (j - 1) % STAGES
                 sm90.mbarrier_wait(smem, BAR_K + 4 * stage, (j // STAGES) & 1)
                 sm90.mbarrier_wait(smem, BAR_V + 4 * prev, ((j - 1) // STAGES) & 1)
+                wait_turn(wg)
                 sm90.wgmma_fence()
                 scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                  # S_j
                 values(o_acc, p, kv_addr + prev * STAGE_BYTES + K_TILE_BYTES)     # O += P~_{j-1} V_{j-1}
+                pass_turn(wg)
                 WAIT1_S(s)                    # S_j has landed; the P V product may still run
+                release(smem, BAR_EMPTY_K, stage, lane)
                 mask(s, j, n_k, wg_row0, warp_row, lane)
                 softmax.online_softmax_deferred(s, m_i, l_i, alpha, scale_log2)
                 WAIT_OP(o_acc, p)             # ... now it has: O and P~_{j-1}'s registers free
-                release(smem, prev, lane)
+                release(smem, BAR_EMPTY_V, prev, lane)
                 tiles.scale_rows(o_acc, alpha)
                 tiles.accumulator_to_a(p, s, IS_BF16)
             last = (t_c - 1) % STAGES
             sm90.mbarrier_wait(smem, BAR_V + 4 * last, ((t_c - 1) // STAGES) & 1)
+            wait_turn(wg)
             sm90.wgmma_fence()
             values(o_acc, p, kv_addr + last * STAGE_BYTES + K_TILE_BYTES)
             WAIT_OP(o_acc, p)
-            release(smem, last, lane)
+            release(smem, BAR_EMPTY_V, last, lane)
+        if wg != NWG - 1:
+            pass_turn(wg)
 
         # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
         inv_l = cuda.local.array(2, float32)
