@@ -5,7 +5,7 @@ process (quicker than a Hydra sweep when exploring; each result is checked again
         --seqlens 2048,4096 --head-dims 64,128 --causal 0,1
 
 Each configuration is a dict of fa2 options; "hd" / "causal" keys restrict it to that head_dim /
-causal setting. Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 2048), bf16.
+causal setting. --peers sdpa_flash,sdpa_cudnn times those SDPA backends first (ratios to the first). Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 2048), bf16.
 """
 import argparse
 import json
@@ -26,6 +26,8 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--variant", default="fa2")
+    ap.add_argument("--peers", default="sdpa_flash",
+                    help="torch SDPA backends timed first (the first is the ratios' base)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -48,7 +50,8 @@ def main(argv=None):
                 rows = np.unique(rng.choice(n, 64))
                 ref = reference.attention(*hosts[0], causal=causal, rows=rows)
                 total = flops.attention_flops(b, h, n, n, hd, causal)
-                candidates = [("sdpa_flash", peers.forward_fn("sdpa_flash", causal, None, gqa=False))]
+                candidates = [(p, peers.forward_fn(p, causal, None, gqa=False))
+                              for p in args.peers.split(",") if p]
                 for options in configs:
                     options = dict(options)
                     if options.pop("hd", hd) != hd or options.pop("causal", causal) != causal:
