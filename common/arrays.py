@@ -7,6 +7,7 @@ any axis order. Outputs are allocated with the library of the inputs (`empty`), 
 CuPy arrays back, a torch user torch tensors.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 
 import ml_dtypes
 import numpy as np
@@ -53,8 +54,7 @@ def describe(x, name="array"):
     if torch is not None:
         if not x.is_cuda:
             raise TypeError(f"{name} is a torch tensor on {x.device}; pass a CUDA tensor")
-        dtype = str(x.dtype).replace("torch.", "")
-        size = x.element_size()
+        dtype, size = _torch_dtype(x.dtype)
         return Described("torch", x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()),
                          dtype, size, x)
     if isinstance(x, np.ndarray):
@@ -75,6 +75,17 @@ def describe(x, name="array"):
     return Described(library, cai["data"][0], shape, tuple(strides), dtype.name, dtype.itemsize, x)
 
 
+_TORCH_DTYPES = {}
+
+
+def _torch_dtype(dtype):
+    """(name, itemsize) of a torch dtype, e.g. ("bfloat16", 2)."""
+    hit = _TORCH_DTYPES.get(dtype)
+    if hit is None:
+        hit = _TORCH_DTYPES[dtype] = (str(dtype).replace("torch.", ""), dtype.itemsize)
+    return hit
+
+
 def _contiguous_strides(shape, itemsize):
     strides, acc = [], itemsize
     for n in reversed(shape):
@@ -91,25 +102,33 @@ def bits_view(d, element, axes=None, last_dim_divisor=1):
 
     In the simulator the view's `.array` is built from NumPy's array interface over the same
     descriptor, so the simulator exercises exactly the shapes and strides the GPU kernels get."""
-    shape, strides = list(d.shape), list(d.strides)
-    size = np.dtype(element).itemsize
-    if size != d.itemsize * last_dim_divisor:
-        raise ValueError(f"cannot view {d.itemsize}-byte elements {last_dim_divisor} at a time as "
-                         f"{size}-byte {np.dtype(element).name}")
-    if last_dim_divisor != 1:
-        if strides[-1] != d.itemsize or shape[-1] % last_dim_divisor:
-            raise ValueError("pairing elements needs a contiguous last axis of even length")
-        shape[-1] //= last_dim_divisor
-        strides[-1] = size
-    if axes is not None:
-        shape = [shape[a] for a in axes]
-        strides = [strides[a] for a in axes]
-    view = KernelView(d.ptr, shape, strides, np.dtype(element), d.owner)
+    shape, strides, dtype = _view_geometry(d.shape, d.strides, d.itemsize, element, axes,
+                                           last_dim_divisor)
+    view = KernelView(d.ptr, shape, strides, dtype, d.owner)
     if d.library == "sim":
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         host = _HostView(view.__cuda_array_interface__, vars(d.owner)["_ary"])
         view = KernelView(d.ptr, shape, strides, view.dtype, d.owner, FakeCUDAArray(np.asarray(host)))
     return view
+
+
+@lru_cache(maxsize=4096)
+def _view_geometry(shape, strides, itemsize, element, axes, last_dim_divisor):
+    """(shape, strides, dtype) of bits_view's view: pure arithmetic on the geometry, once per one."""
+    shape, strides = list(shape), list(strides)
+    dtype = np.dtype(element)
+    if dtype.itemsize != itemsize * last_dim_divisor:
+        raise ValueError(f"cannot view {itemsize}-byte elements {last_dim_divisor} at a time as "
+                         f"{dtype.itemsize}-byte {dtype.name}")
+    if last_dim_divisor != 1:
+        if strides[-1] != itemsize or shape[-1] % last_dim_divisor:
+            raise ValueError("pairing elements needs a contiguous last axis of even length")
+        shape[-1] //= last_dim_divisor
+        strides[-1] = dtype.itemsize
+    if axes is not None:
+        shape = [shape[a] for a in axes]
+        strides = [strides[a] for a in axes]
+    return tuple(shape), tuple(strides), dtype
 
 
 class _HostView:

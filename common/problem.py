@@ -7,6 +7,7 @@ and returns the zero-copy views the kernels take:
 """
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from numba import types
@@ -62,56 +63,35 @@ class AttentionProblem:
 
 def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant):
     dq, dk, dv = (arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    for d, name in ((dq, "q"), (dk, "k"), (dv, "v")):
-        if len(d.shape) != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim) as in "
-                             f"flash_attn_func, got shape {d.shape}")
-        if d.dtype not in ("float16", "bfloat16"):
-            raise TypeError(f"{name} has dtype {d.dtype}; {variant} takes float16 or bfloat16")
-    if not dq.dtype == dk.dtype == dv.dtype:
-        raise TypeError(f"q, k, v must share one dtype, got {dq.dtype}, {dk.dtype}, {dv.dtype}")
-    if len({dq.library, dk.library, dv.library}) != 1:
-        raise TypeError(f"q, k, v come from different array libraries "
-                        f"({dq.library}, {dk.library}, {dv.library})")
-    (b, n_q, h, d), (bk, n_k, h_kv, dk_) = dq.shape, dk.shape
-    if dk.shape != dv.shape:
-        raise ValueError(f"k and v must have the same shape, got {dk.shape} and {dv.shape}")
-    if bk != b:
-        raise ValueError(f"q has batch {b} but k, v have batch {bk}")
-    if dk_ != d:
-        raise ValueError(f"q has head_dim {d} but k, v have head_dim {dk_}")
-    if min(b, n_q, h, n_k, h_kv) < 1:
-        raise ValueError(f"empty problem: q {dq.shape}, k {dk.shape}")
-    if h % h_kv:
-        raise ValueError(f"q has {h} heads, not a multiple of the {h_kv} heads of k, v")
-    if d not in head_dims:
-        raise ValueError(f"{variant} supports head_dim in {tuple(head_dims)}, got {d}")
-    if causal and n_q != n_k:
-        raise ValueError(f"causal=True needs seqlen_q == seqlen_k (got {n_q} and {n_k}): the "
-                         "diagonal of a rectangular mask is ambiguous (top-left or bottom-right)")
-    if max(b, h) > 65535:
-        raise ValueError(f"batch and heads must each be at most 65535, got {b} and {h}")
+    # Everything but the addresses is checked once per (shapes, strides, dtypes, options): a
+    # training step calls with the same geometry every time, and the checks cost more than the
+    # launch (issue: host overhead).
+    b, n_q, h, n_k, h_kv, d = _check_geometry(_geometry(dq), _geometry(dk), _geometry(dv),
+                                              bool(causal), tuple(head_dims), variant)
     for x, name in ((dq, "q"), (dk, "k"), (dv, "v")):
-        _check_layout(x, name)
+        _check_address(x, name)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     softmax_scale = float(softmax_scale)
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
-    if out is None:
+    if out is None:   # contiguous, of the right shape and dtype by construction
         o_out = arrays.empty(dq.library, (b, n_q, h, d), dq.dtype, like=q)
         lse_out = arrays.empty(dq.library, (b, h, n_q), "float32", like=q)
+        do, dl = arrays.describe(o_out), arrays.describe(lse_out)
     else:
         o_out, lse_out = out
-    do, dl = arrays.describe(o_out, "out[0] (o)"), arrays.describe(lse_out, "out[1] (lse)")
-    if do.shape != dq.shape or do.dtype != dq.dtype:
-        raise ValueError(f"out[0] must be {dq.dtype} of shape {dq.shape}, got {do.dtype} {do.shape}")
-    if dl.shape != (b, h, n_q) or dl.dtype != "float32":
-        raise ValueError(f"out[1] must be float32 of shape {(b, h, n_q)}, got {dl.dtype} {dl.shape}")
-    _check_layout(do, "out[0] (o)")
-    if dl.strides[-1] != 4:
-        raise ValueError("out[1] (lse) must be contiguous along its last axis")
+        do, dl = arrays.describe(o_out, "out[0] (o)"), arrays.describe(lse_out, "out[1] (lse)")
+        if do.shape != dq.shape or do.dtype != dq.dtype:
+            raise ValueError(f"out[0] must be {dq.dtype} of shape {dq.shape}, got {do.dtype} "
+                             f"{do.shape}")
+        if dl.shape != (b, h, n_q) or dl.dtype != "float32":
+            raise ValueError(f"out[1] must be float32 of shape {(b, h, n_q)}, got {dl.dtype} "
+                             f"{dl.shape}")
+        _check_layout(do, "out[0] (o)")
+        if dl.strides[-1] != 4:
+            raise ValueError("out[1] (lse) must be contiguous along its last axis")
 
     return AttentionProblem(
         batch=b, heads=h, heads_kv=h_kv, n_q=n_q, n_k=n_k, head_dim=d, dtype=dq.dtype,
@@ -124,12 +104,68 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant):
         o_out=o_out, lse_out=lse_out, library=dq.library, stream=arrays.stream_of(dq), like=q)
 
 
+def _geometry(d):
+    """What the checks of one input depend on (all but its address)."""
+    return d.library, d.shape, d.strides, d.dtype, d.itemsize
+
+
+@lru_cache(maxsize=1024)
+def _check_geometry(gq, gk, gv, causal, head_dims, variant):
+    """(batch, n_q, heads, n_k, heads_kv, head_dim) of valid q, k, v geometries (see _geometry),
+    or the error that names what is wrong; exceptions are not cached, so a bad call always
+    raises."""
+    for g, name in ((gq, "q"), (gk, "k"), (gv, "v")):
+        if len(g[1]) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim) as in "
+                             f"flash_attn_func, got shape {g[1]}")
+        if g[3] not in ("float16", "bfloat16"):
+            raise TypeError(f"{name} has dtype {g[3]}; {variant} takes float16 or bfloat16")
+    if not gq[3] == gk[3] == gv[3]:
+        raise TypeError(f"q, k, v must share one dtype, got {gq[3]}, {gk[3]}, {gv[3]}")
+    if len({gq[0], gk[0], gv[0]}) != 1:
+        raise TypeError(f"q, k, v come from different array libraries "
+                        f"({gq[0]}, {gk[0]}, {gv[0]})")
+    (b, n_q, h, d), (bk, n_k, h_kv, dk_) = gq[1], gk[1]
+    if gk[1] != gv[1]:
+        raise ValueError(f"k and v must have the same shape, got {gk[1]} and {gv[1]}")
+    if bk != b:
+        raise ValueError(f"q has batch {b} but k, v have batch {bk}")
+    if dk_ != d:
+        raise ValueError(f"q has head_dim {d} but k, v have head_dim {dk_}")
+    if min(b, n_q, h, n_k, h_kv) < 1:
+        raise ValueError(f"empty problem: q {gq[1]}, k {gk[1]}")
+    if h % h_kv:
+        raise ValueError(f"q has {h} heads, not a multiple of the {h_kv} heads of k, v")
+    if d not in head_dims:
+        raise ValueError(f"{variant} supports head_dim in {tuple(head_dims)}, got {d}")
+    if causal and n_q != n_k:
+        raise ValueError(f"causal=True needs seqlen_q == seqlen_k (got {n_q} and {n_k}): the "
+                         "diagonal of a rectangular mask is ambiguous (top-left or bottom-right)")
+    if max(b, h) > 65535:
+        raise ValueError(f"batch and heads must each be at most 65535, got {b} and {h}")
+    for g, name in ((gq, "q"), (gk, "k"), (gv, "v")):
+        _check_strides(g[1], g[2], g[4], name)
+    return b, n_q, h, n_k, h_kv, d
+
+
 def _check_layout(d, name):
+    """A described array's strides and address, as the kernels need them."""
+    _check_strides(d.shape, d.strides, d.itemsize, name)
+    _check_address(d, name)
+
+
+def _check_strides(shape, strides, itemsize, name):
     """The kernels move 16-byte chunks of rows: the head_dim axis must be contiguous and every
-    row start 16-byte aligned."""
-    if d.strides[3] != d.itemsize:
-        raise ValueError(f"{name} must be contiguous along head_dim (stride {d.strides[3]} bytes); "
+    row start 16-byte aligned (for the addresses: _check_address)."""
+    if strides[3] != itemsize:
+        raise ValueError(f"{name} must be contiguous along head_dim (stride {strides[3]} bytes); "
                          "make it contiguous first")
-    if any(s % 16 for s, n in zip(d.strides[:3], d.shape[:3]) if n > 1) or d.ptr % 16:
-        raise ValueError(f"{name} rows must start at 16-byte boundaries (strides {d.strides} bytes, "
-                         f"address {d.ptr:#x}); make it contiguous first")
+    if any(s % 16 for s, n in zip(strides[:3], shape[:3]) if n > 1):
+        raise ValueError(f"{name} rows must start at 16-byte boundaries (strides {strides} bytes); "
+                         "make it contiguous first")
+
+
+def _check_address(d, name):
+    if d.ptr % 16:
+        raise ValueError(f"{name} rows must start at 16-byte boundaries (address {d.ptr:#x}); "
+                         "make it contiguous first")

@@ -549,16 +549,27 @@ _MAP_CACHE = {}
 _MAP_CACHE_SIZE = 256
 
 
-def tensor_maps(boxes):
+def tensor_maps(boxes, stream=0):
     """A (len(boxes), 16) uint64 device array of tensor maps, as a KernelView for `launch`:
     boxes = ((view, box_rows, box_cols), ...) over (B, H, N, d) 16-bit KernelViews. A map depends
-    only on (address, shape, strides, box), so maps are encoded and uploaded once per such key."""
+    only on (address, shape, strides, box), so maps are encoded and uploaded once per such key.
+
+    The upload is a synchronous copy, which a CUDA graph cannot hold: under stream capture (on
+    `stream`) only maps already made are usable, i.e. inputs the kernel saw once before the
+    capture, and a new one is an error that says so. (Graph-safe maps need them passed by value as
+    __grid_constant__ kernel parameters, which Numba kernels cannot declare.)"""
     from numba import cuda
 
     from common.target import KernelView
     key = tuple((v.ptr, v.shape, v.strides, r, c) for v, r, c in boxes)
     hit = _MAP_CACHE.get(key)
     if hit is None:
+        if not SIMULATOR and stream_is_capturing(stream):
+            raise RuntimeError(
+                "fa3 under CUDA-graph capture: its TMA tensor maps are made once per input "
+                "address, by a copy a graph cannot hold, and these inputs were not seen before the "
+                "capture. Run the same call once before capturing, with the tensors the graph "
+                "will use (static inputs), or capture a variant without TMA (fa2).")
         words = np.stack([encode_tensor_map(v, r, c) for v, r, c in boxes])
         dev = cuda.to_device(words)
         if len(_MAP_CACHE) >= _MAP_CACHE_SIZE:
@@ -567,6 +578,15 @@ def tensor_maps(boxes):
             dev.__cuda_array_interface__["data"][0] if not SIMULATOR else 0, words.shape,
             (16 * 8, 8), np.dtype(np.uint64), owner=dev, array=dev)
     return hit
+
+
+def stream_is_capturing(stream):
+    """True while raw CUDA stream handle `stream` is being captured into a graph."""
+    from cuda.bindings import driver as cu
+    err, status = cu.cuStreamIsCapturing(cu.CUstream(stream))
+    if int(err) != 0:
+        raise RuntimeError(f"cuStreamIsCapturing: CUDA driver error {err!r}")
+    return status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
 @lru_cache(maxsize=None)

@@ -151,24 +151,40 @@ class KernelView:
     def numba_type(self):
         """What Numba would type the array as: C layout when C-contiguous, else any ("A")."""
         if self._type is None:
-            from numba import from_dtype, types
-            expect, contiguous = self.dtype.itemsize, True
-            for n, stride in zip(reversed(self.shape), reversed(self.strides)):
-                contiguous &= n == 1 or stride == expect
-                expect *= n
-            key = (self.dtype, len(self.shape), "C" if contiguous else "A")
-            self._type = _ARRAY_TYPES.get(key)
-            if self._type is None:   # building a Numba type costs ~10 us: once per kind of view
-                self._type = _ARRAY_TYPES[key] = types.Array(from_dtype(key[0]), key[1], key[2])
+            self._type = _layout(self.shape, self.strides, self.dtype)[0]
         return self._type
 
 
 _ARRAY_TYPES = {}
+_LAYOUTS = {}          # (shape, strides, dtype) -> (Numba type, packed kernel argument)
+
+
+def _layout(shape, strides, dtype):
+    """(Numba type, the argument's words but the data pointer) of a view geometry, worked out once
+    per geometry: a call's views repeat the last call's shapes, and typing one costs ~5 us."""
+    key = (shape, strides, dtype)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        from numba import from_dtype, types
+        expect, contiguous, size = dtype.itemsize, True, 1
+        for n, stride in zip(reversed(shape), reversed(strides)):
+            contiguous &= n == 1 or stride == expect
+            expect *= n
+            size *= n
+        tkey = (dtype, len(shape), "C" if contiguous else "A")
+        numba_type = _ARRAY_TYPES.get(tkey)
+        if numba_type is None:   # building a Numba type costs ~10 us: once per kind of view
+            numba_type = _ARRAY_TYPES[tkey] = types.Array(from_dtype(dtype), len(shape), tkey[2])
+        if len(_LAYOUTS) >= 4096:
+            _LAYOUTS.clear()
+        # Numba's kernel ABI for an array: meminfo, parent, size, itemsize, data, shape, strides
+        hit = _LAYOUTS[key] = (numba_type, (0, 0, size, dtype.itemsize), (*shape, *strides))
+    return hit
 
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 MAX_SHARED_BYTES = 227 * 1024   # dynamic shared memory a thread block may opt into (sm_90)
-_compiled = {}        # (kernel, argument types) -> _Launcher
+_compiled = {}        # ids of (kernel, argument types) -> _Launcher
 _thread = threading.local()   # .has_context: this thread made Numba's CUDA context current
 
 
@@ -192,45 +208,66 @@ def launch(kern, grid, block, shared_bytes, stream, *args):
         # threads. current_context() makes Numba's (the device's primary) context current here.
         cuda.current_context()
         _thread.has_context = True
+    # keyed by identities (Numba types are interned and kept in _ARRAY_TYPES / _SCALAR_TYPES; the
+    # launcher keeps the kernel): hashing the types themselves costs ~1 us each
     sig = tuple(a.numba_type if isinstance(a, KernelView) else _SCALAR_TYPES[type(a)] for a in args)
-    launcher = _compiled.get((kern, sig))
+    key = (id(kern), *map(id, sig))
+    launcher = _compiled.get(key)
     if launcher is None:
-        launcher = _compiled[(kern, sig)] = _Launcher(kern, sig)
+        launcher = _compiled[key] = _Launcher(kern, sig)
     launcher(grid, block, shared_bytes, stream, args)
 
 
 class _Launcher:
-    """One compiled kernel and the driver calls that launch it."""
+    """One compiled kernel and the driver calls that launch it.
+
+    The kernel's parameters are 8-byte words (an array: meminfo, parent, size, itemsize, data,
+    shape..., strides...; a 4-byte scalar: its bits in the low half of a word) written into a
+    buffer of this thread's, whose word addresses (the void*[] cuLaunchKernel reads) are worked
+    out once; the driver copies the parameters before cuLaunchKernel returns, so the buffer is
+    free again at once."""
 
     def __init__(self, kern, sig):
         import numpy as np
         from cuda.bindings import driver as cu
 
-        self.cu, self.np = cu, np
+        self.cu, self.np, self.kernel = cu, np, kern
         self.cufunc = _load_or_compile(kern, sig)
         # A CUkernel handle may be passed to cuLaunchKernel cast to a CUfunction.
         self.function = cu.CUfunction(int(self.cufunc.handle))
         self.shared_allowed = _DEFAULT_SHARED_LIMIT
         self.streams = {}
+        self.buffers = threading.local()
+        self.words = sum(5 + 2 * t.ndim if hasattr(t, "ndim") else 1 for t in sig)
+
+    def _buffer(self):
+        buf = getattr(self.buffers, "slots", None)
+        if buf is None:
+            np = self.np
+            words = np.zeros(self.words, dtype=np.int64)
+            pointers = words.__array_interface__["data"][0] + 8 * np.arange(self.words, dtype=np.uint64)
+            buf = self.buffers.slots = (words, words.view(np.int32), words.view(np.float32), pointers)
+        return buf
 
     def __call__(self, grid, block, shared_bytes, stream, args):
-        np, cu = self.np, self.cu
+        cu = self.cu
         if shared_bytes > self.shared_allowed:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(cu.cuKernelSetAttribute(attr, shared_bytes, self.cufunc.handle,
                                            self.cufunc.device.id))
             self.shared_allowed = shared_bytes
-        values = []
+        words, as_i32, as_f32, pointers = self._buffer()
+        at = 0
         for a in args:
             if isinstance(a, KernelView):
-                size = 1
-                for n in a.shape:
-                    size *= n
-                values += [0, 0, size, a.dtype.itemsize, a.ptr, *a.shape, *a.strides]
-            else:   # a 4-byte scalar, as its bits in the low half of an 8-byte slot
-                values.append(int(np.asarray(a).view(np.uint32)))
-        slots = np.array(values, dtype=np.int64)
-        pointers = slots.ctypes.data + 8 * np.arange(len(values), dtype=np.uint64)
+                _, head, tail = _layout(a.shape, a.strides, a.dtype)
+                words[at:at + 4] = head
+                words[at + 4] = a.ptr
+                words[at + 5:at + 5 + len(tail)] = tail
+                at += 5 + len(tail)
+            else:   # np.int32 / np.float32: its 4 bytes at the start of the word (little-endian)
+                (as_f32 if isinstance(a, self.np.float32) else as_i32)[2 * at] = a
+                at += 1
         cu_stream = self.streams.get(stream)
         if cu_stream is None:
             cu_stream = self.streams[stream] = cu.CUstream(stream)

@@ -1,7 +1,12 @@
-"""Host time per call: fa2.forward, its argument checks and allocation alone (`prepare`), and torch
-SDPA's flash backend, on a problem too small for the GPU to matter (128 blocks of one K/V step).
+"""Host time per call, forward and backward, of the variants and of torch SDPA's flash backend, on
+a problem too small for the GPU to matter (B=1, N=64, 128 heads of 64: one K/V step a block), and
+the same calls replayed from a CUDA graph (what is left when the host path is gone).
 
-    python experiments/host_overhead.py        (GPU host, torch installed)
+    python experiments/host_overhead.py [variants, default fa2,fa3]     (GPU host, torch installed)
+
+Per call: 300 calls back to back, wall clock to a final synchronize, after 20 warm-up calls.
+"prepare" is the argument checks, output allocation and kernel views alone; "backward" is
+variants.backward given O and LSE (torch: autograd.grad of O with dO, the forward's graph kept).
 """
 import sys
 import time
@@ -25,23 +30,57 @@ def per_call_us(fn, calls=300):
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def main():
-    import numpy as np
+def graph_replay_us(fn, calls=300):
+    """Per-call time of fn captured once in a CUDA graph and replayed `calls` times."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return per_call_us(graph.replay, calls)
 
-    from common import inputs
+
+def main(names=("fa2", "fa3")):
+    import numpy as np
+    import torch
+
+    import variants
+    from common import inputs, target
     from common.problem import prepare
     from experiments import peers
-    from variants import fa2
 
-    q = inputs.to_device(inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")[0],
-                         "torch")
+    q, k, v, do = (inputs.to_device(x, "torch") for x in
+                   inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")
+                   + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
+    rows = []
+    for name in names:
+        module = variants.get(name)
+        o, lse = module.forward(q, k, v)
+        fwd = lambda m=module: m.forward(q, k, v)                                 # noqa: E731
+        bwd = lambda m=module: m.backward(do, q, k, v, o, lse)                    # noqa: E731
+        rows.append((name, "forward", per_call_us(fwd), graph_replay_us(fwd)))
+        rows.append((name, "backward", per_call_us(bwd), graph_replay_us(bwd)))
+    rows.append(("prepare", "forward", per_call_us(
+        lambda: prepare(q, q, q, causal=False, softmax_scale=None, out=None, head_dims=(64, 128),
+                        variant="fa2")), float("nan")))
     sdpa = peers.forward_fn("sdpa_flash", False, None, False)
-    for name, fn in [("fa2.forward", lambda: fa2.forward(q, q, q)),
-                     ("prepare only", lambda: prepare(q, q, q, causal=False, softmax_scale=None,
-                                                      out=None, head_dims=fa2.HEAD_DIMS, variant="fa2")),
-                     ("sdpa_flash", lambda: sdpa(q, q, q))]:
-        print(f"host time per call, {name}: {per_call_us(fn):.1f} us")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with torch.no_grad():
+        rows.append(("sdpa_flash", "forward", per_call_us(lambda: sdpa(q, k, v)),
+                     graph_replay_us(lambda: sdpa(q, k, v))))
+    o_t = sdpa(*leaves)
+    rows.append(("sdpa_flash", "backward", per_call_us(
+        lambda: torch.autograd.grad(o_t, leaves, do, retain_graph=True)), float("nan")))
+    print(f"# {target.describe()}, torch {torch.__version__}; microseconds a call")
+    print(f"{'what':12s} {'pass':9s} {'eager':>8s} {'graph':>8s}")
+    for name, pass_, eager, graph in rows:
+        print(f"{name:12s} {pass_:9s} {eager:8.1f} {graph:8.1f}")
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(sys.argv[1].split(",")) if len(sys.argv) > 1 else ("fa2", "fa3"))

@@ -404,7 +404,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
     cfg = default_config(prob.head_dim, prob.is_bf16, causal, **options)
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, sm90.PANEL_COLS),
                               (prob.k, cfg.block_n, sm90.PANEL_COLS),
-                              (prob.v, cfg.block_n, sm90.PANEL_COLS)))
+                              (prob.v, cfg.block_n, sm90.PANEL_COLS)), prob.stream)
     grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
