@@ -115,16 +115,16 @@ def test_unroll_pass_marks_exactly_the_back_edges():
 
 
 def test_kernel_cache_keys_tell_every_kernel_apart():
-    """FA_KERNEL_CACHE (common.target): every compile target gets its own key, from the constants
+    """FA_KERNEL_CACHE (common.kernel_cache): every compile target gets its own key, from the constants
     its closure holds; a kernel closing over something the key cannot describe is not cached."""
-    code = ("from importlib import import_module\nfrom common import compile_report, target\n"
+    code = ("from importlib import import_module\nfrom common import compile_report, kernel_cache\n"
             "keys, n = set(), 0\n"
             "for mod in compile_report.variant_modules():\n"
             "    for name, kern, argtypes, mma in import_module(mod).compile_targets():\n"
-            "        keys.add(target.cache_key(kern, tuple(argtypes), (9, 0)))\n"
+            "        keys.add(kernel_cache.cache_key(kern, tuple(argtypes), (9, 0)))\n"
             "        n += 1\n"
             "        if name.startswith(('fa1 backward', 'standard scores d=64 bf16')):\n"
-            "            print(name.split()[0], target.source_modules(kern))\n"
+            "            print(name.split()[0], kernel_cache.source_modules(kern))\n"
             "print(n, len(keys))")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -137,7 +137,7 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
     # standard's must not).
     assert "fa1 ('variants.fa2_backward',)" in out.stdout and "standard ('variants.standard',)" in out.stdout
 
-    from common.target import closure_constants
+    from common.kernel_cache import closure_constants
 
     def build(block, obj):
         def helper():

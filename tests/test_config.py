@@ -81,6 +81,16 @@ def test_main_job_checks_and_writes_a_row(tmp_path):
     assert ours["variant"] == "fa2" and ours["check"] == "ok" and ours["status"] == "ok"
     if MODE == "sim":
         assert "mean nothing" in out.stdout and ours["fwd_tflops"] == ""
+    # one screen: what ran and where, the table, where the CSV went (no library logs)
+    assert len(out.stdout.splitlines()) <= 12 and "][INFO]" not in out.stdout, out.stdout[-3000:]
+
+
+def test_numba_and_cupy_log_quietly_unless_asked():
+    """Hydra's job logging sends the root logger's INFO to the console; numba's CUDA driver logs
+    an INFO line per freed event (1 261 lines in one GPU job), so it and cupy stay at WARNING."""
+    loggers = composed().hydra.job_logging.loggers
+    assert loggers.numba.level == "WARNING" and loggers.cupy.level == "WARNING"
+    assert composed("hydra.verbose=numba").hydra.verbose == "numba"
 
 
 def test_sweep_writes_one_table(tmp_path):
