@@ -5,6 +5,7 @@ import pytest
 from tests.conftest import ON_GPU
 from tests.test_backward import backward_and_check
 
+pytestmark = pytest.mark.slow
 
 # The backward's switches, each away from its default (dq="atomic", dq_reduce="bulk",
 # query_warps=2): each must still give exact gradients.

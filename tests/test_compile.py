@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow   # compiles every kernel: most of the suite's time on a CPU
 
 
 @pytest.fixture(scope="module")

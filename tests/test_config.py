@@ -93,6 +93,7 @@ def test_numba_and_cupy_log_quietly_unless_asked():
     assert composed("hydra.verbose=numba").hydra.verbose == "numba"
 
 
+@pytest.mark.slow
 def test_sweep_writes_one_table(tmp_path):
     out = run(["-m", "variant=standard,fa2", "problem.seqlen=8", "problem.heads=1",
                "bench.peers=[]", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
@@ -102,6 +103,7 @@ def test_sweep_writes_one_table(tmp_path):
     assert all(r["check"] == "ok" for r in rows)
 
 
+@pytest.mark.slow
 def test_backward_pass_job_checks_gradients(tmp_path):
     """pass=fwd_bwd: forward and backward timed together, dq, dk, dv checked against float64."""
     out = run(["pass=fwd_bwd", "problem.seqlen=20", "problem.heads=1", "problem.causal=true",

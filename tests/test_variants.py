@@ -62,18 +62,26 @@ MATRIX = [(v, *case) for v in VARIANTS for case in CASES
           if ON_GPU or not ((v == "fa1" and case[0] == 130) or (v == "fa3" and case not in SIM_FA3))]
 
 
-@pytest.mark.parametrize("variant, seqlen, causal, dtype, head_dim", MATRIX)
+# The quick loop (pytest -m "not slow") keeps one case per variant: N=17 (ragged), causal, bf16, d=64.
+QUICK_CASE = (17, True, "bfloat16", 64)
+
+
+@pytest.mark.parametrize("variant, seqlen, causal, dtype, head_dim",
+                         [c if c[1:] == QUICK_CASE else pytest.param(*c, marks=pytest.mark.slow)
+                          for c in MATRIX])
 def test_matches_reference(rng, variant, seqlen, causal, dtype, head_dim):
     run_and_check(rng, variant, batch=BATCH, seqlen=seqlen, heads=HEADS, head_dim=head_dim,
                   dtype=dtype, causal=causal)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_grouped_query_heads_and_batch(rng, variant):
     run_and_check(rng, variant, batch=2, seqlen=33, heads=2, heads_kv=1, head_dim=64,
                   dtype="bfloat16", causal=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rectangular_with_custom_scale(rng, variant):
     run_and_check(rng, variant, batch=1, seqlen=17, seqlen_k=130, heads=1, head_dim=64,
@@ -88,6 +96,7 @@ FA2_OPTIONS = [dict(pipeline=False), dict(kv_stages=1), dict(kv_stages=1, pipeli
                dict(causal_skip=False, block_m=64)]   # rows 0-63 then also visit keys 64-127
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", FA2_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_fa2_options(rng, options):
     options = dict(options)
@@ -108,6 +117,7 @@ FA1_CASES = (list(itertools.product(FA1_OPTIONS, [False, True])) if ON_GPU else
              [(o, c) for o, c in zip(FA1_OPTIONS, [False, True, True, True, False, True, False])])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options, causal", FA1_CASES,
                          ids=[",".join([f"{k}={v}" for k, v in o.items()] + [f"causal={c}"])
                               for o, c in FA1_CASES])
@@ -142,6 +152,7 @@ def test_fa3_three_consumer_warpgroups(rng, causal, intra_overlap):
                   causal=causal, block_m=192, intra_overlap=intra_overlap)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options, causal", FA3_CASES,
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items())
                          if isinstance(o, dict) else f"causal={o}")
