@@ -63,3 +63,20 @@ class PerInputSet:
     def prime(self):
         for j in range(self._n):
             self[j]
+
+
+def capture_cuda_graph(fn, warmup=2):
+    """(graph, fn's result) of fn captured once in a torch CUDA graph, by torch's recipe: warm-up
+    calls on a side stream first (kernels compiled, launchers and caches made outside the
+    capture). graph.replay() reruns it on whatever the captured tensors then hold."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

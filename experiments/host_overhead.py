@@ -32,16 +32,8 @@ def per_call_us(fn, calls=300):
 
 def graph_replay_us(fn, calls=300):
     """Per-call time of fn captured once in a CUDA graph and replayed `calls` times."""
-    import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from common.timing import capture_cuda_graph
+    graph, _ = capture_cuda_graph(fn, warmup=3)
     return per_call_us(graph.replay, calls)
 
 

@@ -7,6 +7,7 @@ import copy
 import pytest
 
 import variants
+from common import timing
 
 pytestmark = pytest.mark.gpu
 
@@ -43,28 +44,13 @@ def training_step(model, x):
     return loss.detach()
 
 
-def capture(torch, fn):
-    """torch's recipe: warm up on a side stream (kernels compiled, launchers and caches made), then
-    capture one call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 @pytest.mark.parametrize("variant", [v for v in variants.REGISTRY if v != "fa3"])
 def test_training_step_replays_with_new_inputs(variant):
     torch = pytest.importorskip("torch")
     model = small_model(torch, variant)
     reference = copy.deepcopy(model)   # the eager steps' own parameters and autograd nodes
     x = torch.randn(BATCH, SEQLEN, WIDTH, device="cuda", dtype=torch.bfloat16)
-    graph, loss = capture(torch, lambda: training_step(model, x))
+    graph, loss = timing.capture_cuda_graph(lambda: training_step(model, x))
     for seed in (1, 2):
         new = torch.randn(x.shape, device="cuda", dtype=x.dtype,
                           generator=torch.Generator("cuda").manual_seed(seed))
@@ -86,7 +72,8 @@ def test_fa3_forward_replays_with_new_inputs(rng):
     from common import inputs
     q, k, v = (inputs.to_device(x, "torch") for x in inputs.random_qkv(rng, 2, 300, 2, 128,
                                                                         "bfloat16"))
-    graph, (o, lse) = capture(torch, lambda: variants.forward(q, k, v, variant="fa3", causal=True))
+    graph, (o, lse) = timing.capture_cuda_graph(
+        lambda: variants.forward(q, k, v, variant="fa3", causal=True))
     for _ in range(2):
         for x, new in zip((q, k, v), inputs.random_qkv(rng, 2, 300, 2, 128, "bfloat16")):
             x.copy_(inputs.to_device(new, "torch"))
@@ -102,4 +89,4 @@ def test_fa3_in_a_captured_training_step_says_what_to_do():
     model = small_model(torch, "fa3")
     x = torch.randn(BATCH, SEQLEN, WIDTH, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="fa3 under CUDA-graph capture"):
-        capture(torch, lambda: training_step(model, x))
+        timing.capture_cuda_graph(lambda: training_step(model, x))
