@@ -15,9 +15,10 @@ What makes it FA3 rather than FA2 (variants/fa2.py):
   waits for a stage's K (then V) buffer to be released (its "empty" mbarrier), then issues K_j
   (V_j) into it (the "full" mbarriers); the consumer warpgroups wait on "full", compute, and
   release K once S_j has landed, V once O has. With `stages` buffers the copies run up to
-  stages - 1 blocks ahead of the compute, with no block-wide barrier in the loop. `setmaxnreg=True`: the producer is a whole warpgroup that drops to 24 registers a
-  thread so that the consumers may take 240 (FA3's split); False: a producer warp beside them
-  (288 threads, at most 168 registers each: ptxas budgets registers by warpgroup).
+  stages - 1 blocks ahead of the compute, with no block-wide barrier in the loop.
+  `setmaxnreg=True`: the producer is a whole warpgroup that drops to 24 registers a thread so
+  that the consumers may take 240 (FA3's split); False: a producer warp beside them (288
+  threads, at most 168 registers each: ptxas budgets registers by warpgroup).
 
 Alg.1 of the FA3 paper, with its line numbers (producer: l.3-9; consumer: l.10-22):
   producer  l.5  load Q_i;  l.6-8  for j: wait for stage j % s to be released, load K_j, V_j
