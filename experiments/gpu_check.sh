@@ -3,7 +3,7 @@
 # a short table printed last.
 #   OUT=<dir> experiments/gpu_check.sh [tests] [compile] [quick] [grid]   (default: all four)
 #   tests    pytest on the GPU (the same suite CI runs in the simulator, plus the GPU-only tests),
-#            as 21 pytest processes at once: it is compile-bound (the groups' times add up to
+#            as 22 pytest processes at once: it is compile-bound (the groups' times add up to
 #            about an hour cold), and the groups compile in parallel on the host's cores. Cold on
 #            the 16-core H100 host, as 14 groups, fa1's forward and the real-size backward took
 #            9.4 minutes and the options and fa1's backward more than 9.6 (session 9), hence the
@@ -49,7 +49,8 @@ for step in $steps; do
                 "bwd_real_64|$B -k real_size and 64" "bwd_real_128|$B -k real_size and 128"
                 "bwd_protocol_64|$B -k protocol and 64" "bwd_protocol_128|$B -k protocol and 128"
                 "fwd_fa2_64|$V -k fa2 and 64" "fwd_fa2_128|$V -k fa2 and 128"
-                "fwd_fa1_64|$V -k fa1 and 64" "fwd_fa1_128|$V -k fa1 and 128" "fwd_rest|$V -k not fa2 and not fa1")
+                "fwd_fa1_64|$V -k fa1 and 64" "fwd_fa1_128|$V -k fa1 and 128" "fwd_rest|$V -k not fa2 and not fa1"
+                "graphs_sm90|tests/test_graphs.py tests/test_sm90.py")
         pids=()
         for g in "${groups[@]}"; do
           name=${g%%|*} spec=${g#*|}
