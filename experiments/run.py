@@ -41,6 +41,8 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            "fwd_tflops", "gpu", "seqlen_k", "heads_kv", "fwd_ms_min", "fwd_ms_max", "reps",
            "rel_err", "max_err", "lse_err", "check", "status", "mode", "library", "options",
            "label", "seed", "job",
+           # the forward's configuration as it ran: the options above over the variant's defaults
+           "config",
            # the pass timed (fwd, bwd, fwd_bwd) and its times (fwd_* above: pass=fwd only)
            "pass", "ms", "tflops", "ms_min", "ms_max", "dq_err", "dk_err", "dv_err", "peak_mem_mib"]
 PASSES = ("fwd", "bwd", "fwd_bwd")
@@ -166,8 +168,12 @@ def run_job(cfg, mode):
 
     shown = dict(options, **{f"bwd.{k}": v for k, v in backward_options.items()}) if backward \
         else options
-    rows = [measure(cfg.variant.name, pass_fn(pass_, ours_forward, ours_backward, sets), ctx,
-                    options=shown, workspace=_workspace(module, prob, backward))]
+    config = resolved_config(module, prob, dtype, options)
+    if config:
+        print(f"{cfg.variant.name} configuration: {config}")
+    rows = [dict(measure(cfg.variant.name, pass_fn(pass_, ours_forward, ours_backward, sets), ctx,
+                         options=shown, workspace=_workspace(module, prob, backward)),
+                 config=config)]
     peer_jobs = cfg.bench.peer_variants
     if peers.available() and mode == "gpu" and library == "torch" and (
             peer_jobs is None or cfg.variant.name in peer_jobs):
@@ -208,6 +214,16 @@ def _workspace(module, prob, backward):
         fn = getattr(module, name, None)
         total = max(total, fn(*shape) if fn else 0)
     return total
+
+
+def resolved_config(module, prob, dtype, options):
+    """The forward's configuration for this problem as 'name=value;...' over the variant's OPTIONS
+    (its defaults where the config left an option null), or '' for a variant without one."""
+    default_config = getattr(module, "default_config", None)
+    if default_config is None:
+        return ""
+    chosen = default_config(prob["head_dim"], dtype == "bfloat16", prob["causal"], **options)
+    return ";".join(f"{k}={getattr(chosen, k)}" for k in module.OPTIONS)
 
 
 def measure(name, fn, ctx, options=None, workspace=0):
