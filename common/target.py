@@ -229,9 +229,9 @@ class _Launcher:
         import numpy as np
         from cuda.bindings import driver as cu
 
-        self.cu, self.np, self.kernel = cu, np, kern
         from common import kernel_cache
 
+        self.cu, self.np, self.kernel = cu, np, kern   # the kernel kept alive: launch keys by id
         self.cufunc = kernel_cache.load_or_compile(kern, sig)
         # A CUkernel handle may be passed to cuLaunchKernel cast to a CUfunction.
         self.function = cu.CUfunction(int(self.cufunc.handle))
