@@ -157,6 +157,21 @@ pack_bf16x2 = _make_pack("bf16")
 pack_f16x2 = _make_pack("f16")
 
 
+@intrinsic
+def pack_e4m3x4(typingctx, x0, x1, x2, x3):
+    """Two cvt.rn.satfinite.e4m3x2.f32 (sm_89+; d = {cvt(a) high byte, cvt(b) low byte}) and a
+    mov of the two 16-bit halves: x0 lands in the register's lowest byte (lowest address)."""
+    sig = types.uint32(x0, x1, x2, x3)
+    text = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
+
+    def codegen(context, builder, sig, args):
+        xs = [_as(context, builder, a, t, types.float32) for a, t in zip(args, sig.args)]
+        return _asm(builder, _i32, xs, text, "=r,f,f,f,f")
+
+    return sig, codegen
+
+
 def _make_unpack(ptx_type):
     text = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
             f"cvt.f32.{ptx_type} $0, lo; cvt.f32.{ptx_type} $1, hi; }}")

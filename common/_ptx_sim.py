@@ -39,6 +39,21 @@ def float_to_halves(x, dtype):
     return np.asarray(x, dtype=np.float32).astype(_DTYPES[dtype]).view(np.uint16)
 
 
+E4M3_MAX = 448.0
+
+
+def bytes_to_float(bits):
+    """uint8 bit patterns of float8_e4m3fn -> float64 values."""
+    return np.asarray(bits, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def float_to_e4m3(x):
+    """fp32 values -> float8_e4m3fn bit patterns as cvt.rn.satfinite does it: rounded to nearest
+    even, clamped to +-448 (the largest finite e4m3; the format has no infinity), NaN kept."""
+    x = np.clip(np.asarray(x, dtype=np.float32), -E4M3_MAX, E4M3_MAX)
+    return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
 # (row, col) of the 16-bit halves of each lane's registers, in register order (low half first).
 _A_ROW = np.stack([_G, _G, _G + 8, _G + 8, _G, _G, _G + 8, _G + 8], axis=1)
 _A_COL = np.stack([2 * _T, 2 * _T + 1] * 2 + [2 * _T + 8, 2 * _T + 9] * 2, axis=1)
@@ -263,6 +278,12 @@ def _make_pack(dtype):
 
 pack_bf16x2 = _make_pack("bfloat16")
 pack_f16x2 = _make_pack("float16")
+
+
+def pack_e4m3x4(x0, x1, x2, x3):
+    """Four fp32 values -> one register of four e4m3 bytes, x0 in the lowest byte."""
+    b = float_to_e4m3([x0, x1, x2, x3]).astype(np.uint32)
+    return np.uint32(b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24))
 
 
 def _make_unpack(dtype):

@@ -17,7 +17,8 @@ from common.target import SIMULATOR, KernelView
 
 # The element types this project handles, by the names used in configs, CSVs and error messages.
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-          "float32": np.dtype(np.float32)}
+          "float32": np.dtype(np.float32), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+          "uint8": np.dtype(np.uint8)}
 
 
 def _torch_module(x):
@@ -140,7 +141,8 @@ class _HostView:
 
 
 def empty(library, shape, dtype, like=None):
-    """A new device array of `library`'s own type ('float16', 'bfloat16' or 'float32')."""
+    """A new device array of `library`'s own type, dtype one of DTYPES ('float8_e4m3fn' for torch
+    only: CuPy and Numba keep e4m3 as its 'uint8' bits)."""
     if library == "torch":
         import torch
         return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
@@ -149,6 +151,17 @@ def empty(library, shape, dtype, like=None):
         import cupy
         return cupy.empty(shape, dtype=np_dtype)
     return cuda.device_array(shape, dtype=np_dtype)  # numba, the simulator, and anything else
+
+
+def zeros(library, shape, dtype, like=None):
+    """`empty`, filled with zeros (by the library, on the caller's stream)."""
+    if library == "torch":
+        import torch
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.device)
+    if library == "cupy":
+        import cupy
+        return cupy.zeros(shape, dtype=DTYPES[dtype])
+    return cuda.to_device(np.zeros(shape, dtype=DTYPES[dtype]))
 
 
 def stream_of(d):

@@ -5,7 +5,9 @@ distinct configuration is built and validated once (it keys the kernel caches)."
 from dataclasses import fields, replace
 from functools import lru_cache
 
-PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal")   # what every Config starts with: not options
+# What every Config starts with, and what a variant's Config may add after them (fa3: its FP8
+# inputs): set from the problem, never options.
+PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales")
 
 
 def options_of(config_class):
@@ -19,13 +21,18 @@ def default_config_function(variant, config_class, defaults, option_names, head_
     that are not None, validated."""
 
     @lru_cache(maxsize=None)
-    def build(head_dim, is_bf16, causal, chosen):
-        base = config_class(head_dim, is_bf16, causal)
-        fields = dict(defaults[head_dim], **defaults.get((head_dim, causal), {}))
+    def build(head_dim, is_bf16, causal, chosen, problem):
+        base = config_class(head_dim, is_bf16, causal, **dict(problem))
+        keys = [head_dim, (head_dim, causal)] + [(head_dim, k) for k, v in problem if v is True]
+        fields = {}
+        for key in keys:
+            fields.update(defaults.get(key, {}))
         return replace(base, **dict(fields, **dict(chosen))).validate()
 
-    def default_config(head_dim, is_bf16, causal, **options):
-        """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options."""
+    def default_config(head_dim, is_bf16, causal, problem=(), **options):
+        """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options.
+        problem: ((field, value), ...) of the Config's further problem fields (fa3: fp8); a true
+        one may have defaults of its own, DEFAULTS[(head_dim, field)]."""
         unknown = set(options) - set(option_names)
         if unknown:
             raise ValueError(f"{variant} has no option {', '.join(sorted(unknown))}; its options: "
@@ -33,6 +40,6 @@ def default_config_function(variant, config_class, defaults, option_names, head_
         if head_dim not in head_dims:
             raise ValueError(f"{variant} supports head_dim in {head_dims}, got {head_dim}")
         chosen = {k: v for k, v in options.items() if v is not None}
-        return build(head_dim, is_bf16, causal, tuple(sorted(chosen.items())))
+        return build(head_dim, is_bf16, causal, tuple(sorted(chosen.items())), tuple(problem))
 
     return default_config

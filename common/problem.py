@@ -2,7 +2,7 @@
 
 `prepare` validates q, k, v (and optional preallocated outputs) with errors that name the problem,
 and returns the zero-copy views the kernels take:
-  q, k, v  (B, H, N, d) uint16          o32  (B, H, N_q, d/2) uint32 over the output
+  q, k, v  (B, H, N, d) uint16 (uint8 for FP8 inputs)     o32  (B, H, N_q, d/2) uint32 over the output
   lse      (B, H, N_q) float32
 """
 import math
@@ -14,7 +14,9 @@ from numba import types
 
 from common import arrays
 
-_BSHD_TO_BHSD = (0, 2, 1, 3)   # flash_attn_func layout (batch, seq, heads, dim) -> (batch, heads, seq, dim)
+_BSHD_TO_BHSD = (0, 2, 1, 3)
+HALF_DTYPES = ("float16", "bfloat16")
+FP8_DTYPES = ("float8_e4m3fn", "uint8")   # e4m3 as torch/ml_dtypes have it, or its bits   # flash_attn_func layout (batch, seq, heads, dim) -> (batch, heads, seq, dim)
 
 # Numba types of the views `prepare` makes (what kernels are specialised on), for compiling kernels
 # ahead of time on machines without a GPU (tests/test_compile.py).
@@ -32,6 +34,7 @@ class AttentionProblem:
     n_k: int
     head_dim: int
     dtype: str
+    out_dtype: str
     causal: bool
     softmax_scale: float
     q: object
@@ -47,7 +50,12 @@ class AttentionProblem:
 
     @property
     def is_bf16(self):
-        return self.dtype == "bfloat16"
+        """The 16-bit type the kernel computes with and writes (the output's)."""
+        return self.out_dtype == "bfloat16"
+
+    @property
+    def is_fp8(self):
+        return self.dtype in FP8_DTYPES
 
     @property
     def kv_group(self):
@@ -61,13 +69,20 @@ class AttentionProblem:
         return arrays.empty(self.library, shape, dtype, like=self.like)
 
 
-def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant):
+def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=HALF_DTYPES,
+            out_dtype=None):
+    """dtypes: the input types the variant takes; out_dtype: the output's ("float16" or
+    "bfloat16"), None for q's (16-bit inputs)."""
     dq, dk, dv = (arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     # Everything but the addresses is checked once per (shapes, strides, dtypes, options): a
     # training step calls with the same geometry every time, and the checks cost more than the
     # launch (issue: host overhead).
     b, n_q, h, n_k, h_kv, d = _check_geometry(_geometry(dq), _geometry(dk), _geometry(dv),
-                                              bool(causal), tuple(head_dims), variant)
+                                              bool(causal), tuple(head_dims), variant, dtypes)
+    out_dtype = dq.dtype if out_dtype is None else out_dtype
+    if out_dtype not in HALF_DTYPES:
+        raise TypeError(f"the output is float16 or bfloat16, not {out_dtype}")
+    element = np.uint16 if dq.itemsize == 2 else np.uint8
     for x, name in ((dq, "q"), (dk, "k"), (dv, "v")):
         _check_address(x, name)
     if softmax_scale is None:
@@ -77,14 +92,14 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
     if out is None:   # contiguous, of the right shape and dtype by construction
-        o_out = arrays.empty(dq.library, (b, n_q, h, d), dq.dtype, like=q)
+        o_out = arrays.empty(dq.library, (b, n_q, h, d), out_dtype, like=q)
         lse_out = arrays.empty(dq.library, (b, h, n_q), "float32", like=q)
         do, dl = arrays.describe(o_out), arrays.describe(lse_out)
     else:
         o_out, lse_out = out
         do, dl = arrays.describe(o_out, "out[0] (o)"), arrays.describe(lse_out, "out[1] (lse)")
-        if do.shape != dq.shape or do.dtype != dq.dtype:
-            raise ValueError(f"out[0] must be {dq.dtype} of shape {dq.shape}, got {do.dtype} "
+        if do.shape != dq.shape or do.dtype != out_dtype:
+            raise ValueError(f"out[0] must be {out_dtype} of shape {dq.shape}, got {do.dtype} "
                              f"{do.shape}")
         if dl.shape != (b, h, n_q) or dl.dtype != "float32":
             raise ValueError(f"out[1] must be float32 of shape {(b, h, n_q)}, got {dl.dtype} "
@@ -95,10 +110,10 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant):
 
     return AttentionProblem(
         batch=b, heads=h, heads_kv=h_kv, n_q=n_q, n_k=n_k, head_dim=d, dtype=dq.dtype,
-        causal=bool(causal), softmax_scale=softmax_scale,
-        q=arrays.bits_view(dq, np.uint16, _BSHD_TO_BHSD),
-        k=arrays.bits_view(dk, np.uint16, _BSHD_TO_BHSD),
-        v=arrays.bits_view(dv, np.uint16, _BSHD_TO_BHSD),
+        out_dtype=out_dtype, causal=bool(causal), softmax_scale=softmax_scale,
+        q=arrays.bits_view(dq, element, _BSHD_TO_BHSD),
+        k=arrays.bits_view(dk, element, _BSHD_TO_BHSD),
+        v=arrays.bits_view(dv, element, _BSHD_TO_BHSD),
         o32=arrays.bits_view(do, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
         lse=arrays.bits_view(dl, np.float32),
         o_out=o_out, lse_out=lse_out, library=dq.library, stream=arrays.stream_of(dq), like=q)
@@ -110,7 +125,7 @@ def _geometry(d):
 
 
 @lru_cache(maxsize=1024)
-def _check_geometry(gq, gk, gv, causal, head_dims, variant):
+def _check_geometry(gq, gk, gv, causal, head_dims, variant, dtypes=HALF_DTYPES):
     """(batch, n_q, heads, n_k, heads_kv, head_dim) of valid q, k, v geometries (see _geometry),
     or the error that names what is wrong; exceptions are not cached, so a bad call always
     raises."""
@@ -118,8 +133,8 @@ def _check_geometry(gq, gk, gv, causal, head_dims, variant):
         if len(g[1]) != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim) as in "
                              f"flash_attn_func, got shape {g[1]}")
-        if g[3] not in ("float16", "bfloat16"):
-            raise TypeError(f"{name} has dtype {g[3]}; {variant} takes float16 or bfloat16")
+        if g[3] not in dtypes:
+            raise TypeError(f"{name} has dtype {g[3]}; {variant} takes {' or '.join(dtypes)}")
     if not gq[3] == gk[3] == gv[3]:
         raise TypeError(f"q, k, v must share one dtype, got {gq[3]}, {gk[3]}, {gv[3]}")
     if len({gq[0], gk[0], gv[0]}) != 1:

@@ -14,6 +14,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | bar_arrive                           | bar.arrive (count into a named barrier, do not wait)   |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
+| pack_e4m3x4                          | cvt.rn.satfinite.e4m3x2.f32 (x2): four fp32 -> e4m3    |
 | unpack_bf16x2, unpack_f16x2          | mov.b32 {lo, hi}; cvt.f32.{bf16,f16} (both halves)     |
 | cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
 | global_address, cp_async_16_from     | the same copy from a 64-bit address computed once      |
@@ -43,6 +44,7 @@ bar_arrive = _impl.bar_arrive
 ex2_approx = _impl.ex2_approx
 pack_bf16x2 = _impl.pack_bf16x2
 pack_f16x2 = _impl.pack_f16x2
+pack_e4m3x4 = _impl.pack_e4m3x4
 unpack_bf16x2 = _impl.unpack_bf16x2
 unpack_f16x2 = _impl.unpack_f16x2
 cp_async_16 = _impl.cp_async_16

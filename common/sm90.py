@@ -7,7 +7,7 @@ involves; `common/ptx.py` is the same for the sm_80-style instructions (mma.sync
 |------------------------------------------|-----------------------------------------------------------|
 | shared_address                           | cvta.to.shared (the 32-bit address of a shared element)   |
 | smem_descriptor                          | (arithmetic) a wgmma matrix descriptor, 128-byte swizzle  |
-| wgmma_ss(n, dtype), wgmma_rs(n, dtype)   | wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}       |
+| wgmma_ss(n, dtype), wgmma_rs(n, dtype)   | wgmma.mma_async.sync.aligned.m64n{n}k{16,32}.f32.{dtype}  |
 | wgmma_fence, wgmma_commit, wgmma_wait(k) | wgmma.fence / commit_group / wait_group k                 |
 | mbarrier_init, fence_mbarrier_init       | mbarrier.init.shared::cta.b64, fence.mbarrier_init        |
 | mbarrier_arrive(_expect_tx)              | mbarrier.arrive[.expect_tx].shared::cta.b64               |
@@ -16,12 +16,16 @@ involves; `common/ptx.py` is the same for the sm_80-style instructions (mma.sync
 | tensormap_acquire                        | prefetch.tensormap; fence.proxy.tensormap::generic.acquire|
 | setmaxnreg(direction, count)             | setmaxnreg.{inc,dec}.sync.aligned.u32 (a warpgroup's cap) |
 
+Element types (`dtype`): "bf16", "f16" (16-bit, k16 an instruction) and "e4m3" (FP8, k32; both
+operands K-major: 8-bit wgmma has no transpose, PTX ISA "wgmma.mma_async").
+
 Layouts (PTX ISA, "Matrix Descriptor" and "Shared Memory Matrix Layout"): every operand tile is
-stored as the bulk tensor copy lands it with SWIZZLE_128B: rows of 64 16-bit elements (128 bytes),
-16-byte chunk c of row r at chunk c ^ (r % 8), tiles 1024-byte aligned; a tile wider than 64
-columns is several such 64-column panels one after another. In descriptor terms:
+stored as the bulk tensor copy lands it with SWIZZLE_128B: rows of 128 bytes (64 16-bit or 128
+e4m3 elements), 16-byte chunk c of row r at chunk c ^ (r % 8), tiles 1024-byte aligned; a tile
+wider than that is several such panels one after another. In descriptor terms (e = element bytes):
 - K-major (the contraction index runs along the row: Q and K for S = Q K^T): element (r, k) at
-  byte  (r // 8) * SBO + (r % 8) * 128 + 2k  (SBO = 1024; k < 64; LBO unused),
+  byte  (r // 8) * SBO + (r % 8) * 128 + e k  (SBO = 1024; e k < 128; LBO unused); a k-step (16
+  16-bit or 32 e4m3 elements) is 32 bytes of the row in both cases,
 - MN-major (the other index runs along the row: V for O = P V, read transposed): element (k, n)
   at byte  (n // 64) * LBO + 2 (n % 64) + (k // 8) * SBO + (k % 8) * 128  (LBO = the panel size),
 then the swizzle applied to the whole shared address: byte a -> a ^ (((a >> 7) & 7) << 4).
@@ -31,7 +35,10 @@ row 16 w + g + 8 (j // 2), column 8 c + 2 t + (j % 2) of the warpgroup's 64 x n 
 the warpgroup, g = lane // 4, t = lane % 4): each warp's 16 rows laid out as the m16n8 accumulator
 of mma.sync, so the tile layer's fragment helpers (softmax rows, masks, re-packing as an A operand)
 apply unchanged. The register A operand of wgmma_rs is likewise per warp the A fragment of
-mma.m16n8k16 (rows 16 w..16 w + 15).
+mma.m16n8k16 (rows 16 w..16 w + 15); for e4m3 (k32) register i of a lane holds 4 bytes, byte b at
+row 16 w + g + 8 (i % 2), column 4 t + b + 16 (i // 2) of the warpgroup's 64 x 32 A slice (PTX ISA,
+"Register fragment layout for matrix A", .m64nNk32; CUTLASS's ALayout_64x32), which is NOT where
+the accumulator holds that column: `tiles.accumulator_to_a_e4m3` says how P~ is made to fit.
 """
 import threading
 from functools import lru_cache
@@ -43,6 +50,8 @@ from common.target import SIMULATOR, device_function
 
 SWIZZLE_BYTES = 128          # the swizzle span: one row of a panel
 PANEL_COLS = 64              # 16-bit elements in a 128-byte swizzled row
+ELEMENT_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}
+K_STEP = {"bf16": 16, "f16": 16, "e4m3": 32}   # the K of one wgmma: 32 bytes of A's and B's rows
 SWIZZLE_ATOM_BYTES = 1024    # 8 rows x 128 bytes: the pattern's period, the tiles' alignment
 
 
@@ -72,9 +81,10 @@ def decode_descriptor(desc):
     return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
 
 
-def operand_addresses(desc, rows, k, mn_major):
+def operand_addresses(desc, rows, k, mn_major, element_bytes=2):
     """Byte addresses (after the swizzle) of a wgmma shared-memory operand: for K-major an array
-    [row, kk] (rows x k), for MN-major [kk, n] (k x rows), following the layouts of the header."""
+    [row, kk] (rows x k), for MN-major [kk, n] (k x rows, 16-bit only), following the layouts of
+    the header."""
     start, lbo, sbo = decode_descriptor(desc)
     r = np.arange(rows)
     kk = np.arange(k)
@@ -82,7 +92,8 @@ def operand_addresses(desc, rows, k, mn_major):
         addr = (start + (r[None, :] // PANEL_COLS) * lbo + 2 * (r[None, :] % PANEL_COLS)
                 + (kk[:, None] // 8) * sbo + (kk[:, None] % 8) * SWIZZLE_BYTES)
     else:
-        addr = start + (r[:, None] // 8) * sbo + (r[:, None] % 8) * SWIZZLE_BYTES + 2 * kk[None, :]
+        addr = (start + (r[:, None] // 8) * sbo + (r[:, None] % 8) * SWIZZLE_BYTES
+                + element_bytes * kk[None, :])
     return _swizzle(addr)
 
 
@@ -93,7 +104,7 @@ if SIMULATOR:
 
     from common import _ptx_sim as sim
 
-    _DTYPES = {"bf16": "bfloat16", "f16": "float16"}
+    _DTYPES = {"bf16": "bfloat16", "f16": "float16", "e4m3": "e4m3"}
     WAIT_TIMEOUT_S = 60.0
 
     def _dynamic_shared():
@@ -110,13 +121,17 @@ if SIMULATOR:
             raise ValueError("shared_address: not an element of the dynamic shared memory")
         return np.uint32(addr)
 
-    def _halves_at(addresses):
-        """uint16 values at the given shared byte addresses."""
+    def _values_at(addresses, dtype):
+        """The elements of type `dtype` at the given shared byte addresses, as float64."""
         mem = _dynamic_shared()
         a = np.asarray(addresses, dtype=np.int64)
-        if a.size and (a.min() < 0 or a.max() + 2 > mem.size or (a % 2).any()):
+        size = 1 if dtype == "e4m3" else 2
+        if a.size and (a.min() < 0 or a.max() + size > mem.size or (a % size).any()):
             raise ValueError("a wgmma operand reaches outside shared memory or is misaligned")
-        return mem[a].astype(np.uint16) | (mem[a + 1].astype(np.uint16) << 8)
+        if dtype == "e4m3":
+            return sim.bytes_to_float(mem[a])
+        return sim.halves_to_float(mem[a].astype(np.uint16) | (mem[a + 1].astype(np.uint16) << 8),
+                                   dtype)
 
     def _warpgroup():
         t = threading.current_thread()
@@ -131,19 +146,33 @@ if SIMULATOR:
         col = 8 * (i // 4) + 2 * (lane % 4) + (i % 2)
         return row, col
 
+    _LANE = np.arange(32)[:, None, None]
+    _REG = np.arange(4)[None, :, None]
+    _BYTE = np.arange(4)[None, None, :]
+    # e4m3 A (k32): byte b of register i of a lane, row g + 8 (i % 2), column 4 t + b + 16 (i // 2)
+    _A8_ROW = np.broadcast_to(_LANE // 4 + 8 * (_REG % 2), (32, 4, 4))
+    _A8_COL = np.broadcast_to(4 * (_LANE % 4) + _BYTE + 16 * (_REG // 2), (32, 4, 4))
+
     def _a_from_registers(regs, dtype):
-        """(128, 4) uint32 A registers of a warpgroup -> its 64 x 16 A operand."""
+        """(128, 4) uint32 A registers of a warpgroup -> its 64 x k A operand."""
         regs = np.asarray(regs, dtype=np.uint32)
+        if dtype == "e4m3":
+            a = np.zeros((64, 32))
+            for w in range(4):
+                bytes_ = np.ascontiguousarray(regs[32 * w:32 * w + 32]).view(np.uint8).reshape(32, 4, 4)
+                a[16 * w + _A8_ROW, _A8_COL] = sim.bytes_to_float(bytes_)
+            return a
         return np.concatenate([sim.a_fragment_matrix(regs[32 * w:32 * w + 32], dtype)
                                for w in range(4)])
 
     def _wgmma_apply(ops, n, dtype, a_regs, trans_b):
         """D = A B (+ D): ops[i] = (acc array, A registers or descriptor, B descriptor, scale_d)."""
+        k, size = (32, 1) if dtype == "e4m3" else (16, 2)
         if a_regs:
             a = _a_from_registers([op[1] for op in ops], dtype)
         else:
-            a = sim.halves_to_float(_halves_at(operand_addresses(ops[0][1], 64, 16, False)), dtype)
-        b = sim.halves_to_float(_halves_at(operand_addresses(ops[0][2], n, 16, trans_b)), dtype)
+            a = _values_at(operand_addresses(ops[0][1], 64, k, False, size), dtype)
+        b = _values_at(operand_addresses(ops[0][2], n, k, trans_b, size), dtype)
         b = b if trans_b else b.T                       # K x N
         row, col = _accumulator_rows_cols(n)
         d = a @ b
@@ -287,19 +316,17 @@ if SIMULATOR:
         end) into shared memory at dst with the 128-byte swizzle, then complete_tx of the box's
         bytes on the barrier."""
         src, rows, cols = _TENSOR_MAPS[int(sim._unwrap(tmaps)[int(i), 0])]
-        box = np.zeros((rows, cols), np.uint16)
+        box = np.zeros((rows, cols), src.dtype)
         r0, col0 = int(c1), int(c0)
         part = src[int(c3), int(c2), r0:r0 + rows, col0:col0 + cols]
         box[:part.shape[0], :part.shape[1]] = part
         start = int(shared_address(dst, dst_offset))
-        if start % SWIZZLE_ATOM_BYTES or cols * 2 != SWIZZLE_BYTES:
-            raise ValueError("a 128-byte-swizzled box is 64 16-bit columns at a 1024-aligned address")
+        if start % SWIZZLE_ATOM_BYTES or cols * src.itemsize != SWIZZLE_BYTES:
+            raise ValueError("a 128-byte-swizzled box is 128 bytes wide at a 1024-aligned address")
         addr = _swizzle(start + np.arange(rows)[:, None] * SWIZZLE_BYTES
-                        + 2 * np.arange(cols)[None, :])
-        mem = _dynamic_shared()
-        mem[addr] = (box & 0xFF).astype(np.uint8)
-        mem[addr + 1] = (box >> 8).astype(np.uint8)
-        _barrier(bar_smem, bar_offset)[0].complete_tx(rows * cols * 2)
+                        + np.arange(SWIZZLE_BYTES)[None, :])
+        _dynamic_shared()[addr] = np.ascontiguousarray(box).view(np.uint8)
+        _barrier(bar_smem, bar_offset)[0].complete_tx(rows * SWIZZLE_BYTES)
 
 # =========================================================================== GPU side
 
@@ -326,17 +353,18 @@ else:
     def _make_wgmma(n, dtype, a_regs, trans_b):
         count = n // 2
         d = ",".join(f"${i}" for i in range(count))
+        # 8-bit types have no transpose immediates (imm-trans-a, imm-trans-b): K-major only
+        trans = "" if dtype == "e4m3" else (f", {int(trans_b)}" if a_regs else f", 0, {int(trans_b)}")
         if a_regs:
             a = "{" + ",".join(f"${count + i}" for i in range(4)) + "}"
             b, scale = f"${count + 4}", f"${count + 5}"
-            tail = f"p, 1, 1, {int(trans_b)}"
             ins = ["r", "r", "r", "r", "l", "r"]
         else:
             a, b, scale = f"${count}", f"${count + 1}", f"${count + 2}"
-            tail = f"p, 1, 1, 0, {int(trans_b)}"
             ins = ["l", "l", "r"]
+        tail = "p, 1, 1" + trans
         text = (f"{{ .reg .pred p; setp.ne.b32 p, {scale}, 0; "
-                f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype} "
+                f"wgmma.mma_async.sync.aligned.m64n{n}k{K_STEP[dtype]}.f32.{dtype}.{dtype} "
                 f"{{{d}}}, {a}, {b}, {tail}; }}")
         # the accumulators: outputs $0.., and (after the other inputs) the same registers as inputs
         constraints = ",".join(["=f"] * count + ins + [str(i) for i in range(count)])
@@ -453,10 +481,13 @@ else:
         "selp.u32 $0, 1, 0, p; }", returns=True)
 
     def encode_tensor_map(view, box_rows, box_cols):
-        """cuTensorMapEncodeTiled over a (B, H, N, d) 16-bit view (any strides, head_dim
-        contiguous): dimensions innermost first (d, N, H, B), a box of box_cols x box_rows x 1 x 1,
-        SWIZZLE_128B, zeros past the ends. Returns its 16 words (128 bytes)."""
+        """cuTensorMapEncodeTiled over a (B, H, N, d) view of 16-bit or 8-bit (e4m3, as UINT8:
+        the copy engine moves bits) elements (any strides, the last axis contiguous): dimensions
+        innermost first (d, N, H, B), a box of box_cols x box_rows x 1 x 1, SWIZZLE_128B, zeros
+        past the ends. Returns its 16 words (128 bytes)."""
         from cuda.bindings import driver as cu
+        kind = {2: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                1: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[view.dtype.itemsize]
         b, h, n, d = view.shape
         sb, sh, sn, sd = view.strides
         dims = [cu.cuuint64_t(x) for x in (d, n, h, b)]
@@ -464,7 +495,7 @@ else:
         box = [cu.cuuint32_t(x) for x in (box_cols, box_rows, 1, 1)]
         ones = [cu.cuuint32_t(1)] * 4
         err, tmap = cu.cuTensorMapEncodeTiled(
-            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, cu.cuuint32_t(4), view.ptr,
+            kind, cu.cuuint32_t(4), view.ptr,
             dims, strides, box, ones, cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
             cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -511,22 +542,35 @@ else:
 
 
 def _wgmma_name(n, dtype, a_regs, trans_b):
-    return f"wgmma_m64n{n}k16_{dtype}_{'rs' if a_regs else 'ss'}{'_tb' if trans_b else ''}"
+    return (f"wgmma_m64n{n}k{K_STEP[dtype]}_{dtype}_{'rs' if a_regs else 'ss'}"
+            f"{'_tb' if trans_b else ''}")
+
+
+def _check_wgmma(n, dtype, trans_b):
+    if dtype not in K_STEP:
+        raise ValueError(f"wgmma element type {dtype!r}: one of {', '.join(K_STEP)}")
+    if dtype == "e4m3" and trans_b:
+        raise ValueError("e4m3 wgmma reads B K-major only (no transpose for 8-bit types)")
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma N={n}: a multiple of 8 from 8 to 256")
 
 
 @lru_cache(maxsize=None)
-def wgmma_ss(n, is_bf16, trans_b=False):
+def wgmma_ss(n, dtype, trans_b=False):
     """wgmma(acc, desc_a, desc_b, scale_d): acc (64 x n a warpgroup, fp32) = A B + (acc if scale_d
-    else 0), A (64 x 16) and B (16 x n) both read from shared memory through descriptors (B K-major,
-    i.e. given as n rows of k, unless trans_b)."""
-    return _make_wgmma(n, "bf16" if is_bf16 else "f16", False, trans_b)
+    else 0), A (64 x k) and B (k x n) both read from shared memory through descriptors (B K-major,
+    i.e. given as n rows of k, unless trans_b); k = K_STEP[dtype]."""
+    _check_wgmma(n, dtype, trans_b)
+    return _make_wgmma(n, dtype, False, trans_b)
 
 
 @lru_cache(maxsize=None)
-def wgmma_rs(n, is_bf16, trans_b=True):
+def wgmma_rs(n, dtype, trans_b=True):
     """wgmma(acc, a0, a1, a2, a3, desc_b, scale_d): as wgmma_ss with A from registers (each warp
-    its 16 rows as an mma.m16n8k16 A fragment); B MN-major (k rows of n) unless trans_b=False."""
-    return _make_wgmma(n, "bf16" if is_bf16 else "f16", True, trans_b)
+    its 16 rows as an mma.m16n8k16 A fragment, or for e4m3 the k32 layout of the header); B
+    MN-major (k rows of n) unless trans_b=False (always so for e4m3)."""
+    _check_wgmma(n, dtype, trans_b)
+    return _make_wgmma(n, dtype, True, trans_b)
 
 
 @lru_cache(maxsize=None)
@@ -551,8 +595,9 @@ _MAP_CACHE_SIZE = 256
 
 def tensor_maps(boxes, stream=0):
     """A (len(boxes), 16) uint64 device array of tensor maps, as a KernelView for `launch`:
-    boxes = ((view, box_rows, box_cols), ...) over (B, H, N, d) 16-bit KernelViews. A map depends
-    only on (address, shape, strides, box), so maps are encoded and uploaded once per such key.
+    boxes = ((view, box_rows, box_cols), ...) over (B, H, N, d) KernelViews of 16-bit or 8-bit
+    elements, a box 128 bytes wide. A map depends only on (address, shape, strides, element, box),
+    so maps are encoded and uploaded once per such key.
 
     The upload is a synchronous copy, which a CUDA graph cannot hold: under stream capture (on
     `stream`) only maps already made are usable, i.e. inputs the kernel saw once before the
@@ -561,7 +606,7 @@ def tensor_maps(boxes, stream=0):
     from numba import cuda
 
     from common.target import KernelView
-    key = tuple((v.ptr, v.shape, v.strides, r, c) for v, r, c in boxes)
+    key = tuple((v.ptr, v.shape, v.strides, v.dtype.itemsize, r, c) for v, r, c in boxes)
     hit = _MAP_CACHE.get(key)
     if hit is None:
         if not SIMULATOR and stream_is_capturing(stream):

@@ -72,10 +72,13 @@ def exponentiate_row(s, m, h, base, scale_log2):
 
 
 @device_function
-def online_softmax(s, m_i, l_i, o, scale_log2):
+def online_softmax(s, m_i, l_i, o, scale_log2, log2_shift):
     """Alg.1 l.9 and the rescale of l.10 for one K/V block, in place:
     m_new = max(m_old, rowmax(S)); S <- P~ = exp(S - m_new); l = exp(m_old - m_new) l + rowsum(P~);
-    O <- diag(exp(m_old - m_new)) O. (Scores already masked to -inf where they do not count.)"""
+    O <- diag(exp(m_old - m_new)) O. (Scores already masked to -inf where they do not count.)
+    log2_shift (0 but for FP8) scales P~, and so l and O, by 2^log2_shift at no cost: FP8's P~ is
+    kept clear of e4m3's underflow (common/fp8.py); O / l is unchanged, L = LSE needs the shift
+    taken off."""
     for m in range(s.shape[0]):
         for h in range(2):
             r = 2 * m + h
@@ -83,14 +86,14 @@ def online_softmax(s, m_i, l_i, o, scale_log2):
             base = exp2_base(row_max, scale_log2)
             alpha = ptx.ex2_approx(m_i[r] * scale_log2 - base)
             m_i[r] = row_max
-            l_i[r] = l_i[r] * alpha + exponentiate_row(s, m, h, base, scale_log2)
+            l_i[r] = l_i[r] * alpha + exponentiate_row(s, m, h, base - log2_shift, scale_log2)
             for d in range(o.shape[1]):
                 o[m, d, 2 * h] *= alpha
                 o[m, d, 2 * h + 1] *= alpha
 
 
 @device_function
-def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2):
+def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2, log2_shift):
     """online_softmax without touching O: S <- P~, m and l updated, and each row's rescale factor
     exp(m_old - m_new) left in alpha[r] for O to be rescaled later (`tiles.scale_rows`), once the
     MMA still accumulating into O has completed (FA3's intra-warpgroup overlap)."""
@@ -101,7 +104,7 @@ def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2):
             base = exp2_base(row_max, scale_log2)
             alpha[r] = ptx.ex2_approx(m_i[r] * scale_log2 - base)
             m_i[r] = row_max
-            l_i[r] = l_i[r] * alpha[r] + exponentiate_row(s, m, h, base, scale_log2)
+            l_i[r] = l_i[r] * alpha[r] + exponentiate_row(s, m, h, base - log2_shift, scale_log2)
 
 
 @device_function

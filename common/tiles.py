@@ -268,6 +268,33 @@ def accumulator_to_a(a, acc, is_bf16):
 
 
 @device_function
+def accumulator_to_a_e4m3(a, acc):
+    """Re-pack an fp32 accumulator (one warp's rows of a 64 x n wgmma tile, acc (1, n/8, 4)) as the
+    e4m3 A operand of k32 wgmmas (a (1, n/32, 4)), in registers, no byte crossing lanes.
+    The k32 A fragment holds in register i of lane (g, t) columns 4t..4t+3 (+16 for i >= 2) of
+    row g + 8 (i % 2); the accumulator holds columns 2t, 2t+1 of each 8-column n-tile. Register i
+    of k-step kk packs  acc[4kk + 2(i//2)][2(i%2) : +2]  and  acc[4kk + 2(i//2) + 1][2(i%2) : +2],
+    so A's column 4t + b (+16) holds P~'s column 8 (b // 2) + 2t + b % 2 (+16): a permutation of
+    each 16 keys, which V's rows are stored in too (common/fp8.py: KEY_ORDER), making P~ V exact."""
+    for m in range(acc.shape[0]):
+        for kk in range(acc.shape[1] >> 2):
+            for i in range(4):
+                n0 = 4 * kk + 2 * (i >> 1)
+                h = 2 * (i & 1)
+                a[m, kk, i] = ptx.pack_e4m3x4(acc[m, n0, h], acc[m, n0, h + 1],
+                                              acc[m, n0 + 1, h], acc[m, n0 + 1, h + 1])
+
+
+@device_function
+def scale_all(acc, factor):
+    """acc *= factor, every element."""
+    for m in range(acc.shape[0]):
+        for n in range(acc.shape[1]):
+            for j in range(acc.shape[2]):
+                acc[m, n, j] *= factor
+
+
+@device_function
 def fill(frag, value):
     """Set every element of a 3-D register array."""
     for i in range(frag.shape[0]):

@@ -9,23 +9,32 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
 from common import _ptx_sim as sem
-from common import arrays, ptx, sm90, tiles
+from common import arrays, fp8, ptx, sm90, tiles
 from common.target import launch
 from tests.conftest import ON_GPU
 from tests.test_ptx import random_halves
 
-CASES = [(64, 64, "bfloat16"), (128, 128, "float16"), (128, 64, "bfloat16"), (64, 256, "bfloat16")]
+CASES = [(64, 64, "bfloat16"), (128, 128, "float16"), (128, 128, "e4m3"), (128, 64, "bfloat16"),
+         (64, 256, "bfloat16"), (128, 256, "e4m3"), (256, 128, "e4m3")]
 if not ON_GPU:
-    CASES = CASES[:2]
+    CASES = CASES[:3]
+PTX_TYPE = {"bfloat16": "bf16", "float16": "f16", "e4m3": "e4m3"}
 
 
-def build_gemm_kernel(d, n, is_bf16):
-    panels = d // 64
-    mma_s, mma_o = sm90.wgmma_ss(n, is_bf16), sm90.wgmma_rs(d, is_bf16)
+def build_gemm_kernel(d, n, dtype):
+    """16-bit: V (n x d) read transposed (MN-major, d/64 panels); e4m3: V^T (d x n, K-major, n/128
+    panels of 128 keys, keys in fp8.KEY_ORDER) and P~ re-packed by accumulator_to_a_e4m3."""
+    fp8_ = dtype == "e4m3"
+    eb = 1 if fp8_ else 2
+    panel = 128 // eb                          # columns of a 128-byte row
+    kq, kp = d * eb // 32, n // (32 if fp8_ else 16)   # k-steps of S = A B^T and of O = P V
+    mma_s = sm90.wgmma_ss(n, PTX_TYPE[dtype])
+    mma_o = sm90.wgmma_rs(d, PTX_TYPE[dtype], not fp8_)
     wait_s, wait_o = sm90.wgmma_wait(0, n // 2), sm90.wgmma_wait(0, d // 2)
-    a_elems, b_elems = 64 * d, n * d
-    s_shape, o_shape, p_shape = (1, n // 8, 4), (1, d // 8, 4), (1, n // 16, 4)
+    a_elems, b_elems = 64 * d * eb // 2, n * d * eb // 2     # 16-bit units
+    s_shape, o_shape, p_shape = (1, n // 8, 4), (1, d // 8, 4), (1, kp, 4)
     total = 2 * (a_elems + 2 * b_elems)
+    v_panels, v_rows = (n // 128, d) if fp8_ else (d // 64, n)
 
     @cuda.jit
     def gemm(tmaps, s_out, o_out):
@@ -42,11 +51,13 @@ def build_gemm_kernel(d, n, is_bf16):
             for m in range(3):
                 sm90.tensormap_acquire(tmaps, m)
             sm90.mbarrier_arrive_expect_tx(smem, 0, total)
-            for p in range(panels):
-                sm90.tma_load_4d(smem, t0 + p * 64 * 64, tmaps, 0, p * 64, 0, 0, 0, smem, 0)
-                sm90.tma_load_4d(smem, t0 + a_elems + p * n * 64, tmaps, 1, p * 64, 0, 0, 0, smem, 0)
-                sm90.tma_load_4d(smem, t0 + a_elems + b_elems + p * n * 64, tmaps, 2, p * 64, 0, 0,
-                                 0, smem, 0)
+            for p in range(d // panel):
+                sm90.tma_load_4d(smem, t0 + p * 64 * 64, tmaps, 0, p * panel, 0, 0, 0, smem, 0)
+                sm90.tma_load_4d(smem, t0 + a_elems + p * n * 64, tmaps, 1, p * panel, 0, 0, 0,
+                                 smem, 0)
+            for p in range(v_panels):
+                sm90.tma_load_4d(smem, t0 + a_elems + b_elems + p * v_rows * 64, tmaps, 2,
+                                 p * panel, 0, 0, 0, smem, 0)
         sm90.mbarrier_wait(smem, 0, 0)
         a_addr = sm90.shared_address(smem, t0)
         b_addr = sm90.shared_address(smem, t0 + a_elems)
@@ -56,16 +67,22 @@ def build_gemm_kernel(d, n, is_bf16):
         p_frag = cuda.local.array(p_shape, uint32)
         tiles.fill(o, float32(0))
         sm90.wgmma_fence()
-        for kk in range(d // 16):
+        for kk in range(kq):
             mma_s(s, sm90.smem_descriptor(a_addr + (kk >> 2) * 64 * 128 + (kk & 3) * 32, 16, 1024),
                   sm90.smem_descriptor(b_addr + (kk >> 2) * n * 128 + (kk & 3) * 32, 16, 1024), kk)
         sm90.wgmma_commit()
         wait_s(s)
-        tiles.accumulator_to_a(p_frag, s, is_bf16)
+        if fp8_:
+            tiles.accumulator_to_a_e4m3(p_frag, s)
+        else:
+            tiles.accumulator_to_a(p_frag, s, dtype == "bfloat16")
         sm90.wgmma_fence()
-        for kk in range(n // 16):
-            mma_o(o, p_frag[0, kk, 0], p_frag[0, kk, 1], p_frag[0, kk, 2], p_frag[0, kk, 3],
-                  sm90.smem_descriptor(v_addr + kk * 16 * 128, n * 128, 1024), 1)
+        for kk in range(kp):
+            if fp8_:
+                desc = sm90.smem_descriptor(v_addr + (kk >> 2) * d * 128 + (kk & 3) * 32, 16, 1024)
+            else:
+                desc = sm90.smem_descriptor(v_addr + kk * 16 * 128, n * 128, 1024)
+            mma_o(o, p_frag[0, kk, 0], p_frag[0, kk, 1], p_frag[0, kk, 2], p_frag[0, kk, 3], desc, 1)
         sm90.wgmma_commit()
         wait_o(o)
         for c in range(n // 8):
@@ -85,22 +102,42 @@ def device_view(host, library):
     return arrays.bits_view(arrays.describe(x, "x"), host.dtype.type), x
 
 
+def random_operand(rng, shape, dtype):
+    """Bits of random values: 16-bit N(0, 1), or e4m3 N(0, 1) (P~ = S / 8 stays in range)."""
+    if dtype == "e4m3":
+        return sem.float_to_e4m3(rng.standard_normal(shape))
+    return random_halves(rng, shape, dtype)
+
+
+def to_float(bits, dtype):
+    return sem.bytes_to_float(bits) if dtype == "e4m3" else sem.halves_to_float(bits, dtype)
+
+
 @pytest.mark.parametrize("d, n, dtype", CASES)
 def test_wgmma_on_tma_tiles_matches_numpy(rng, d, n, dtype):
-    a = random_halves(rng, (64, d), dtype)
-    b = random_halves(rng, (n, d), dtype)
-    v = random_halves(rng, (n, d), dtype)
-    views = [device_view(x.reshape(1, 1, *x.shape), None) for x in (a, b, v)]
-    tmaps = sm90.tensor_maps(((views[0][0], 64, 64), (views[1][0], n, 64), (views[2][0], n, 64)))
+    a = random_operand(rng, (64, d), dtype)
+    b = random_operand(rng, (n, d), dtype)
+    v = random_operand(rng, (n, d), dtype)
+    if dtype == "e4m3":   # V^T, each 16 keys in the order P~'s A registers hold them
+        order = np.concatenate([16 * g + fp8.KEY_ORDER for g in range(n // 16)])
+        v_op, v_box = np.ascontiguousarray(v[order].T), (d, 128)
+        box = 128
+    else:
+        v_op, v_box, box = v, (n, 64), 64
+    views = [device_view(x.reshape(1, 1, *x.shape), None) for x in (a, b, v_op)]
+    tmaps = sm90.tensor_maps(((views[0][0], 64, box), (views[1][0], n, box), (views[2][0], *v_box)))
     s_view, s_dev = device_view(np.full((64, n), np.nan, np.float32), None)
     o_view, o_dev = device_view(np.full((64, d), np.nan, np.float32), None)
-    kern, smem = build_gemm_kernel(d, n, dtype == "bfloat16")
+    kern, smem = build_gemm_kernel(d, n, dtype)
     launch(kern, 1, 128, smem, 0, tmaps, s_view, o_view)
     s_got, o_got = s_dev.copy_to_host(), o_dev.copy_to_host()
-    af, bf, vf = (sem.halves_to_float(x, dtype) for x in (a, b, v))
+    af, bf, vf = (to_float(x, dtype) for x in (a, b, v))
     s_ref = af @ bf.T
     np.testing.assert_allclose(s_got, s_ref, rtol=1e-5, atol=1e-5 * np.abs(s_ref).max())
-    p = sem.halves_to_float(sem.float_to_halves(s_got, dtype), dtype)   # P as the kernel re-packed it
+    if dtype == "e4m3":   # P~ as the kernel re-packed it
+        p = sem.bytes_to_float(sem.float_to_e4m3(s_got))
+    else:
+        p = sem.halves_to_float(sem.float_to_halves(s_got, dtype), dtype)
     o_ref = p @ vf
     np.testing.assert_allclose(o_got, o_ref, rtol=1e-5, atol=1e-5 * np.abs(o_ref).max())
 

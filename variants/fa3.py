@@ -35,8 +35,14 @@ Scheduling (FA3 section 3.1-3.2), each a switch:
 - `intra_overlap` (FA3's Alg.2): the softmax of block j while the P V wgmma of block j-1 runs in
   the same warpgroup. With ping-pong on it gains nothing on average (docs/performance.md, "fa3"),
   so it is off.
-Still to come: a TMA store of O, the FP8 path, and a cp.async producer as the other setting of a
-`producer` switch.
+FP8 (FA3 section 3.3; e4m3 q, k, v with descale factors, `forward(..., q_descale=...)`): the same
+kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 in registers
+(`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
+(`common/fp8.py: v_k_major`). The descales fold into the softmax scale (Q: one a warpgroup; K:
+one a head, or one a key block, multiplied into S), V's into O's final 1/l; P~ is computed as
+2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again.
+Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass, and a
+cp.async producer as the other setting of a `producer` switch.
 """
 import math
 from dataclasses import dataclass
@@ -45,15 +51,20 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import configs, ptx, sm90, softmax, tiles
-from common.problem import LSE_TYPE, OUT_TYPE, prepare
+from common import arrays, configs, fp8, ptx, sm90, softmax, tiles
+from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
 HEAD_DIMS = (64, 128)
+FP8_HEAD_DIMS = (128,)  # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
+P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest probabilities that
+                        # matter (~2^-8 of a row's largest) land on e4m3 normals (>= 2^-6), not
+                        # subnormals (FA3.md: "P scaled before its cast to e4m3")
 WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m64nNk16
 WG_THREADS = 128
 BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (17 at 4 stages)
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
+SCALES_TYPE = types.Array(types.float32, 3, "C")
 COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (common/compile_report.py)
 
 
@@ -61,8 +72,10 @@ COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (common/compile_report
 class Config:
     """Compile-time shape of the kernel. block_m = B_r (64 per consumer warpgroup), block_n = B_c."""
     head_dim: int
-    is_bf16: bool
+    is_bf16: bool           # the 16-bit type of the inputs, or of the output for FP8 inputs
     causal: bool
+    fp8: bool = False       # e4m3 inputs (k32 wgmmas, V^T from the pre-pass)
+    k_block_scales: bool = False   # FP8: K's descale varies by key block (multiplied into S)
     block_m: int = 128      # B_r: 64 query rows per consumer warpgroup
     block_n: int = 128      # B_c: keys per step (the N of the QK^T wgmma)
     stages: int = 2         # K/V buffers in the ring (2: the copy of K_{j+1}, V_{j+1} overlaps step j)
@@ -90,18 +103,29 @@ class Config:
         a multiple of 8, the producer warpgroup down to what issuing copies needs."""
         return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
-    def tile_elements(self):
-        """16-bit elements of the tiles after the first 1024-aligned byte past the mbarriers: Q_i
-        (at 0), then stages x (K_j, V_j) (K of stage 0 at block_m * d); each tile d/64 panels of
-        rows x 64 (Q: per warpgroup, 64 rows a panel)."""
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim
+    @property
+    def element_bytes(self):
+        return 1 if self.fp8 else 2
+
+    def tile_bytes(self):
+        """Bytes of the tiles after the first 1024-aligned byte past the mbarriers: Q_i (at 0),
+        then stages x (K_j, V_j); each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows
+        a panel; FP8's V_j is V_j^T: d rows x 128 keys a panel). Q's room is 16-bit-sized in
+        FP8 too: O_i (16-bit) is staged there for its store."""
+        return (2 * self.block_m + 2 * self.stages * self.block_n * self.element_bytes) * self.head_dim
 
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
-        return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + 2 * self.tile_elements()
+        return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.tile_bytes()
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"fa3 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        if self.fp8 and self.head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"fa3 in FP8 supports head_dim in {FP8_HEAD_DIMS}, got "
+                             f"{self.head_dim}")
+        if self.fp8 and self.block_n % 128:
+            raise ValueError(f"fa3 in FP8: block_n={self.block_n} must be 128 or 256 (whole "
+                             "128-key rows of the swizzled V^T tile)")
         if self.block_m % WG_ROWS or not 1 <= self.block_m // WG_ROWS <= 3:
             raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows a consumer "
                              "warpgroup, at most 3)")
@@ -137,18 +161,25 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
+LOG2E = float32(softmax.LOG2E)
+LN2 = float32(math.log(2))
+
 
 @lru_cache(maxsize=None)
 def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
     D, BR, BC, STAGES, NWG = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
-    IS_BF16, CAUSAL = cfg.is_bf16, cfg.causal
-    PANEL = sm90.PANEL_COLS                     # 64 columns: one 128-byte swizzled row
+    IS_BF16, CAUSAL, FP8, K_BLOCK_SCALES = cfg.is_bf16, cfg.causal, cfg.fp8, cfg.k_block_scales
+    DTYPE = "e4m3" if FP8 else "bf16" if IS_BF16 else "f16"
+    EB = cfg.element_bytes
+    ROW = sm90.SWIZZLE_BYTES // 2               # a 128-byte swizzled row in 16-bit smem elements
+    PANEL = sm90.SWIZZLE_BYTES // EB            # its columns: 64 (16-bit) or 128 (e4m3)
     PANELS = D // PANEL
-    K0 = BR * D                                 # element offset of stage 0's K tile (Q is at 0)
-    K_TILE_ELEMS = BC * D
-    WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's part of Q_i (its own panels)
-    Q_BYTES, KV_BYTES = BR * D * 2, BC * D * 2
+    Q_BYTES, KV_BYTES = BR * D * EB, BC * D * EB
+    WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's room for Q_i (16-bit elements:
+                                                # its O_i is staged there at the end)
+    K0 = NWG * WG_Q_ELEMS                       # 16-bit offset of stage 0's K tile (Q is at 0)
+    K_TILE_ELEMS = KV_BYTES // 2
     PRODUCER_WARP = 4 * NWG
     SETMAXNREG = cfg.setmaxnreg
     TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
@@ -161,14 +192,18 @@ def build(cfg):
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
     # and one panel (rows x 128 bytes) per 64 columns; V (MN-major) one 2 KB row group per 16 keys,
     # its d/64 panels LBO apart.
+    # FP8: V_j^T (d rows x B_c keys, K-major like K_j), panels of 128 keys d x 128 bytes apart.
     SBO = 8 * sm90.SWIZZLE_BYTES
     V_LBO = BC * sm90.SWIZZLE_BYTES
-    MMA_S = sm90.wgmma_ss(BC, IS_BF16)          # S = Q K^T         (m64 n=B_c k16)
-    MMA_O = sm90.wgmma_rs(D, IS_BF16)           # O += P~ V         (m64 n=d   k16, V transposed)
+    K_QK = D * EB // 32                         # wgmma k-steps of S = Q K^T (32 bytes of d each)
+    K_PV = BC // sm90.K_STEP[DTYPE]             # ... of O += P~ V (16 or 32 keys each)
+    MMA_S = sm90.wgmma_ss(BC, DTYPE)            # S = Q K^T         (m64 n=B_c k16 / k32)
+    MMA_O = sm90.wgmma_rs(D, DTYPE, not FP8)    # O += P~ V         (m64 n=d, V transposed / V^T)
     WAIT_S = sm90.wgmma_wait(0, BC // 2)        # S has landed
     WAIT1_S = sm90.wgmma_wait(1, BC // 2)       # S has landed, the P V issued after it may run on
-    WAIT_OP = sm90.wgmma_wait(0, D // 2, BC // 4)   # O has landed and P~'s registers are free
-    S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, BC // 16, 4)
+    WAIT_OP = sm90.wgmma_wait(0, D // 2, 4 * K_PV)   # O has landed and P~'s registers are free
+    S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, K_PV, 4)
+    P_SHIFT = float32(P_LOG2_SHIFT if FP8 else 0)
     INTRA_OVERLAP = cfg.intra_overlap
     K_TILE_BYTES = 2 * K_TILE_ELEMS
     STAGE_BYTES = 2 * K_TILE_BYTES              # a stage: K_j then V_j
@@ -182,17 +217,20 @@ def build(cfg):
     @device_function
     def scores(s, q_addr, k_addr):
         """Issue S = Q_i K_j^T: d/16 SS-wgmma k-steps (the first overwrites S), one commit group."""
-        for kk in range(D // 16):
+        for kk in range(K_QK):
             MMA_S(s, sm90.smem_descriptor(q_addr + (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32, 16, SBO),
                   sm90.smem_descriptor(k_addr + (kk >> 2) * BC * 128 + (kk & 3) * 32, 16, SBO), kk)
         sm90.wgmma_commit()
 
     @device_function
     def values(o_acc, p, v_addr):
-        """Issue O += P~ V_j: B_c/16 RS-wgmma k-steps (16 keys each), one commit group."""
-        for kk in range(BC // 16):
-            MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3],
-                  sm90.smem_descriptor(v_addr + kk * 16 * 128, V_LBO, SBO), 1)
+        """Issue O += P~ V_j: RS-wgmma k-steps (16 or 32 keys each), one commit group."""
+        for kk in range(K_PV):
+            if FP8:
+                desc = sm90.smem_descriptor(v_addr + (kk >> 2) * D * 128 + (kk & 3) * 32, 16, SBO)
+            else:
+                desc = sm90.smem_descriptor(v_addr + kk * 16 * 128, V_LBO, SBO)
+            MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3], desc, 1)
         sm90.wgmma_commit()
 
     @device_function
@@ -201,6 +239,20 @@ def build(cfg):
         col0 = j * BC
         if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > wg_row0):
             tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lane)
+
+    @device_function
+    def key_scale(s, k_descale, b, h_kv, j, k_scale_rows):
+        """FP8 with a descale per key block: S_j *= descale_k of block j's keys."""
+        if K_BLOCK_SCALES:
+            tiles.scale_all(s, k_descale[b, h_kv, (j * BC) // k_scale_rows])
+
+    @device_function
+    def to_a(p, s):
+        """P~ from the S accumulator into the A registers of the P V wgmma."""
+        if FP8:
+            tiles.accumulator_to_a_e4m3(p, s)
+        else:
+            tiles.accumulator_to_a(p, s, IS_BF16)
 
     @device_function
     def wait_turn(wg):
@@ -230,7 +282,7 @@ def build(cfg):
         sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)                       # Alg.1 l.5
         for w in range(NWG):
             for p in range(PANELS):
-                sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * PANEL,
+                sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW,
                                  tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
         for j in range(t_c):                                                       # l.6
             stage = j % STAGES
@@ -240,18 +292,26 @@ def build(cfg):
             k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
             sm90.mbarrier_arrive_expect_tx(smem, BAR_K + 4 * stage, KV_BYTES)      # l.8
             for p in range(PANELS):
-                sm90.tma_load_4d(smem, k0 + p * BC * PANEL, tmaps, 1, p * PANEL, j * BC, h_kv, b,
+                sm90.tma_load_4d(smem, k0 + p * BC * ROW, tmaps, 1, p * PANEL, j * BC, h_kv, b,
                                  smem, BAR_K + 4 * stage)
             if j >= STAGES:                   # ... and its V
                 sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, freed)
             sm90.mbarrier_arrive_expect_tx(smem, BAR_V + 4 * stage, KV_BYTES)
-            for p in range(PANELS):
-                sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * BC * PANEL, tmaps, 2, p * PANEL,
-                                 j * BC, h_kv, b, smem, BAR_V + 4 * stage)
+            if FP8:                           # V_j^T: d rows x 128 keys a box
+                for p in range(BC // PANEL):
+                    sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * D * ROW, tmaps, 2,
+                                     j * BC + p * PANEL, 0, h_kv, b, smem, BAR_V + 4 * stage)
+            else:
+                for p in range(PANELS):
+                    sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * BC * ROW, tmaps, 2, p * PANEL,
+                                     j * BC, h_kv, b, smem, BAR_V + 4 * stage)
 
     @kernel_for_one_block_per_sm(cfg.threads)
-    def fa3_forward(tmaps, o, lse, n_q, n_k, kv_group, softmax_scale, scale_log2):
-        """tmaps: (3, 16) tensor maps of q, k, v; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q)."""
+    def fa3_forward(tmaps, o, lse, n_q, n_k, kv_group, softmax_scale, scale_log2,
+                    q_descale, k_descale, v_descale, q_scale_rows, k_scale_rows):
+        """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T); o: (B, H, N_q, d/2) uint32 view;
+        lse: (B, H, N_q). FP8: descales (B, H or H_kv, blocks), a block q_scale_rows (Q) or
+        k_scale_rows (K) rows; unread for 16-bit inputs."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x   # longest first
@@ -304,6 +364,16 @@ def build(cfg):
         p = cuda.local.array(P_FRAG, uint32)
         alpha = cuda.local.array(2, float32)
 
+        # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per block:
+        # multiplied into S in the loop), V's joins 1/l at the end.
+        eff_scale = softmax_scale
+        if FP8:
+            q_block = min(wg_row0 // q_scale_rows, q_descale.shape[2] - 1)
+            eff_scale = softmax_scale * q_descale[b, h, q_block]
+            if not K_BLOCK_SCALES:
+                eff_scale *= k_descale[b, h_kv, 0]
+        sl2 = eff_scale * LOG2E if FP8 else scale_log2
+
         sm90.mbarrier_wait(smem, BAR_Q, 0)                                         # l.13
         # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1} (or the
         # first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the other's softmax
@@ -322,10 +392,11 @@ def build(cfg):
                 pass_turn(wg)
                 WAIT_S(s)
                 release(smem, BAR_EMPTY_K, stage, lane)
+                key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
                 mask(s, j, n_k, wg_row0, warp_row, lane)
                 # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
-                softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)
-                tiles.accumulator_to_a(p, s, IS_BF16)
+                softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
+                to_a(p, s)
                 # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed).
                 sm90.mbarrier_wait(smem, BAR_V + 4 * stage, (j // STAGES) & 1)
                 wait_turn(wg)
@@ -343,9 +414,10 @@ def build(cfg):
             pass_turn(wg)
             WAIT_S(s)
             release(smem, BAR_EMPTY_K, 0, lane)
+            key_scale(s, k_descale, b, h_kv, 0, k_scale_rows)
             mask(s, 0, n_k, wg_row0, warp_row, lane)
-            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2)   # O = 0: nothing to defer
-            tiles.accumulator_to_a(p, s, IS_BF16)
+            softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)   # O = 0: nothing to defer
+            to_a(p, s)
             for j in range(1, t_c):
                 stage, prev = j % STAGES, (j - 1) % STAGES
                 sm90.mbarrier_wait(smem, BAR_K + 4 * stage, (j // STAGES) & 1)
@@ -357,12 +429,13 @@ def build(cfg):
                 pass_turn(wg)
                 WAIT1_S(s)                    # S_j has landed; the P V product may still run
                 release(smem, BAR_EMPTY_K, stage, lane)
+                key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
                 mask(s, j, n_k, wg_row0, warp_row, lane)
-                softmax.online_softmax_deferred(s, m_i, l_i, alpha, scale_log2)
+                softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT)
                 WAIT_OP(o_acc, p)             # ... now it has: O and P~_{j-1}'s registers free
                 release(smem, BAR_EMPTY_V, prev, lane)
                 tiles.scale_rows(o_acc, alpha)
-                tiles.accumulator_to_a(p, s, IS_BF16)
+                to_a(p, s)
             last = (t_c - 1) % STAGES
             sm90.mbarrier_wait(smem, BAR_V + 4 * last, ((t_c - 1) // STAGES) & 1)
             wait_turn(wg)
@@ -376,7 +449,11 @@ def build(cfg):
         # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
         inv_l = cuda.local.array(2, float32)
         lse_rows = cuda.local.array(2, float32)
-        softmax.finalize(m_i, l_i, inv_l, lse_rows, softmax_scale)
+        softmax.finalize(m_i, l_i, inv_l, lse_rows, eff_scale)
+        if FP8:   # O = descale_v P~ V8 / l, and L without P~'s 2^P_SHIFT
+            for r in range(2):
+                inv_l[r] *= v_descale[b, h_kv, 0]
+                lse_rows[r] -= P_SHIFT * LN2
         tiles.scale_rows(o_acc, inv_l)
         # l.22: write O_i, staged for 16-byte stores through this warpgroup's part of the Q tile
         # (its last reader, the final QK^T wgmma, has completed).
@@ -396,22 +473,93 @@ def build(cfg):
     return fa3_forward
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
+def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, q_descale=None,
+            k_descale=None, v_descale=None, scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16",
+            **options):
     """FA3 forward (Hopper: sm_90a). q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's
-    layout, fp16 or bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and
-    lse (B, H, N_q) fp32. options: see Config and OPTIONS."""
+    layout, on the GPU (CuPy, Numba or torch), fp16 or bf16 — or e4m3 (torch float8_e4m3fn, or
+    uint8 bits) with float32 descales (`common.fp8.quantize_fp8` makes both): q_descale
+    (B, H, nb_q), k_descale and v_descale (B, H_kv, nb), x ~= descale[b, h, row // scale_block] x8,
+    nb = 1 for one scale a head (V: always one a head); the output is then `out_dtype`. Returns
+    (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
+    OPTIONS."""
+    descales = (q_descale, k_descale, v_descale)
+    fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
-                   head_dims=HEAD_DIMS, variant="fa3")
-    cfg = default_config(prob.head_dim, prob.is_bf16, causal, **options)
-    tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, sm90.PANEL_COLS),
-                              (prob.k, cfg.block_n, sm90.PANEL_COLS),
-                              (prob.v, cfg.block_n, sm90.PANEL_COLS)), prob.stream)
+                   head_dims=FP8_HEAD_DIMS if fp8_in else HEAD_DIMS, variant="fa3",
+                   dtypes=FP8_DTYPES if fp8_in else HALF_DTYPES,
+                   out_dtype=out_dtype if fp8_in else None)
+    if fp8_in:
+        scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
+        v_panel = fp8.v_k_major(v)
+        v_view = arrays.bits_view(arrays.describe(v_panel), np.uint8)
+        problem = (("fp8", True), ("k_block_scales", k_block_scales))
+    else:
+        if any(x is not None for x in descales):
+            raise ValueError("q_descale, k_descale, v_descale are for e4m3 (FP8) inputs; q, k, v "
+                             f"are {prob.dtype}")
+        scales, rows, problem = (_no_scales(prob),) * 3, (1, 1), ()
+        v_view = prob.v
+    cfg = default_config(prob.head_dim, prob.is_bf16, causal, problem, **options)
+    box = sm90.SWIZZLE_BYTES // cfg.element_bytes
+    tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
+                              (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
+    if fp8_in and k_block_scales and rows[1] % cfg.block_n:
+        raise ValueError(f"k_descale has a scale per {rows[1]} keys, which fa3's key blocks of "
+                         f"block_n={cfg.block_n} would straddle: quantise K with a block that is "
+                         "a multiple of block_n")
     grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), np.float32(prob.softmax_scale),
-           np.float32(prob.softmax_scale * math.log2(math.e)))
+           np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
+           np.int32(rows[0]), np.int32(rows[1]))
     return prob.result()
+
+
+def _fp8_scales(prob, descales, block):
+    """The descales as kernel arguments, whether K's vary by block, and the rows a Q and a K scale
+    cover; or the error that names what is wrong with them."""
+    if any(x is None for x in descales):
+        raise ValueError("e4m3 (FP8) q, k, v need their descale factors: q_descale, k_descale, "
+                         "v_descale (common.fp8.quantize_fp8 returns each tensor's)")
+    if int(block) != block or block < 1:
+        raise ValueError(f"scale_block must be a positive number of rows, got {block!r}")
+    views, counts = [], []
+    for x, name, heads, n in ((descales[0], "q_descale", prob.heads, prob.n_q),
+                              (descales[1], "k_descale", prob.heads_kv, prob.n_k),
+                              (descales[2], "v_descale", prob.heads_kv, prob.n_k)):
+        d = arrays.describe(x, name)
+        blocks = -(-n // block)
+        if d.dtype != "float32" or len(d.shape) != 3 or d.shape[:2] != (prob.batch, heads) \
+                or d.shape[2] not in (1, blocks):
+            raise ValueError(f"{name} must be float32 of shape ({prob.batch}, {heads}, 1) (a scale "
+                             f"a head) or ({prob.batch}, {heads}, {blocks}) (a scale per "
+                             f"scale_block={block} rows), got {d.dtype} {d.shape}")
+        if d.strides != (d.shape[1] * d.shape[2] * 4, d.shape[2] * 4, 4):
+            raise ValueError(f"{name} must be contiguous")
+        views.append(arrays.bits_view(d, np.float32))
+        counts.append(d.shape[2])
+    if counts[2] != 1:
+        raise ValueError("v_descale must have one scale a head (shape (B, H_kv, 1)): V's scale "
+                         "multiplies the whole P V sum, so quantise V with block=None or "
+                         "block=seqlen")
+    if counts[0] > 1 and block % WG_ROWS:
+        raise ValueError(f"scale_block={block}: Q's scales must cover whole 64-row warpgroup "
+                         "tiles (a multiple of 64)")
+    return views, counts[1] > 1, (block if counts[0] > 1 else 1 << 30, block)
+
+
+_NO_SCALES = {}
+
+
+def _no_scales(prob):
+    """A (1, 1, 1) float32 array for the descale arguments a 16-bit kernel does not read."""
+    hit = _NO_SCALES.get(prob.library)
+    if hit is None:
+        arr = arrays.zeros(prob.library, (1, 1, 1), "float32", like=prob.like)
+        hit = _NO_SCALES[prob.library] = (arrays.bits_view(arrays.describe(arr), np.float32), arr)
+    return hit[0]
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, **options):
@@ -423,17 +571,20 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, **options
 
 def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
-    launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal)."""
+    launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), and FP8 at
+    d=128 non-causal (one scale a head)."""
     argtypes = (TMAP_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32, types.int32,
-                types.float32, types.float32)
-    for head_dim in HEAD_DIMS:
-        for is_bf16 in (True, False):
-            for causal in (False, True):
-                if not is_bf16 and (causal or head_dim != 64):
-                    continue
-                cfg = default_config(head_dim, is_bf16, causal)
-                # Q K^T: d/16 wgmma, P V: B_c/16 a step; with the intra-warpgroup overlap each
-                # appears twice (the loop's and the first S / last P V outside it)
-                step = head_dim // 16 + cfg.block_n // 16
-                yield f"fa3 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}", \
-                    build(cfg), argtypes, ((2 if cfg.intra_overlap else 1) * step, step)
+                types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
+                types.int32)
+    cases = [(d, bf16, causal, ()) for d in HEAD_DIMS for bf16 in (True, False)
+             for causal in (False, True) if bf16 or (d == 64 and not causal)]
+    cases.append((128, True, False, (("fp8", True), ("k_block_scales", False))))
+    for head_dim, is_bf16, causal, problem in cases:
+        cfg = default_config(head_dim, is_bf16, causal, problem)
+        # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
+        # overlap each appears twice (the loop's and the first S / last P V outside it)
+        k = 32 if cfg.fp8 else 16
+        step = head_dim // k + cfg.block_n // k
+        kind = "e4m3" if cfg.fp8 else "bf16" if is_bf16 else "fp16"
+        yield f"fa3 d={head_dim} {kind} causal={causal}", \
+            build(cfg), argtypes, ((2 if cfg.intra_overlap else 1) * step, step)

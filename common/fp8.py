@@ -1,0 +1,322 @@
+"""FP8 (float8_e4m3fn) for fa3: the format, the quantiser, incoherent processing, V made K-major.
+
+The format: 1 sign, 4 exponent (bias 7) and 3 mantissa bits; largest finite 448, no infinities,
+smallest normal 2^-6, subnormals down to 2^-9. Rounding to nearest leaves a relative error of at
+most u = 2^-4 for normal values (UNIT_ROUNDOFF), 16x bf16's 2^-8: the error budget FP8 trades for
+twice the tensor-core rate (FA3 paper, section 3.3).
+
+What the FA3 paper does to win accuracy back, each a switch of `quantize_fp8`:
+- block quantisation (`block=R`): one scale per (batch, head, block of R rows) instead of one per
+  tensor, so a block's values use e4m3's range for themselves (an outlier inflates only its own
+  block's scale);
+- incoherent processing (`signs=`): Q and K multiplied by the same random orthogonal matrix
+  M = diag(signs) H / sqrt(d) (H the d x d Walsh-Hadamard matrix, so M M^T = I and
+  (Q M)(K M)^T = Q K^T exactly) before quantisation: an outlier coordinate is spread over all d,
+  its magnitude divided by ~sqrt(d). H costs O(d log d) a row (the fast Walsh-Hadamard transform:
+  log2(d) butterfly stages, here inside a lane and then across lanes by shuffles).
+
+Scales: x ~= descale * e4m3(x / descale), descale = amax / 448 of the block (or tensor). The
+kernel takes the descales and applies them to S and O (variants/fa3.py); the quantised tensors
+keep flash_attn's layout (B, N, H, d).
+
+V for the P V product: FP8 wgmma reads both operands K-major (no transpose for 8-bit types), and
+for P V the contraction runs over keys, so V is needed as V^T: (B, H_kv, d, N) with keys
+contiguous. `v_k_major` makes it in a pre-pass, and orders each 16 keys as the e4m3 A operand of
+the P V wgmma holds P~'s columns (`KEY_ORDER`, see `tiles.accumulator_to_a_e4m3`): P~ goes from the
+S accumulator into A registers without moving a byte between lanes, and the product is exact.
+"""
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from common import arrays, ptx
+from common.target import device_function, kernel, launch
+
+E4M3_MAX = 448.0
+UNIT_ROUNDOFF = 2.0 ** -4        # relative rounding error of a normal e4m3 value
+SMALLEST_NORMAL = 2.0 ** -6
+DEFAULT_BLOCK = 128              # rows a scale in block quantisation (fa3's B_r and B_c)
+HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
+THREADS = 128
+V_KEYS = 64                      # keys of V a block of the K-major pre-pass moves
+FP8_DTYPES = ("float8_e4m3fn", "uint8")   # torch/ml_dtypes e4m3, or its bits (CuPy, Numba)
+
+
+def key_at(position):
+    """The key (of 16) held at `position` (of 16) of the P V wgmma's K dimension: A's column
+    4 t + b holds P~ column 8 (b // 2) + 2 t + b % 2 (tiles.accumulator_to_a_e4m3)."""
+    t, b = position >> 2, position & 3
+    return 8 * (b >> 1) + 2 * t + (b & 1)
+
+
+KEY_ORDER = np.array([key_at(p) for p in range(16)])
+_key_at = device_function(key_at)
+
+
+# --------------------------------------------------------------------------- host side
+
+def to_e4m3(x):
+    """Host rounding to e4m3 as the GPU's cvt.rn.satfinite does it, as float64 (the reference)."""
+    from common import _ptx_sim
+    return _ptx_sim.bytes_to_float(_ptx_sim.float_to_e4m3(x))
+
+
+def hadamard_matrix(d):
+    """The d x d Walsh-Hadamard matrix (Sylvester's construction; entries +-1, H H^T = d I)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != d:
+        raise ValueError(f"the Hadamard transform needs a power-of-two head_dim, got {d}")
+    return h
+
+
+def random_signs(head_dim, seed=0):
+    """The random +-1 diagonal of incoherent processing, float32 (the same for Q and K)."""
+    return np.where(np.random.default_rng(seed).random(head_dim) < 0.5, -1.0, 1.0).astype(np.float32)
+
+
+def incoherent_matrix(signs):
+    """M = diag(signs) H / sqrt(d): orthogonal, what `quantize_fp8(x, signs=...)` applies to rows."""
+    d = len(signs)
+    return np.asarray(signs, np.float64)[:, None] * hadamard_matrix(d) / math.sqrt(d)
+
+
+# --------------------------------------------------------------------------- the quantiser
+
+@device_function
+def _warp_max(x):
+    for k in range(5):
+        x = max(x, ptx.shfl_xor_f32(x, 1 << k))
+    return x
+
+
+@lru_cache(maxsize=None)
+def _quantizer(head_dim, is_bf16, hadamard, scope):
+    """The quantiser kernel: one thread block a (block of rows, head, batch), a warp a row at a
+    time, lane l holding columns l E .. l E + E - 1 (E = d / 32). scope:
+      "block"  amax over the block's rows, then quantise with it (one pass over the input each),
+      "amax"   only the block's amax, folded into amax[0] by an atomic max (per-tensor, step 1),
+      "tensor" quantise with amax[0] (per-tensor, step 2)."""
+    E = head_dim // 32
+    IN_WORDS, OUT_WORDS = E // 2, E // 4
+    LOG_E = E.bit_length() - 1
+    WARPS = THREADS // 32
+    HADAMARD = hadamard
+    INV_SQRT_D = float32(1 / math.sqrt(head_dim))
+    FIND_AMAX, QUANTISE = scope in ("block", "amax"), scope in ("block", "tensor")
+    BLOCK_SCOPE, ATOMIC = scope == "block", scope == "amax"
+
+    @device_function
+    def load_row(x32, signs, b, h, row, lane, vals):
+        """vals <- the lane's E values of row `row`, transformed by diag(signs) H / sqrt(d)."""
+        for w in range(IN_WORDS):
+            word = x32[b, h, row, lane * IN_WORDS + w]
+            if is_bf16:
+                lo, hi = ptx.unpack_bf16x2(word)
+            else:
+                lo, hi = ptx.unpack_f16x2(word)
+            vals[2 * w] = lo
+            vals[2 * w + 1] = hi
+        if HADAMARD:
+            for e in range(E):
+                vals[e] *= signs[lane * E + e]
+            for k in range(LOG_E):             # butterflies on the column bits inside the lane
+                s = 1 << k
+                for e in range(E):
+                    if e & s == 0:
+                        a = vals[e]
+                        c = vals[e + s]
+                        vals[e] = a + c
+                        vals[e + s] = a - c
+            for k in range(5):                 # ... and on the lane bits, across lanes
+                upper = (lane >> k) & 1
+                for e in range(E):
+                    other = ptx.shfl_xor_f32(vals[e], 1 << k)
+                    vals[e] = other - vals[e] if upper else vals[e] + other
+            for e in range(E):
+                vals[e] *= INV_SQRT_D
+
+    @kernel
+    def quantize(x32, signs, out32, descale, amax, n, rows):
+        blk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row0 = blk * rows
+        row1 = min(row0 + rows, n)
+        vals = cuda.local.array(E, float32)
+        peak = cuda.shared.array(WARPS, float32)
+        top = float32(0)
+        # Every warp makes the same number of passes (rows past the block's end re-read its last
+        # row and are not used): the transform's shuffles are warp-collective.
+        passes = (row1 - row0 + WARPS - 1) // WARPS
+        if FIND_AMAX:
+            for i in range(passes):
+                row = row0 + i * WARPS + warp
+                load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
+                for e in range(E):
+                    top = max(top, abs(vals[e]))
+            top = _warp_max(top)
+            if lane == 0:
+                peak[warp] = top
+            cuda.syncthreads()
+            for w in range(WARPS):
+                top = max(top, peak[w])
+            if ATOMIC:
+                if tid == 0:
+                    cuda.atomic.max(amax, 0, top)
+                return
+        if not BLOCK_SCOPE:
+            top = amax[0]
+        scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
+        if tid == 0:
+            descale[b, h, 0 if not BLOCK_SCOPE else blk] = float32(1) / scale
+        if QUANTISE:
+            for i in range(passes):
+                row = row0 + i * WARPS + warp
+                load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
+                if row < row1:
+                    for w in range(OUT_WORDS):
+                        out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
+                            vals[4 * w] * scale, vals[4 * w + 1] * scale,
+                            vals[4 * w + 2] * scale, vals[4 * w + 3] * scale)
+
+    return quantize
+
+
+_BSHD_TO_BHSD = (0, 2, 1, 3)
+
+
+def _fp8_empty(library, shape, like):
+    return arrays.empty(library, shape, "float8_e4m3fn" if library == "torch" else "uint8",
+                        like=like)
+
+
+def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
+    """x (B, N, H, d) fp16/bf16 on the GPU -> (x8, descale): x8 e4m3 of the same shape (torch
+    float8_e4m3fn for torch input, uint8 bits for CuPy/Numba) and descale float32 (B, H, nb) with
+    x ~= descale[b, h, row // block] * x8 (block quantisation; block=None: one scale for the
+    whole tensor, descale (B, H, 1) all equal). signs (d,) +-1 (`random_signs`, on the device or
+    host): quantise x diag(signs) H / sqrt(d) instead (incoherent processing; give Q and K the
+    same signs, V none). Two launches per-tensor (amax, then quantise), one per block."""
+    dx = arrays.describe(x, "x")
+    if len(dx.shape) != 4 or dx.dtype not in ("float16", "bfloat16"):
+        raise TypeError(f"quantize_fp8 takes a (batch, seqlen, heads, head_dim) float16 or "
+                        f"bfloat16 array, got {dx.dtype} of shape {dx.shape}")
+    b, n, h, d = dx.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"quantize_fp8 supports head_dim in {HEAD_DIMS}, got {d}")
+    if dx.strides[3] != dx.itemsize or any(s % 16 for s in dx.strides[:3]) or dx.ptr % 16:
+        raise ValueError("quantize_fp8: x must be contiguous along head_dim with 16-byte aligned rows")
+    if block is not None and (int(block) != block or block < 1):
+        raise ValueError(f"block must be a positive number of rows or None, got {block!r}")
+    stream = arrays.stream_of(dx)
+    x8 = _fp8_empty(dx.library, (b, n, h, d), x)
+    nb = 1 if block is None else -(-n // block)
+    descale = arrays.empty(dx.library, (b, h, nb), "float32", like=x)
+    x32 = arrays.bits_view(dx, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2)
+    out32 = arrays.bits_view(arrays.describe(x8), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
+    dd = arrays.bits_view(arrays.describe(descale), np.float32)
+    if signs is None:
+        sign_view, hadamard = _dummy(dx.library, x), False
+    else:
+        sign_view, hadamard = _signs_view(signs, d, dx.library, x), True
+    is_bf16 = dx.dtype == "bfloat16"
+    if block is not None:
+        launch(_quantizer(d, is_bf16, hadamard, "block"), (nb, h, b), THREADS, 0, stream,
+               x32, sign_view, out32, dd, _dummy(dx.library, x), np.int32(n), np.int32(block))
+        return x8, descale
+    amax = arrays.zeros(dx.library, (1,), "float32", like=x)
+    av = arrays.bits_view(arrays.describe(amax), np.float32)
+    rows = DEFAULT_BLOCK
+    grid = (-(-n // rows), h, b)
+    launch(_quantizer(d, is_bf16, hadamard, "amax"), grid, THREADS, 0, stream,
+           x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
+    launch(_quantizer(d, is_bf16, hadamard, "tensor"), grid, THREADS, 0, stream,
+           x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
+    return x8, descale
+
+
+_DUMMIES = {}
+
+
+def _dummy(library, like):
+    """A 1-element float32 array for a kernel argument the configuration does not read."""
+    hit = _DUMMIES.get(library)
+    if hit is None:
+        arr = arrays.zeros(library, (1,), "float32", like=like)
+        hit = _DUMMIES[library] = (arrays.bits_view(arrays.describe(arr), np.float32), arr)
+    return hit[0]
+
+
+def _signs_view(signs, d, library, like):
+    if isinstance(signs, np.ndarray):
+        if signs.shape != (d,) or not np.all(np.abs(signs) == 1):
+            raise ValueError(f"signs must be {d} values of +1 or -1, got shape {signs.shape}")
+        from common.inputs import to_device
+        signs = to_device(signs.astype(np.float32), library)
+    ds = arrays.describe(signs, "signs")
+    if ds.shape != (d,) or ds.dtype != "float32":
+        raise ValueError(f"signs must be float32 of shape ({d},), got {ds.dtype} {ds.shape}")
+    return arrays.bits_view(ds, np.float32)
+
+
+# --------------------------------------------------------------------------- V, K-major
+
+@lru_cache(maxsize=None)
+def _v_k_major_kernel(head_dim):
+    """V (B, H, N, d/4 words of 4 e4m3) -> V^T (B, H, d, N_pad/4 words): a block moves V_KEYS keys
+    through shared memory; output position p of each 16 keys takes key KEY_ORDER[p]."""
+    WORDS = head_dim // 4
+    OUT_WORDS = V_KEYS // 4
+    TILE_WORDS = V_KEYS * WORDS
+
+    @kernel
+    def v_k_major(v32, vt32, n):
+        chunk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = int32(cuda.threadIdx.x)
+        k0 = chunk * V_KEYS
+        tile = cuda.shared.array(TILE_WORDS, uint32)
+        for w in range(tid, TILE_WORDS, THREADS):
+            key = k0 + w // WORDS
+            tile[w] = v32[b, h, key, w % WORDS] if key < n else uint32(0)
+        cuda.syncthreads()
+        for w in range(tid, head_dim * OUT_WORDS, THREADS):
+            dd, p0 = w // OUT_WORDS, (w % OUT_WORDS) * 4
+            word = uint32(0)
+            for i in range(4):
+                p = p0 + i
+                key = (p & ~15) + _key_at(p & 15)
+                byte = (tile[key * WORDS + (dd >> 2)] >> uint32(8 * (dd & 3))) & uint32(0xFF)
+                word |= byte << uint32(8 * i)
+            vt32[b, h, dd, chunk * OUT_WORDS + w % OUT_WORDS] = word
+
+    return v_k_major
+
+
+def v_k_major(v8, like=None):
+    """e4m3 V (B, N, H_kv, d) -> V^T (B, H_kv, d, N_pad) uint8 bits (N_pad = N rounded up to
+    V_KEYS, zeros past N), keys in KEY_ORDER within each 16: the B operand of the FP8 P V wgmma."""
+    dv = arrays.describe(v8, "v")
+    b, n, h, d = dv.shape
+    n_pad = -(-n // V_KEYS) * V_KEYS
+    vt = arrays.empty(dv.library, (b, h, d, n_pad), "uint8", like=v8)
+    v32 = arrays.bits_view(dv, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
+    vt32 = arrays.bits_view(arrays.describe(vt), np.uint32, None, last_dim_divisor=4)
+    launch(_v_k_major_kernel(d), (n_pad // V_KEYS, h, b), THREADS, 0, arrays.stream_of(dv),
+           v32, vt32, np.int32(n))
+    return vt
+
+
+def compile_targets():
+    """(name, kernel, argument types) of the pre-pass kernels, bf16 at head_dim 128."""
+    from numba import types
+    u32_4 = types.Array(types.uint32, 4, "A")
+    f32_1 = types.Array(types.float32, 1, "C")
+    f32_3 = types.Array(types.float32, 3, "C")
+    for scope in ("block", "amax", "tensor"):
+        yield (f"quantize_fp8 {scope}", _quantizer(128, True, True, scope),
+               (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
+    yield "v_k_major", _v_k_major_kernel(128), (u32_4, types.Array(types.uint32, 4, "C"), types.int32)

@@ -1,0 +1,205 @@
+"""fa3 in FP8: the FA3 paper's accuracy table (Table 3) and FP8's speed against fa3 in bf16 and the
+SDPA peers, each one command, on the GPU (the accuracy table also runs in the simulator, small).
+
+    python experiments/fp8.py accuracy [--seqlen 4096] [--csv out.csv]
+    python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--csv out.csv]
+
+accuracy: RMSE of O against float64 attention over the fp16 inputs, for Q, K, V ~ N(0, 1) and
+N(0, 1) + N(0, 100) Bernoulli(0.001) (0.1% outliers of standard deviation 10: the paper's
+setting), for fa3 fp16, FP8 with one scale a tensor, FP8 + block quantisation (a scale per 128
+rows of Q and K, per head for V), FP8 + incoherent processing (random signs x Hadamard on Q and
+K), FP8 + both — next to the paper's numbers.
+
+speed: the FA2 paper's grid (batch x seqlen = 16k, 16 heads of 128, bf16 inputs), forward
+TFLOP/s of sdpa_flash, sdpa_cudnn, fa3 bf16, and fa3 FP8 with one scale a head ("fp8") and a
+scale per 128 rows ("fp8 block"). FP8's forward includes V's K-major pre-pass (`v_k_major`),
+which is also timed alone ("v_prep"; "fp8 kernel" = fp8 - v_prep), and the quantisation of
+q, k, v from bf16 ("quant", per block with incoherent processing); "fp8 e2e" = quant + fp8, the
+figure to compare with bf16 when the inputs start in bf16.
+"""
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+MODE = common.select_backend()
+
+# FA3 paper, Table 3 (RMSE, outlier inputs): FA3 FP16 1.9e-4; FP8 baseline (per tensor) 2.4e-2;
+# FA3 FP8 without block quantisation (= incoherent only) 9.3e-3; without incoherent processing
+# (= block only) 2.4e-2; FA3 FP8 (both) 9.1e-3.
+PAPER_RMSE = {"fp16": 1.9e-4, "fp8 tensor": 2.4e-2, "fp8 block": 2.4e-2,
+              "fp8 incoherent": 9.3e-3, "fp8 block+incoherent": 9.1e-3}
+
+
+def draw(rng, shape, outliers):
+    """N(0, 1), plus (outliers) N(0, 100) at a random 0.1% of the entries, as fp16."""
+    import numpy as np
+    x = rng.standard_normal(shape)
+    if outliers:
+        x += 10.0 * rng.standard_normal(shape) * (rng.random(shape) < 1e-3)
+    return x.astype(np.float16)
+
+
+def fp8_forward(q, k, v, *, causal, block, incoherent, seed=0):
+    """Quantise 16-bit q, k, v (block: rows a scale for Q and K; V one a head) and run fa3 FP8."""
+    import variants
+    from common import fp8
+    signs = fp8.random_signs(q.shape[3], seed) if incoherent else None
+    q8, qd = fp8.quantize_fp8(q, block=block, signs=signs)
+    k8, kd = fp8.quantize_fp8(k, block=block, signs=signs)
+    v8, vd = fp8.quantize_fp8(v, block=v.shape[1] if block else None)
+    return variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd, k_descale=kd,
+                            v_descale=vd, scale_block=block or 128, out_dtype="float16")
+
+
+def accuracy(args):
+    import numpy as np
+
+    import variants
+    from common import inputs, reference
+    library = inputs.default_library()
+    n = args.seqlen if MODE == "gpu" else 128
+    b, h, d = (args.batch, args.heads, 128) if MODE == "gpu" else (1, 1, 128)
+    rows_out = []
+    print(f"fa3 FP8 accuracy: RMSE of O vs float64, B={b} N={n} H={h} d={d}, non-causal ({MODE})")
+    print(f"{'inputs':22} {'method':22} {'RMSE':>10} {'paper':>9}")
+    for outliers in (True, False):
+        rng = np.random.default_rng(args.seed)
+        host = [draw(rng, (b, n, h, d), outliers) for _ in range(3)]
+        dev = [inputs.to_device(x, library) for x in host]
+        rows = np.unique(rng.choice(n, min(n, 512)))
+        o_ref, _ = reference.attention(*host, rows=rows)
+        methods = [("fp16", lambda: variants.forward(*dev, variant="fa3")),
+                   ("fp8 tensor", lambda: fp8_forward(*dev, causal=False, block=None, incoherent=False)),
+                   ("fp8 block", lambda: fp8_forward(*dev, causal=False, block=128, incoherent=False)),
+                   ("fp8 incoherent", lambda: fp8_forward(*dev, causal=False, block=None, incoherent=True)),
+                   ("fp8 block+incoherent", lambda: fp8_forward(*dev, causal=False, block=128, incoherent=True))]
+        label = "N(0,1)+0.1% N(0,100)" if outliers else "N(0,1)"
+        for name, run in methods:
+            o = inputs.to_host(run()[0]).astype(np.float64)[:, rows]
+            rmse = float(np.sqrt(np.mean((o - o_ref) ** 2)))
+            paper = PAPER_RMSE[name] if outliers else float("nan")
+            print(f"{label:22} {name:22} {rmse:10.3e} {paper:9.1e}", flush=True)
+            rows_out.append(dict(inputs=label, method=name, rmse=rmse, paper_rmse=paper, batch=b,
+                                 seqlen=n, heads=h, head_dim=d, seed=args.seed, mode=MODE))
+    _write(args.csv, rows_out)
+
+
+def speed(args):
+    import numpy as np
+
+    import variants
+    from common import checks, flops, fp8, inputs, reference, target, timing
+    from experiments import peers
+    if MODE != "gpu":
+        raise SystemExit("speed needs a GPU")
+    d, heads = 128, 16
+    rows_out = []
+    print(f"{'causal':>6} {'seqlen':>6} " + " ".join(f"{c:>11}" for c in SPEED_COLUMNS) +
+          "   (TFLOP/s; quant, v_prep in ms)")
+    for causal in (c == "1" for c in args.causal.split(",")):
+        for n in map(int, args.seqlens.split(",")):
+            b = max(1, 16384 // n)
+            rng = np.random.default_rng(0)
+            n_sets = max(1, math.ceil(128e6 / (3 * b * n * heads * d * 2)))
+            hosts = [inputs.random_qkv(rng, b, n, heads, d, "bfloat16") for _ in range(n_sets)]
+            sets = [tuple(inputs.to_device(x, "torch") for x in host) for host in hosts]
+            signs = fp8.random_signs(d, 0)
+            quantised = {}
+            for block in (None, 128):
+                qs = []
+                for q, k, v in sets:
+                    q8, qd = fp8.quantize_fp8(q, block=block)
+                    k8, kd = fp8.quantize_fp8(k, block=block)
+                    v8, vd = fp8.quantize_fp8(v, block=None)
+                    qs.append((q8, k8, v8, qd, kd, vd))
+                quantised[block] = qs
+            total = flops.attention_flops(b, heads, n, n, d, causal)
+            check_rows = np.unique(rng.choice(n, 32))
+            ref = reference.attention(*hosts[0], causal=causal, rows=check_rows)
+
+            def fp8_fn(block):
+                def fn(i):
+                    q8, k8, v8, qd, kd, vd = quantised[block][i % n_sets]
+                    return variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
+                                            k_descale=kd, v_descale=vd)
+                return fn
+
+            fns = {}
+            for p in ("sdpa_flash", "sdpa_cudnn"):
+                f = peers.forward_fn(p, causal, None, gqa=False)
+                fns[p] = lambda i, f=f: f(*sets[i % n_sets])
+            fns["fa3 bf16"] = lambda i: variants.forward(*sets[i % n_sets], variant="fa3", causal=causal)
+            fns["fp8"] = fp8_fn(None)
+            fns["fp8 block"] = fp8_fn(128)
+            ms, status = {}, {}
+            for name, fn in fns.items():
+                out = fn(0)
+                o = out[0] if isinstance(out, tuple) else out
+                got = checks.compare(inputs.to_host(o)[:, check_rows], ref[1], *ref, "bfloat16")
+                # FP8's error budget is 16x bf16's: its check is against the e4m3 unit roundoff
+                status[name] = "ok" if (got["ok"] or (name.startswith("fp8") and
+                                                      got["rel_err"] <= 2 * fp8.UNIT_ROUNDOFF)) else "FAIL"
+                ms[name] = timing.benchmark(fn, warmup=3, target_ms=200).median_ms
+            ms["v_prep"] = timing.benchmark(
+                lambda i: fp8.v_k_major(quantised[None][i % n_sets][2]), target_ms=100).median_ms
+
+            def quant(i):
+                q, k, v = sets[i % n_sets]
+                fp8.quantize_fp8(q, block=128, signs=signs)
+                fp8.quantize_fp8(k, block=128, signs=signs)
+                fp8.quantize_fp8(v, block=None)
+            ms["quant"] = timing.benchmark(quant, target_ms=100).median_ms
+            ms["fp8 kernel"] = ms["fp8"] - ms["v_prep"]
+            ms["fp8 e2e"] = ms["quant"] + ms["fp8 block"]
+            tf = {k: total / v / 1e9 for k, v in ms.items()}
+            cells = [f"{ms[c]:11.3f}" if c in ("quant", "v_prep") else f"{tf[c]:11.1f}"
+                     for c in SPEED_COLUMNS]
+            bad = [k for k, v in status.items() if v != "ok"]
+            print(f"{int(causal):>6} {n:>6} " + " ".join(cells) +
+                  f"   fp8/bf16 {tf['fp8'] / tf['fa3 bf16']:.2f}" + (f"  FAIL: {bad}" if bad else ""),
+                  flush=True)
+            for k, v in ms.items():
+                rows_out.append(dict(kernel=k, causal=causal, seqlen=n, batch=b, heads=heads,
+                                     head_dim=d, ms=v, tflops=tf[k], check=status.get(k, ""),
+                                     gpu=target.describe()))
+    _write(args.csv, rows_out)
+
+
+SPEED_COLUMNS = ("sdpa_flash", "sdpa_cudnn", "fa3 bf16", "fp8", "fp8 block", "fp8 kernel",
+                 "fp8 e2e", "quant", "v_prep")
+
+
+def _write(path, rows):
+    if not path or not rows:
+        return
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("accuracy")
+    a.add_argument("--seqlen", type=int, default=4096)
+    a.add_argument("--batch", type=int, default=2)
+    a.add_argument("--heads", type=int, default=8)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--csv")
+    s = sub.add_parser("speed")
+    s.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
+    s.add_argument("--causal", default="0,1")
+    s.add_argument("--csv")
+    args = ap.parse_args(argv)
+    (accuracy if args.what == "accuracy" else speed)(args)
+
+
+if __name__ == "__main__":
+    main()

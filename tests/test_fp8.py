@@ -1,0 +1,204 @@
+"""FP8 (e4m3) for fa3: the conversion instruction, the quantiser (per tensor, per block, with
+incoherent processing), V made K-major, and fa3's FP8 forward against float64, with tolerances
+derived from the format (common/fp8.py: UNIT_ROUNDOFF). Simulator and GPU."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda, int32
+
+import variants
+from common import _ptx_sim as sem
+from common import arrays, fp8, ptx
+from common.target import launch
+from tests.conftest import ON_GPU
+
+U = fp8.UNIT_ROUNDOFF
+SUBNORMAL_HALF_STEP = 2.0 ** -10     # the largest rounding error below e4m3's smallest normal
+
+
+# --------------------------------------------------------------------------- the conversion
+
+@cuda.jit
+def pack_kernel(x, out):
+    i = int32(cuda.grid(1))
+    if i < out.shape[0]:
+        out[i] = ptx.pack_e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3])
+
+
+def test_pack_e4m3x4_rounds_and_saturates_like_ml_dtypes(rng):
+    """cvt.rn.satfinite: nearest-even, +-448 past the range, NaN kept, byte order x0 lowest; the
+    stand-in (ml_dtypes) and, on a GPU, the instruction, bit for bit."""
+    edge = [0.0, -0.0, 1.0625, 1.1875, 448.0, 464.0, 1e6, -1e6, 2.0 ** -9, 2.0 ** -10,
+            3 * 2.0 ** -11, 2.0 ** -6, np.nan, -3.3, 0.1, 240.5]
+    x = np.concatenate([edge, rng.standard_normal(240) * 10.0 ** rng.uniform(-4, 3, 240)])
+    x = x.astype(np.float32)
+    want = np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert want[5] == want[4] and want[6] == want[4]                 # 464 and 1e6 saturate to 448
+    assert sem.bytes_to_float(want[2]) == 1.0                        # tie to even
+    dx, dout = cuda.to_device(x), cuda.to_device(np.zeros(len(x) // 4, np.uint32))
+    pack_kernel[1, 64](dx, dout)
+    got = dout.copy_to_host().view(np.uint8)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(sem.bytes_to_float(got[nan])).all()
+
+
+# --------------------------------------------------------------------------- the quantiser
+
+def _dequantized(x8, descale, rows):
+    """float64 x8 * descale, descale (B, H, nb) a scale per `rows` rows."""
+    x = arrays_to_host(x8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    s = arrays_to_host(descale).astype(np.float64)
+    scale = np.repeat(s.transpose(0, 2, 1), rows, axis=1)[:, :x.shape[1]]
+    return x * scale[..., None]
+
+
+def arrays_to_host(x):
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+
+
+QUANT_CASES = [(128, None, False), (128, 64, False), (128, 128, True)]
+if ON_GPU:
+    QUANT_CASES += [(256, 128, True), (256, None, True), (128, 256, False)]
+
+
+@pytest.mark.parametrize("head_dim, block, incoherent", QUANT_CASES)
+def test_quantize_fp8_error_within_the_format(rng, head_dim, block, incoherent):
+    """descale = amax / 448 of each block (or the tensor), and every element of descale * x8
+    within half an e4m3 step of x (transformed by diag(signs) H / sqrt(d) when incoherent)."""
+    b, n, h = 2, 200 if ON_GPU else 70, 2
+    x = rng.standard_normal((b, n, h, head_dim)).astype(np.float32)
+    x[0, 3, 1, 5] = 60.0                                      # an outlier
+    x = x.astype(ml_dtypes.bfloat16)
+    signs = fp8.random_signs(head_dim, 7) if incoherent else None
+    x8, descale = fp8.quantize_fp8(cuda.to_device(x), block=block, signs=signs)
+    xf = x.astype(np.float64)
+    if incoherent:
+        xf = xf @ fp8.incoherent_matrix(signs)
+    rows = block or n
+    nb = -(-n // rows)
+    assert arrays_to_host(descale).shape == (b, h, nb)
+    amax = np.stack([np.abs(xf[:, i * rows:(i + 1) * rows]).max(axis=(1, 3)) for i in range(nb)], -1)
+    if block is None:
+        amax = np.broadcast_to(amax.max(), amax.shape)
+    np.testing.assert_allclose(arrays_to_host(descale), amax / 448, rtol=1e-5)
+    got = _dequantized(x8, descale, rows)
+    scale = np.repeat((amax / 448).transpose(0, 2, 1), rows, axis=1)[:, :n, :, None]
+    bound = U * np.abs(xf) * (1 + 1e-5) + SUBNORMAL_HALF_STEP * scale + 1e-6 * np.abs(xf).max()
+    assert (np.abs(got - xf) <= bound).all(), np.abs(got - xf).max()
+
+
+def test_incoherent_processing_leaves_qk_unchanged(rng):
+    """M = diag(signs) H / sqrt(d) is orthogonal, so (Q M)(K M)^T = Q K^T (float64)."""
+    for d in fp8.HEAD_DIMS:
+        m = fp8.incoherent_matrix(fp8.random_signs(d, 3))
+        np.testing.assert_allclose(m @ m.T, np.eye(d), atol=1e-12)
+        q, k = rng.standard_normal((2, 50, d))
+        np.testing.assert_allclose((q @ m) @ (k @ m).T, q @ k.T, atol=1e-10)
+        assert abs(m[0, 0]) == pytest.approx(1 / math.sqrt(d))       # it spreads every coordinate
+
+
+def test_v_k_major_orders_keys_for_the_p_operand(rng):
+    """V^T (B, H, d, N_pad): position p of each 16 keys holds key KEY_ORDER[p], zeros past N."""
+    n = 100
+    v = rng.integers(0, 255, (2, n, 2, 128), dtype=np.uint8)
+    vt = arrays_to_host(fp8.v_k_major(cuda.to_device(v)))
+    assert vt.shape == (2, 2, 128, 128)
+    keys = np.concatenate([16 * g + fp8.KEY_ORDER for g in range(8)])
+    want = np.zeros_like(vt)
+    ok = keys < n
+    want[..., ok] = v.transpose(0, 2, 3, 1)[..., keys[ok]]
+    np.testing.assert_array_equal(vt, want)
+    assert sorted(fp8.KEY_ORDER) == list(range(16))
+
+
+# --------------------------------------------------------------------------- fa3 in FP8
+
+FA3_CASES = [(150, False, 128, 1), (130, True, None, 1)]
+if ON_GPU:
+    FA3_CASES += [(700, False, 128, 2), (700, True, 128, 1), (1000, True, None, 4),
+                  (64, False, None, 1), (2048, False, 256, 1), (2048, True, 128, 2)]
+
+
+@pytest.mark.parametrize("seqlen, causal, block, kv_group", FA3_CASES)
+def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group):
+    """O against float64 attention over the dequantised inputs: what the kernel adds is P~'s
+    rounding to e4m3 (relative U a probability, at most U sum_j p_j |v_j| an element of O;
+    below the normals 2^-10 absolute) and O's to bf16 (2^-8 relative). The inputs' scores are
+    spread (q x 3) so that P is peaked and a wrong key order in V^T is far outside that bound."""
+    b, h = 1, 2 * kv_group
+    d = 128
+    q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((b, seqlen, h // kv_group, d)).astype(ml_dtypes.bfloat16)
+            for _ in range(2))
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    q8, qd = fp8.quantize_fp8(dq, block=block)
+    k8, kd = fp8.quantize_fp8(dk, block=block)
+    v8, vd = fp8.quantize_fp8(dv, block=None)
+    o, lse = variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
+                              k_descale=kd, v_descale=vd, scale_block=block or 128)
+    qf, kf = (_dequantized(x8, s, block or seqlen) for x8, s in ((q8, qd), (k8, kd)))
+    vf = _dequantized(v8, vd, seqlen)
+    kf, vf = (np.repeat(x, kv_group, axis=2) for x in (kf, vf))
+    s = np.einsum("bqhd,bkhd->bhqk", qf, kf) / math.sqrt(d)
+    if causal:
+        s = np.where(np.tril(np.ones((seqlen, seqlen), bool)), s, -np.inf)
+    lse_ref = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    p = np.exp(s - lse_ref[..., None])
+    o_ref = np.einsum("bhqk,bkhd->bqhd", p, vf)
+    got = arrays_to_host(o).astype(np.float64)
+    bound = (U * np.einsum("bhqk,bkhd->bqhd", p, np.abs(vf)) + 2.0 ** -8 * np.abs(o_ref)
+             + SUBNORMAL_HALF_STEP / 256 * np.abs(vf).sum(1)[:, None] + 1e-6)
+    assert (np.abs(got - o_ref) <= bound).all(), np.abs(got - o_ref).max()
+    np.testing.assert_allclose(arrays_to_host(lse), lse_ref, atol=1e-4, rtol=1e-5)
+
+
+def _fp8_inputs(rng, n=64, d=128):
+    x = rng.standard_normal((1, n, 2, d)).astype(ml_dtypes.bfloat16)
+    dx = cuda.to_device(x)
+    x8, s = fp8.quantize_fp8(dx, block=None)
+    return dx, x8, s
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(q_descale=None), ValueError, "need their descale factors"),
+    (dict(q_descale="wrong shape"), ValueError, r"q_descale must be float32 of shape \(1, 2, 1\)"),
+    (dict(v_descale="per block"), ValueError, "v_descale must have one scale a head"),
+    (dict(variant="fa2"), TypeError, "fa2 takes float16 or bfloat16"),
+    (dict(bf16=True), ValueError, "are for e4m3"),
+    (dict(out_dtype="float32"), TypeError, "the output is float16 or bfloat16"),
+])
+def test_fp8_bad_input_is_named(rng, kwargs, error, message):
+    dx, x8, s = _fp8_inputs(rng)
+    call = dict(q_descale=s, k_descale=s, v_descale=s)
+    variant = kwargs.pop("variant", "fa3")
+    if kwargs.pop("bf16", False):
+        args = (dx, dx, dx)
+    else:
+        args = (x8, x8, x8)
+    for name, value in kwargs.items():
+        if value == "wrong shape":
+            value = cuda.to_device(np.ones((1, 2, 5), np.float32))
+        elif value == "per block":
+            value = cuda.to_device(np.ones((1, 64, 2, 128), ml_dtypes.bfloat16))
+            value = fp8.quantize_fp8(value, block=32)[1]
+            call["scale_block"] = 32
+        call[name] = value
+    if variant != "fa3":
+        call = {}
+    with pytest.raises(error, match=message):
+        variants.forward(*args, variant=variant, **call)
+
+
+def test_quantize_fp8_refuses_what_it_cannot_do(rng):
+    x = cuda.to_device(rng.standard_normal((1, 8, 1, 64)).astype(ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="head_dim in"):
+        fp8.quantize_fp8(x)
+    y = cuda.to_device(rng.standard_normal((1, 8, 1, 128)).astype(np.float32))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        fp8.quantize_fp8(y)
+    z = cuda.to_device(rng.standard_normal((1, 8, 1, 128)).astype(ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="signs must be"):
+        fp8.quantize_fp8(z, signs=np.full(128, 0.5, np.float32))
