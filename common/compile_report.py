@@ -49,7 +49,7 @@ def find_tool(name):
     return None
 
 
-SASS_OPS = ("HMMA", "HGMMA", "LDSM", "LDGSTS", "UTMALDG", "USETMAXREG", "MUFU", "BAR", "IMAD", "ISETP",
+SASS_OPS = ("HMMA", "HGMMA", "QGMMA", "LDSM", "LDGSTS", "UTMALDG", "USETMAXREG", "MUFU", "BAR", "IMAD", "ISETP",
             "LDL", "STL")
 
 

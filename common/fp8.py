@@ -37,7 +37,9 @@ from common.target import device_function, kernel, launch
 E4M3_MAX = 448.0
 UNIT_ROUNDOFF = 2.0 ** -4        # relative rounding error of a normal e4m3 value
 SMALLEST_NORMAL = 2.0 ** -6
-DEFAULT_BLOCK = 128              # rows a scale in block quantisation (fa3's B_r and B_c)
+DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multiple of every B_r
+                                 # and B_c of fa3 (FP8's B_c is 256), so that a key block never
+                                 # straddles two K scales (which costs a scale per column group)
 HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
 THREADS = 128
 V_KEYS = 64                      # keys of V a block of the K-major pre-pass moves

@@ -3,16 +3,17 @@ SDPA peers, each one command, on the GPU (the accuracy table also runs in the si
 
     python experiments/fp8.py accuracy [--seqlen 4096] [--csv out.csv]
     python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--csv out.csv]
+    python experiments/fp8.py configs '[{}, {"intra_overlap": true}]' [--seqlens ...] [--causal ...]
 
 accuracy: RMSE of O against float64 attention over the fp16 inputs, for Q, K, V ~ N(0, 1) and
 N(0, 1) + N(0, 100) Bernoulli(0.001) (0.1% outliers of standard deviation 10: the paper's
-setting), for fa3 fp16, FP8 with one scale a tensor, FP8 + block quantisation (a scale per 128
-rows of Q and K, per head for V), FP8 + incoherent processing (random signs x Hadamard on Q and
+setting), for fa3 fp16, FP8 with one scale a tensor, FP8 + block quantisation (a scale per 256
+rows of Q and K, fp8.DEFAULT_BLOCK; per head for V), FP8 + incoherent processing (random signs x Hadamard on Q and
 K), FP8 + both — next to the paper's numbers.
 
 speed: the FA2 paper's grid (batch x seqlen = 16k, 16 heads of 128, bf16 inputs), forward
 TFLOP/s of sdpa_flash, sdpa_cudnn, fa3 bf16, and fa3 FP8 with one scale a head ("fp8") and a
-scale per 128 rows ("fp8 block"). FP8's forward includes V's K-major pre-pass (`v_k_major`),
+scale per 256 rows of Q and K ("fp8 block"). FP8's forward includes V's K-major pre-pass (`v_k_major`),
 which is also timed alone ("v_prep"; "fp8 kernel" = fp8 - v_prep), and the quantisation of
 q, k, v from bf16 ("quant", per block with incoherent processing); "fp8 e2e" = quant + fp8, the
 figure to compare with bf16 when the inputs start in bf16.
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 MODE = common.select_backend()
+BLOCK = 256   # common.fp8.DEFAULT_BLOCK (not imported before the backend is chosen)
 
 # FA3 paper, Table 3 (RMSE, outlier inputs): FA3 FP16 1.9e-4; FP8 baseline (per tensor) 2.4e-2;
 # FA3 FP8 without block quantisation (= incoherent only) 9.3e-3; without incoherent processing
@@ -53,7 +55,7 @@ def fp8_forward(q, k, v, *, causal, block, incoherent, seed=0):
     k8, kd = fp8.quantize_fp8(k, block=block, signs=signs)
     v8, vd = fp8.quantize_fp8(v, block=v.shape[1] if block else None)
     return variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd, k_descale=kd,
-                            v_descale=vd, scale_block=block or 128, out_dtype="float16")
+                            v_descale=vd, scale_block=block or BLOCK, out_dtype="float16")
 
 
 def accuracy(args):
@@ -75,9 +77,9 @@ def accuracy(args):
         o_ref, _ = reference.attention(*host, rows=rows)
         methods = [("fp16", lambda: variants.forward(*dev, variant="fa3")),
                    ("fp8 tensor", lambda: fp8_forward(*dev, causal=False, block=None, incoherent=False)),
-                   ("fp8 block", lambda: fp8_forward(*dev, causal=False, block=128, incoherent=False)),
+                   ("fp8 block", lambda: fp8_forward(*dev, causal=False, block=BLOCK, incoherent=False)),
                    ("fp8 incoherent", lambda: fp8_forward(*dev, causal=False, block=None, incoherent=True)),
-                   ("fp8 block+incoherent", lambda: fp8_forward(*dev, causal=False, block=128, incoherent=True))]
+                   ("fp8 block+incoherent", lambda: fp8_forward(*dev, causal=False, block=BLOCK, incoherent=True))]
         label = "N(0,1)+0.1% N(0,100)" if outliers else "N(0,1)"
         for name, run in methods:
             o = inputs.to_host(run()[0]).astype(np.float64)[:, rows]
@@ -110,7 +112,7 @@ def speed(args):
             sets = [tuple(inputs.to_device(x, "torch") for x in host) for host in hosts]
             signs = fp8.random_signs(d, 0)
             quantised = {}
-            for block in (None, 128):
+            for block in (None, BLOCK):
                 qs = []
                 for q, k, v in sets:
                     q8, qd = fp8.quantize_fp8(q, block=block)
@@ -135,7 +137,7 @@ def speed(args):
                 fns[p] = lambda i, f=f: f(*sets[i % n_sets])
             fns["fa3 bf16"] = lambda i: variants.forward(*sets[i % n_sets], variant="fa3", causal=causal)
             fns["fp8"] = fp8_fn(None)
-            fns["fp8 block"] = fp8_fn(128)
+            fns["fp8 block"] = fp8_fn(BLOCK)
             ms, status = {}, {}
             for name, fn in fns.items():
                 out = fn(0)
@@ -150,8 +152,8 @@ def speed(args):
 
             def quant(i):
                 q, k, v = sets[i % n_sets]
-                fp8.quantize_fp8(q, block=128, signs=signs)
-                fp8.quantize_fp8(k, block=128, signs=signs)
+                fp8.quantize_fp8(q, block=BLOCK, signs=signs)
+                fp8.quantize_fp8(k, block=BLOCK, signs=signs)
                 fp8.quantize_fp8(v, block=None)
             ms["quant"] = timing.benchmark(quant, target_ms=100).median_ms
             ms["fp8 kernel"] = ms["fp8"] - ms["v_prep"]
@@ -168,6 +170,41 @@ def speed(args):
                                      head_dim=d, ms=v, tflops=tf[k], check=status.get(k, ""),
                                      gpu=target.describe()))
     _write(args.csv, rows_out)
+
+
+def configs(args):
+    """fa3 FP8 (one scale a head) forward TFLOP/s for several option sets, beside fa3 bf16."""
+    import json
+
+    import numpy as np
+
+    import variants
+    from common import flops, fp8, inputs, timing
+    d, heads = 128, 16
+    options = json.loads(args.configs)
+    print("causal seqlen TFLOP/s (x fa3 bf16) options")
+    for causal in (c == "1" for c in args.causal.split(",")):
+        for n in map(int, args.seqlens.split(",")):
+            b = max(1, 16384 // n)
+            rng = np.random.default_rng(0)
+            n_sets = max(1, math.ceil(128e6 / (3 * b * n * heads * d * 2)))
+            sets = [tuple(inputs.to_device(x, "torch") for x in inputs.random_qkv(rng, b, n, heads, d, "bfloat16"))
+                    for _ in range(n_sets)]
+            q8s = [tuple(fp8.quantize_fp8(x, block=None) for x in s) for s in sets]
+            total = flops.attention_flops(b, heads, n, n, d, causal)
+            base = total / timing.benchmark(lambda i: variants.forward(
+                *sets[i % n_sets], variant="fa3", causal=causal), target_ms=200).median_ms / 1e9
+            print(f"{int(causal)} {n} {base:.1f} (1.00) fa3 bf16", flush=True)
+            for opt in options:
+                def fn(i, opt=opt):
+                    (q8, qd), (k8, kd), (v8, vd) = q8s[i % n_sets]
+                    return variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
+                                            k_descale=kd, v_descale=vd, **opt)
+                try:
+                    t = total / timing.benchmark(fn, target_ms=200).median_ms / 1e9
+                    print(f"{int(causal)} {n} {t:.1f} ({t / base:.2f}) fp8 {json.dumps(opt)}", flush=True)
+                except Exception as e:   # a configuration that does not fit is reported, not fatal
+                    print(f"{int(causal)} {n} - fp8 {json.dumps(opt)}: {type(e).__name__}: {e}"[:300])
 
 
 SPEED_COLUMNS = ("sdpa_flash", "sdpa_cudnn", "fa3 bf16", "fp8", "fp8 block", "fp8 kernel",
@@ -197,8 +234,12 @@ def main(argv=None):
     s.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     s.add_argument("--causal", default="0,1")
     s.add_argument("--csv")
+    c = sub.add_parser("configs")
+    c.add_argument("configs", help="JSON list of fa3 option dicts ({} = the defaults)")
+    c.add_argument("--seqlens", default="4096,16384")
+    c.add_argument("--causal", default="0,1")
     args = ap.parse_args(argv)
-    (accuracy if args.what == "accuracy" else speed)(args)
+    {"accuracy": accuracy, "speed": speed, "configs": configs}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from numba import cuda, int32
 
 import variants
 from common import _ptx_sim as sem
-from common import arrays, fp8, ptx
+from common import fp8, inputs, ptx
 from common.target import launch
 from tests.conftest import ON_GPU
 
@@ -56,10 +56,18 @@ def _dequantized(x8, descale, rows):
 
 
 def arrays_to_host(x):
-    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+    return inputs.to_host(x)
 
 
-QUANT_CASES = [(128, None, False), (128, 64, False), (128, 128, True)]
+def dev(x):
+    """A Numba device array of host array x (ml_dtypes types too)."""
+    return inputs.to_device(x, "numba")
+
+
+# the quick loop (-m "not slow") keeps one cheap case of each; the simulator's shuffles make the
+# Hadamard transform and the kernel runs slow there
+QUANT_CASES = [(128, None, False), pytest.param(128, 64, False, marks=pytest.mark.slow),
+               pytest.param(128, 128, True, marks=pytest.mark.slow)]
 if ON_GPU:
     QUANT_CASES += [(256, 128, True), (256, None, True), (128, 256, False)]
 
@@ -73,7 +81,7 @@ def test_quantize_fp8_error_within_the_format(rng, head_dim, block, incoherent):
     x[0, 3, 1, 5] = 60.0                                      # an outlier
     x = x.astype(ml_dtypes.bfloat16)
     signs = fp8.random_signs(head_dim, 7) if incoherent else None
-    x8, descale = fp8.quantize_fp8(cuda.to_device(x), block=block, signs=signs)
+    x8, descale = fp8.quantize_fp8(dev(x), block=block, signs=signs)
     xf = x.astype(np.float64)
     if incoherent:
         xf = xf @ fp8.incoherent_matrix(signs)
@@ -104,7 +112,7 @@ def test_v_k_major_orders_keys_for_the_p_operand(rng):
     """V^T (B, H, d, N_pad): position p of each 16 keys holds key KEY_ORDER[p], zeros past N."""
     n = 100
     v = rng.integers(0, 255, (2, n, 2, 128), dtype=np.uint8)
-    vt = arrays_to_host(fp8.v_k_major(cuda.to_device(v)))
+    vt = arrays_to_host(fp8.v_k_major(dev(v)))
     assert vt.shape == (2, 2, 128, 128)
     keys = np.concatenate([16 * g + fp8.KEY_ORDER for g in range(8)])
     want = np.zeros_like(vt)
@@ -116,7 +124,7 @@ def test_v_k_major_orders_keys_for_the_p_operand(rng):
 
 # --------------------------------------------------------------------------- fa3 in FP8
 
-FA3_CASES = [(150, False, 128, 1), (130, True, None, 1)]
+FA3_CASES = [pytest.param(150, False, 128, 1, marks=pytest.mark.slow), (130, True, None, 1)]
 if ON_GPU:
     FA3_CASES += [(700, False, 128, 2), (700, True, 128, 1), (1000, True, None, 4),
                   (64, False, None, 1), (2048, False, 256, 1), (2048, True, 128, 2)]
@@ -133,7 +141,7 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group):
     q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((b, seqlen, h // kv_group, d)).astype(ml_dtypes.bfloat16)
             for _ in range(2))
-    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    dq, dk, dv = (dev(x) for x in (q, k, v))
     q8, qd = fp8.quantize_fp8(dq, block=block)
     k8, kd = fp8.quantize_fp8(dk, block=block)
     v8, vd = fp8.quantize_fp8(dv, block=None)
@@ -152,12 +160,16 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group):
     bound = (U * np.einsum("bhqk,bkhd->bqhd", p, np.abs(vf)) + 2.0 ** -8 * np.abs(o_ref)
              + SUBNORMAL_HALF_STEP / 256 * np.abs(vf).sum(1)[:, None] + 1e-6)
     assert (np.abs(got - o_ref) <= bound).all(), np.abs(got - o_ref).max()
-    np.testing.assert_allclose(arrays_to_host(lse), lse_ref, atol=1e-4, rtol=1e-5)
+    # L: S = Q K^T comes from FP8 wgmmas, whose sums keep fewer than fp32's bits (~14 measured by
+    # DeepSeek-V3): held to 2^-10 of the row's sum of |q_i . k_j| terms
+    terms = np.einsum("bqhd,bkhd->bhqk", np.abs(qf), np.abs(kf)).max(-1) / math.sqrt(d)
+    lse_err = np.abs(arrays_to_host(lse) - lse_ref)
+    assert (lse_err <= 2.0 ** -10 * terms + 1e-5).all(), lse_err.max()
 
 
 def _fp8_inputs(rng, n=64, d=128):
     x = rng.standard_normal((1, n, 2, d)).astype(ml_dtypes.bfloat16)
-    dx = cuda.to_device(x)
+    dx = dev(x)
     x8, s = fp8.quantize_fp8(dx, block=None)
     return dx, x8, s
 
@@ -182,7 +194,7 @@ def test_fp8_bad_input_is_named(rng, kwargs, error, message):
         if value == "wrong shape":
             value = cuda.to_device(np.ones((1, 2, 5), np.float32))
         elif value == "per block":
-            value = cuda.to_device(np.ones((1, 64, 2, 128), ml_dtypes.bfloat16))
+            value = dev(np.ones((1, 64, 2, 128), ml_dtypes.bfloat16))
             value = fp8.quantize_fp8(value, block=32)[1]
             call["scale_block"] = 32
         call[name] = value
@@ -193,12 +205,12 @@ def test_fp8_bad_input_is_named(rng, kwargs, error, message):
 
 
 def test_quantize_fp8_refuses_what_it_cannot_do(rng):
-    x = cuda.to_device(rng.standard_normal((1, 8, 1, 64)).astype(ml_dtypes.bfloat16))
+    x = dev(rng.standard_normal((1, 8, 1, 64)).astype(ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="head_dim in"):
         fp8.quantize_fp8(x)
-    y = cuda.to_device(rng.standard_normal((1, 8, 1, 128)).astype(np.float32))
+    y = dev(rng.standard_normal((1, 8, 1, 128)).astype(np.float32))
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         fp8.quantize_fp8(y)
-    z = cuda.to_device(rng.standard_normal((1, 8, 1, 128)).astype(ml_dtypes.bfloat16))
+    z = dev(rng.standard_normal((1, 8, 1, 128)).astype(ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="signs must be"):
         fp8.quantize_fp8(z, signs=np.full(128, 0.5, np.float32))

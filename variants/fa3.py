@@ -157,7 +157,12 @@ OPTIONS = configs.options_of(Config)
 # Either overlap is worth 8-17% at d=128; the three ways of having one are within 1% of each other
 # on average. Ping-pong alone is the default: the best at 4k non-causal and at d=64.
 DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
-            128: dict(block_m=128, block_n=128, stages=2)}
+            128: dict(block_m=128, block_n=128, stages=2),
+            # FP8 at d=128: B_c = 256 halves the softmax's per-block overhead (TFLOP/s, H100, one
+            # scale a head, non-causal | causal, 2k / 8k / 16k, docs/results/fp8_configs_h100.txt):
+            #   B_c 128: 534 / 749 / 776 | 420 / 621 / 753;  B_c 256: 626 / 830 / 860 | 428 / 721 / 812
+            #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
+            (128, "fp8"): dict(block_n=256)}
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
@@ -242,9 +247,18 @@ def build(cfg):
 
     @device_function
     def key_scale(s, k_descale, b, h_kv, j, k_scale_rows):
-        """FP8 with a descale per key block: S_j *= descale_k of block j's keys."""
+        """FP8 with descales per block of keys: S_j's columns times their keys' descale_k (one
+        factor when block j lies in one scale block, else one per 8-key n-tile)."""
         if K_BLOCK_SCALES:
-            tiles.scale_all(s, k_descale[b, h_kv, (j * BC) // k_scale_rows])
+            first = (j * BC) // k_scale_rows
+            if first == (j * BC + BC - 1) // k_scale_rows:
+                tiles.scale_all(s, k_descale[b, h_kv, first])
+            else:
+                last = k_descale.shape[2] - 1
+                for n in range(BC // 8):
+                    f = k_descale[b, h_kv, min((j * BC + 8 * n) // k_scale_rows, last)]
+                    for e in range(4):
+                        s[0, n, e] *= f
 
     @device_function
     def to_a(p, s):
@@ -504,10 +518,6 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, q_descale=No
     box = sm90.SWIZZLE_BYTES // cfg.element_bytes
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
                               (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
-    if fp8_in and k_block_scales and rows[1] % cfg.block_n:
-        raise ValueError(f"k_descale has a scale per {rows[1]} keys, which fa3's key blocks of "
-                         f"block_n={cfg.block_n} would straddle: quantise K with a block that is "
-                         "a multiple of block_n")
     grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
@@ -544,6 +554,9 @@ def _fp8_scales(prob, descales, block):
         raise ValueError("v_descale must have one scale a head (shape (B, H_kv, 1)): V's scale "
                          "multiplies the whole P V sum, so quantise V with block=None or "
                          "block=seqlen")
+    if counts[1] > 1 and block % 8:
+        raise ValueError(f"scale_block={block}: K's scales must cover whole 8-key column groups "
+                         "of S (a multiple of 8)")
     if counts[0] > 1 and block % WG_ROWS:
         raise ValueError(f"scale_block={block}: Q's scales must cover whole 64-row warpgroup "
                          "tiles (a multiple of 64)")
