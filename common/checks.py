@@ -10,12 +10,13 @@ and no NaN anywhere (outputs are poisoned with NaN before a test launch).
 """
 import numpy as np
 
-UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float8_e4m3fn": 2.0 ** -4}
 LSE_TOL = 1e-3
 
 
-def compare(o, lse, o_ref, lse_ref, dtype):
-    """Errors of (o, lse) against the reference and whether they pass; all arrays on the host."""
+def compare(o, lse, o_ref, lse_ref, dtype, lse_tol=LSE_TOL):
+    """Errors of (o, lse) against the reference and whether they pass; all arrays on the host.
+    lse_tol: FP8 inputs move the scores themselves (`fp8_lse_tolerance`)."""
     o = np.asarray(o, dtype=np.float64)
     lse = np.asarray(lse, dtype=np.float64)
     u = UNIT_ROUNDOFF[dtype]
@@ -26,8 +27,22 @@ def compare(o, lse, o_ref, lse_ref, dtype):
     max_err = float(diff.max()) if diff.size else 0.0
     both_inf = np.isneginf(lse) & np.isneginf(lse_ref)
     lse_err = float(np.where(both_inf, 0.0, np.abs(lse - lse_ref)).max()) if lse.size else 0.0
-    ok = finite and rel <= 2 * u and max_err <= 8 * u * scale and lse_err <= LSE_TOL
-    return {"rel_err": rel, "max_err": max_err, "lse_err": lse_err, "ok": bool(ok)}
+    ok = finite and rel <= 2 * u and max_err <= 8 * u * scale and lse_err <= lse_tol
+    rmse = float(np.sqrt(np.mean(diff ** 2))) if diff.size else 0.0
+    return {"rel_err": rel, "max_err": max_err, "lse_err": lse_err, "rmse": rmse, "ok": bool(ok)}
+
+
+def fp8_lse_tolerance(q, k, softmax_scale=None):
+    """How far L = LSE may move when q and k are rounded to e4m3 (relative error u an element, as
+    the quantiser guarantees above the subnormals): |q~.k~ - q.k| <= (2u + u^2) |q| |k|
+    (Cauchy-Schwarz), so L moves at most that times the softmax scale, for the largest |q_i|, |k_j|."""
+    import math
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    u = UNIT_ROUNDOFF["float8_e4m3fn"]
+    bound = (2 * u + u * u) * scale * np.linalg.norm(q, axis=-1).max() * np.linalg.norm(k, axis=-1).max()
+    return float(bound) + LSE_TOL
 
 
 def compare_gradients(got, ref, dtype):

@@ -23,6 +23,13 @@ def random_qkv(rng, batch, seqlen, heads, head_dim, dtype, *, seqlen_k=None, hea
     return tuple(rng.standard_normal(s, dtype=np.float32).astype(DTYPES[dtype]) for s in shapes)
 
 
+def add_outliers(rng, x, fraction, scale=10.0):
+    """x plus N(0, scale^2) at a random `fraction` of its entries (FA3 paper, Table 3: 0.1% of
+    N(0, 100)), rounded back to x's dtype."""
+    extra = scale * rng.standard_normal(x.shape, dtype=np.float32) * (rng.random(x.shape) < fraction)
+    return (x.astype(np.float32) + extra).astype(x.dtype)
+
+
 def default_library():
     """The array library inputs are made with: torch when it sees a GPU (then SDPA peers can run on
     the same tensors), else CuPy, else Numba device arrays (also what the simulator uses)."""

@@ -4,6 +4,7 @@ SDPA peers, each one command, on the GPU (the accuracy table also runs in the si
     python experiments/fp8.py accuracy [--seqlen 4096] [--csv out.csv]
     python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--csv out.csv]
     python experiments/fp8.py configs '[{}, {"intra_overlap": true}]' [--seqlens ...] [--causal ...]
+    python experiments/fp8.py figure SPEED.csv ACCURACY.csv OUT.png   (needs matplotlib)
 
 accuracy: RMSE of O against float64 attention over the fp16 inputs, for Q, K, V ~ N(0, 1) and
 N(0, 1) + N(0, 100) Bernoulli(0.001) (0.1% outliers of standard deviation 10: the paper's
@@ -207,6 +208,46 @@ def configs(args):
                     print(f"{int(causal)} {n} - fp8 {json.dumps(opt)}: {type(e).__name__}: {e}"[:300])
 
 
+def figure(args):
+    """Three panels: forward TFLOP/s against seqlen (not causal, causal) of fa3 bf16, FP8 (with
+    and without its pre-pass), FP8 block scales, FP8 end to end and sdpa_cudnn; and the RMSE of
+    each FP8 method against the paper's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    speed = list(csv.DictReader(open(args.speed)))
+    accuracy = list(csv.DictReader(open(args.accuracy)))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    kernels = ("fa3 bf16", "fp8", "fp8 kernel", "fp8 block", "fp8 e2e", "sdpa_cudnn")
+    for ax, causal in zip(axes[:2], ("False", "True")):
+        for name in kernels:
+            pts = sorted((int(r["seqlen"]), float(r["tflops"])) for r in speed
+                         if r["kernel"] == name and r["causal"] == causal)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name,
+                    linestyle="--" if name == "sdpa_cudnn" else "-",
+                    color="black" if name == "sdpa_cudnn" else None)
+        ax.set_xscale("log", base=2)
+        seqlens = sorted({int(r["seqlen"]) for r in speed})
+        ax.set_xticks(seqlens, [f"{n // 1024}k" if n >= 1024 else str(n) for n in seqlens])
+        ax.set_title(f"d=128, {'causal' if causal == 'True' else 'not causal'} (batch x seqlen = 16k)")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("forward TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    rows = [r for r in accuracy if r["inputs"].startswith("N(0,1)+")]
+    xs = range(len(rows))
+    axes[2].bar([x - 0.2 for x in xs], [float(r["rmse"]) for r in rows], 0.4, label="measured")
+    axes[2].bar([x + 0.2 for x in xs], [float(r["paper_rmse"]) for r in rows], 0.4, label="FA3 paper")
+    axes[2].set_xticks(list(xs), [r["method"].replace("fp8 ", "fp8\n") for r in rows], fontsize=7)
+    axes[2].set_yscale("log")
+    axes[2].set_ylabel("RMSE of O vs float64")
+    axes[2].set_title("inputs N(0,1) + 0.1% N(0,100)")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
 SPEED_COLUMNS = ("sdpa_flash", "sdpa_cudnn", "fa3 bf16", "fp8", "fp8 block", "fp8 kernel",
                  "fp8 e2e", "quant", "v_prep")
 
@@ -238,8 +279,12 @@ def main(argv=None):
     c.add_argument("configs", help="JSON list of fa3 option dicts ({} = the defaults)")
     c.add_argument("--seqlens", default="4096,16384")
     c.add_argument("--causal", default="0,1")
+    f = sub.add_parser("figure")
+    f.add_argument("speed")
+    f.add_argument("accuracy")
+    f.add_argument("out")
     args = ap.parse_args(argv)
-    {"accuracy": accuracy, "speed": speed, "configs": configs}[args.what](args)
+    {"accuracy": accuracy, "speed": speed, "configs": configs, "figure": figure}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
     python experiments/run.py -m variant=standard,fa2 problem.seqlen=1024,4096
     python experiments/run.py -m experiment=fa2_grid
     python experiments/run.py pass=fwd_bwd          # forward + backward (or pass=bwd: backward only)
+    python experiments/run.py variant=fa3 dtype=fp8 fp8.incoherent=false problem.outliers=0.001
+    python experiments/run.py -m experiment=fp8_accuracy   # the FA3 paper's FP8 error table
 
 Each job: compose the config -> draw inputs (fresh seed unless seed=...) -> run the variant ->
 compare with the float64 reference -> time it (CUDA events, warm-up, median) -> when torch sees a
@@ -44,7 +46,9 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            # the forward's configuration as it ran: the options above over the variant's defaults
            "config",
            # the pass timed (fwd, bwd, fwd_bwd) and its times (fwd_* above: pass=fwd only)
-           "pass", "ms", "tflops", "ms_min", "ms_max", "dq_err", "dk_err", "dv_err", "peak_mem_mib"]
+           "pass", "ms", "tflops", "ms_min", "ms_max", "dq_err", "dk_err", "dv_err", "peak_mem_mib",
+           # root-mean-square error of O against float64 (the FA3 paper's FP8 measure)
+           "rmse"]
 PASSES = ("fwd", "bwd", "fwd_bwd")
 
 SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a small problem, and "
@@ -90,17 +94,20 @@ def resolve_problem(cfg, mode):
         asked = {o.split("=")[0].lstrip("+~") for o in _task_overrides()}
         p.update({k: v for k, v in OmegaConf.to_container(cfg.sim.problem, resolve=True).items()
                   if f"problem.{k}" not in asked})
+    if cfg.dtype.name == FP8 and mode == "sim" and not cfg.sim.full_problem:
+        p["head_dim"] = 128   # FP8 (fa3) runs at head_dim 128 only
     seqlen, head_dim = int(p["seqlen"]), int(p["head_dim"])
     batch = p.get("batch") or max(1, int(p["tokens"]) // seqlen)
     heads = p.get("heads") or max(1, int(p["hidden"]) // head_dim)
     return dict(batch=int(batch), seqlen=seqlen, heads=int(heads), head_dim=head_dim,
                 causal=bool(p["causal"]), seqlen_k=int(p.get("seqlen_k") or seqlen),
-                heads_kv=int(p.get("heads_kv") or heads), softmax_scale=p.get("softmax_scale"))
+                heads_kv=int(p.get("heads_kv") or heads), softmax_scale=p.get("softmax_scale"),
+                outliers=float(p.get("outliers") or 0.0))
 
 
 def run_job(cfg, mode):
     import variants
-    from common import inputs, reference, target
+    from common import checks, inputs, reference, target
     from experiments import peers
 
     prob = resolve_problem(cfg, mode)
@@ -109,6 +116,10 @@ def run_job(cfg, mode):
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {', '.join(PASSES)}, got {pass_!r}")
     backward = pass_ != "fwd"
+    fp8_run = dtype == FP8   # fp16 inputs, quantised to e4m3 before the timed call
+    if fp8_run and (cfg.variant.name != "fa3" or backward):
+        raise ValueError(f"dtype=fp8 runs fa3's forward (the FP8 path), not variant="
+                         f"{cfg.variant.name} pass={pass_}")
     seed = int(cfg.seed) if cfg.seed is not None else inputs.fresh_seed()
     rng = np.random.default_rng(seed)
     library = inputs.default_library() if cfg.library == "auto" else cfg.library
@@ -117,11 +128,13 @@ def run_job(cfg, mode):
     print(f"{target.describe()} | {prob} | {dtype} | pass {pass_} | inputs: {library} | seed {seed}")
 
     shape = dict(batch=prob["batch"], seqlen=prob["seqlen"], heads=prob["heads"],
-                 head_dim=prob["head_dim"], dtype=dtype, seqlen_k=prob["seqlen_k"],
-                 heads_kv=prob["heads_kv"])
+                 head_dim=prob["head_dim"], dtype="float16" if fp8_run else dtype,
+                 seqlen_k=prob["seqlen_k"], heads_kv=prob["heads_kv"])
 
     def draw():
         qkv = inputs.random_qkv(rng, **shape)
+        if prob["outliers"]:
+            qkv = tuple(inputs.add_outliers(rng, x, prob["outliers"]) for x in qkv)
         if backward:   # dO, like q
             qkv += (rng.standard_normal(qkv[0].shape, dtype=np.float32).astype(qkv[0].dtype),)
         return qkv
@@ -149,7 +162,10 @@ def run_job(cfg, mode):
                                                 do[:1, :, :group], causal=prob["causal"],
                                                 softmax_scale=prob["softmax_scale"])
 
+    lse_tol = checks.fp8_lse_tolerance(host[0], host[1], prob["softmax_scale"]) if fp8_run \
+        else checks.LSE_TOL
     ctx = dict(prob=prob, dtype=dtype, sets=sets, ref=ref, grad_ref=grad_ref, check_rows=check_rows,
+               lse_tol=lse_tol,
                mode=mode, library=library, seed=seed, gpu=target.describe(), bench=cfg.bench,
                job=_job_name(), label=cfg.get("label") or "", pass_=pass_)
     options = _options(cfg.variant.get("options", {}))
@@ -159,7 +175,14 @@ def run_job(cfg, mode):
         raise ValueError(f"pass={pass_}: variant {cfg.variant.name} has no backward pass")
     scale, causal = prob["softmax_scale"], prob["causal"]
 
+    quantised = {id(s[0]): _quantise_fp8(s, cfg.fp8, prob["head_dim"]) for s in sets} \
+        if fp8_run else {}
+
     def ours_forward(q, k, v, *_):
+        if fp8_run:
+            q, k, v, descales = quantised[id(q)]
+            return module.forward(q, k, v, causal=causal, softmax_scale=scale, **descales,
+                                  **options)
         return module.forward(q, k, v, causal=causal, softmax_scale=scale, **options)
 
     def ours_backward(q, k, v, do, o, lse):
@@ -168,20 +191,43 @@ def run_job(cfg, mode):
 
     shown = dict(options, **{f"bwd.{k}": v for k, v in backward_options.items()}) if backward \
         else options
-    config = resolved_config(module, prob, dtype, options)
+    if fp8_run:
+        shown = dict(shown, **{f"fp8.{k}": v for k, v in cfg.fp8.items()})
+    config = resolved_config(module, prob, dtype, options, cfg.fp8.scaling == "block")
     if config:
         print(f"{cfg.variant.name} configuration: {config}")
     rows = [dict(measure(cfg.variant.name, pass_fn(pass_, ours_forward, ours_backward, sets), ctx,
                          options=shown, workspace=_workspace(module, prob, backward)),
                  config=config)]
     peer_jobs = cfg.bench.peer_variants
-    if peers.available() and mode == "gpu" and library == "torch" and (
+    if fp8_run and cfg.bench.peers:
+        print("dtype=fp8: no SDPA peers (they would run in fp16; experiments/fp8.py speed times "
+              "FP8 beside them)")
+    elif peers.available() and mode == "gpu" and library == "torch" and (
             peer_jobs is None or cfg.variant.name in peer_jobs):
         for name in cfg.bench.peers:
             fn = peers.forward_fn(name, causal, scale, gqa=prob["heads"] != prob["heads_kv"])
             rows.append(measure(name, peers.pass_fn(pass_, fn, sets), ctx))
     print_table(rows)
     return rows
+
+
+FP8 = "float8_e4m3fn"
+
+
+def _quantise_fp8(set_, fp8_cfg, head_dim):
+    """(q8, k8, v8, forward's descale keywords) of one fp16 input set, as cfg.fp8 says."""
+    from common import fp8
+    if fp8_cfg.scaling not in ("tensor", "block"):
+        raise ValueError(f"fp8.scaling must be tensor or block, got {fp8_cfg.scaling!r}")
+    block = int(fp8_cfg.block) if fp8_cfg.scaling == "block" else None
+    signs = fp8.random_signs(head_dim, 0) if fp8_cfg.incoherent else None
+    q, k, v = set_[:3]
+    q8, qd = fp8.quantize_fp8(q, block=block, signs=signs)
+    k8, kd = fp8.quantize_fp8(k, block=block, signs=signs)
+    v8, vd = fp8.quantize_fp8(v, block=None)
+    return q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd, out_dtype="float16",
+                            scale_block=block or fp8.DEFAULT_BLOCK)
 
 
 def _options(node):
@@ -216,13 +262,15 @@ def _workspace(module, prob, backward):
     return total
 
 
-def resolved_config(module, prob, dtype, options):
+def resolved_config(module, prob, dtype, options, k_block_scales=False):
     """The forward's configuration for this problem as 'name=value;...' over the variant's OPTIONS
     (its defaults where the config left an option null), or '' for a variant without one."""
     default_config = getattr(module, "default_config", None)
     if default_config is None:
         return ""
-    chosen = default_config(prob["head_dim"], dtype == "bfloat16", prob["causal"], **options)
+    problem = (("fp8", True), ("k_block_scales", k_block_scales)) if dtype == FP8 else ()
+    chosen = default_config(prob["head_dim"], dtype == "bfloat16", prob["causal"], problem,
+                            **options)
     return ";".join(f"{k}={getattr(chosen, k)}" for k in module.OPTIONS)
 
 
@@ -256,7 +304,7 @@ def measure(name, fn, ctx, options=None, workspace=0):
         rows_ = ctx["check_rows"]
         o_host = inputs.to_host(o)[:, rows_]
         lse_host = inputs.to_host(lse)[:, :, rows_] if has_lse else ctx["ref"][1]
-        result = checks.compare(o_host, lse_host, *ctx["ref"], ctx["dtype"])
+        result = checks.compare(o_host, lse_host, *ctx["ref"], ctx["dtype"], ctx["lse_tol"])
         ok = result["ok"]
         if grads is not None:
             group = prob["heads"] // prob["heads_kv"]
@@ -266,6 +314,7 @@ def measure(name, fn, ctx, options=None, workspace=0):
             ok = ok and errors["ok"]
         del o, lse, grads
         row.update(rel_err=f"{result['rel_err']:.3e}", max_err=f"{result['max_err']:.3e}",
+                   rmse=f"{result['rmse']:.3e}",
                    lse_err=f"{result['lse_err']:.3e}" if has_lse else "",
                    check="ok" if ok else "FAIL")
         if ctx["mode"] == "sim":   # one simulated run is slow enough; its time means nothing

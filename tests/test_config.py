@@ -187,3 +187,22 @@ def test_ladder_report_tables_and_plots(tmp_path):
                         "| r1/r0 | r2/r1 | r2/r0 |")
     assert table[2] == "| 64 | no | 512 | 10.0 | 25.0 | 50.0 | 40.0 | 2.50 | 2.00 | 5.00 |"
     assert len(table) == 2 + 8 and (tmp_path / "ladder.png").stat().st_size > 10000
+
+
+@pytest.mark.slow
+def test_fp8_job_quantises_and_reports_rmse(tmp_path):
+    """dtype=fp8: fp16 inputs (with outliers), quantised as cfg.fp8 says, fa3's FP8 forward checked
+    against float64 with FP8's tolerances; the settings and the RMSE land in the CSV."""
+    out = run(["variant=fa3", "dtype=fp8", "problem.seqlen=40", "problem.heads=1",
+               "problem.outliers=0.01", "fp8.scaling=tensor", f"hydra.run.dir={tmp_path}/run"],
+              tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    row = read_rows(tmp_path / "run" / "results.csv")[0]
+    assert row["dtype"] == "float8_e4m3fn" and row["check"] == "ok" and row["head_dim"] == "128"
+    assert "fp8.scaling=tensor" in row["options"] and "fp8.incoherent=True" in row["options"]
+    assert 0 < float(row["rmse"]) < 0.2 and "block_n=256" in row["config"]
+
+
+def test_fp8_job_for_a_variant_without_fp8_is_refused(tmp_path):
+    out = run(["variant=fa2", "dtype=fp8", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode != 0 and "dtype=fp8 runs fa3's forward" in out.stderr
