@@ -273,7 +273,9 @@ def _v_k_major_kernel(head_dim):
     through shared memory; output position p of each 16 keys takes key KEY_ORDER[p]."""
     WORDS = head_dim // 4
     OUT_WORDS = V_KEYS // 4
-    TILE_WORDS = V_KEYS * WORDS
+    STRIDE = WORDS + 1          # a key's row in shared memory, padded: the transposing reads of 16
+                                # keys at one d hit 16 banks, not one
+    TILE_WORDS = V_KEYS * STRIDE
 
     @kernel
     def v_k_major(v32, vt32, n):
@@ -281,9 +283,9 @@ def _v_k_major_kernel(head_dim):
         tid = int32(cuda.threadIdx.x)
         k0 = chunk * V_KEYS
         tile = cuda.shared.array(TILE_WORDS, uint32)
-        for w in range(tid, TILE_WORDS, THREADS):
-            key = k0 + w // WORDS
-            tile[w] = v32[b, h, key, w % WORDS] if key < n else uint32(0)
+        for w in range(tid, V_KEYS * WORDS, THREADS):
+            key, c = w // WORDS, w % WORDS
+            tile[key * STRIDE + c] = v32[b, h, k0 + key, c] if k0 + key < n else uint32(0)
         cuda.syncthreads()
         for w in range(tid, head_dim * OUT_WORDS, THREADS):
             dd, p0 = w // OUT_WORDS, (w % OUT_WORDS) * 4
@@ -291,7 +293,7 @@ def _v_k_major_kernel(head_dim):
             for i in range(4):
                 p = p0 + i
                 key = (p & ~15) + _key_at(p & 15)
-                byte = (tile[key * WORDS + (dd >> 2)] >> uint32(8 * (dd & 3))) & uint32(0xFF)
+                byte = (tile[key * STRIDE + (dd >> 2)] >> uint32(8 * (dd & 3))) & uint32(0xFF)
                 word |= byte << uint32(8 * i)
             vt32[b, h, dd, chunk * OUT_WORDS + w % OUT_WORDS] = word
 
