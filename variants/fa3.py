@@ -158,8 +158,8 @@ OPTIONS = configs.options_of(Config)
 # on average. Ping-pong alone is the default: the best at 4k non-causal and at d=64.
 DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             128: dict(block_m=128, block_n=128, stages=2),
-            # FP8 at d=128: B_c = 256 halves the softmax's per-block overhead (TFLOP/s, H100, one
-            # scale a head, non-causal | causal, 2k / 8k / 16k, docs/results/fp8_configs_h100.txt):
+            # FP8 at d=128: B_c = 256 measured fastest (TFLOP/s, H100, one scale a head,
+            # non-causal | causal, 2k / 8k / 16k, docs/results/fp8_configs_h100.txt):
             #   B_c 128: 534 / 749 / 776 | 420 / 621 / 753;  B_c 256: 626 / 830 / 860 | 428 / 721 / 812
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
             (128, "fp8"): dict(block_n=256)}
