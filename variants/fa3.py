@@ -106,12 +106,11 @@ class Config:
 
     @property
     def registers(self):
-        """(consumer, producer) registers a thread after setmaxnreg (FA3's split), multiples of 8
-        within the block's own pool (the launch's 168 a thread x 384 with two consumers:
-        2 x 128 x 240 + 128 x 24; a split that asks for more blocks `setmaxnreg.inc` forever), the
-        producer warpgroup down to what issuing copies needs (FA3 transposes FP8's V in those 24
-        too; ptxas spills a few of the transposers' values)."""
-        return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
+        """(consumer, producer) registers a thread after setmaxnreg (FA3's split): 65536 a block,
+        a multiple of 8, the producer warpgroup down to what issuing copies needs (32 when its
+        warps also transpose V)."""
+        consumer, producer = {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
+        return consumer, max(producer, 32) if self.transposes_v else producer
 
     @property
     def element_bytes(self):
