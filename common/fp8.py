@@ -54,7 +54,7 @@ def key_at(position):
 
 
 KEY_ORDER = np.array([key_at(p) for p in range(16)])
-key_at_device = device_function(key_at)
+_key_at = device_function(key_at)
 
 
 # --------------------------------------------------------------------------- host side
@@ -292,7 +292,7 @@ def _v_k_major_kernel(head_dim):
             word = uint32(0)
             for i in range(4):
                 p = p0 + i
-                key = (p & ~15) + key_at_device(p & 15)
+                key = (p & ~15) + _key_at(p & 15)
                 byte = (tile[key * STRIDE + (dd >> 2)] >> uint32(8 * (dd & 3))) & uint32(0xFF)
                 word |= byte << uint32(8 * i)
             vt32[b, h, dd, chunk * OUT_WORDS + w % OUT_WORDS] = word

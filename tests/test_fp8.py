@@ -124,18 +124,14 @@ def test_v_k_major_orders_keys_for_the_p_operand(rng):
 
 # --------------------------------------------------------------------------- fa3 in FP8
 
-PRE, PRODUCER = "prepass", "producer"   # where V^T is made (fa3's v_transpose)
-FA3_CASES = [pytest.param(150, False, 128, 1, PRE, marks=pytest.mark.slow), (130, True, None, 1, PRE),
-             pytest.param(600, True, 128, 1, PRODUCER, marks=pytest.mark.slow)]
+FA3_CASES = [pytest.param(150, False, 128, 1, marks=pytest.mark.slow), (130, True, None, 1)]
 if ON_GPU:
-    FA3_CASES += [(700, False, 128, 2, PRE), (700, True, 128, 1, PRE), (1000, True, None, 4, PRE),
-                  (64, False, None, 1, PRE), (2048, False, 256, 1, PRE), (2048, True, 128, 2, PRE),
-                  (700, False, 128, 2, PRODUCER), (1000, True, None, 4, PRODUCER),
-                  (2048, False, 256, 1, PRODUCER), (64, False, None, 1, PRODUCER)]
+    FA3_CASES += [(700, False, 128, 2), (700, True, 128, 1), (1000, True, None, 4),
+                  (64, False, None, 1), (2048, False, 256, 1), (2048, True, 128, 2)]
 
 
-@pytest.mark.parametrize("seqlen, causal, block, kv_group, v_transpose", FA3_CASES)
-def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, v_transpose):
+@pytest.mark.parametrize("seqlen, causal, block, kv_group", FA3_CASES)
+def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group):
     """O against float64 attention over the dequantised inputs: what the kernel adds is P~'s
     rounding to e4m3 (relative U a probability, at most U sum_j p_j |v_j| an element of O;
     below the normals 2^-10 absolute) and O's to bf16 (2^-8 relative). The inputs' scores are
@@ -150,8 +146,7 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, v_transpo
     k8, kd = fp8.quantize_fp8(dk, block=block)
     v8, vd = fp8.quantize_fp8(dv, block=None)
     o, lse = variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
-                              k_descale=kd, v_descale=vd, scale_block=block or 128,
-                              v_transpose=v_transpose)
+                              k_descale=kd, v_descale=vd, scale_block=block or 128)
     qf, kf = (_dequantized(x8, s, block or seqlen) for x8, s in ((q8, qd), (k8, kd)))
     vf = _dequantized(v8, vd, seqlen)
     kf, vf = (np.repeat(x, kv_group, axis=2) for x in (kf, vf))

@@ -62,7 +62,7 @@ P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest pro
                         # subnormals (FA3.md: "P scaled before its cast to e4m3")
 WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m64nNk16
 WG_THREADS = 128
-BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (17 at 4 stages, 25 with FP8 staging)
+BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (17 at 4 stages)
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
 SCALES_TYPE = types.Array(types.float32, 3, "C")
 COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (common/compile_report.py)
@@ -83,8 +83,6 @@ class Config:
     setmaxnreg: bool = True      # a producer warpgroup that gives its registers to the consumers
     pingpong: bool = True        # named barriers make the consumer warpgroups take turns at the
                                  # tensor cores (no effect with one consumer warpgroup)
-    v_transpose: str = "prepass"  # FP8: V^T by a pre-pass kernel ("prepass", fp8.v_k_major) or in
-                                  # the kernel by the producer warpgroup's spare warps ("producer")
 
     @property
     def consumers(self):
@@ -100,17 +98,10 @@ class Config:
         return self.pingpong and self.consumers > 1
 
     @property
-    def transposes_v(self):
-        """FP8 with V transposed in the kernel by three producer warps."""
-        return self.fp8 and self.v_transpose == "producer"
-
-    @property
     def registers(self):
         """(consumer, producer) registers a thread after setmaxnreg (FA3's split): 65536 a block,
-        a multiple of 8, the producer warpgroup down to what issuing copies needs (32 when its
-        warps also transpose V)."""
-        consumer, producer = {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
-        return consumer, max(producer, 32) if self.transposes_v else producer
+        a multiple of 8, the producer warpgroup down to what issuing copies needs."""
+        return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
     @property
     def element_bytes(self):
@@ -121,9 +112,7 @@ class Config:
         then stages x (K_j, V_j); each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows
         a panel; FP8's V_j is V_j^T: d rows x 128 keys a panel). Q's room is 16-bit-sized in
         FP8 too: O_i (16-bit) is staged there for its store."""
-        staging = self.stages * self.block_n if self.transposes_v else 0   # V_j as TMA lands it
-        return (2 * self.block_m + (2 * self.stages * self.block_n + staging) * self.element_bytes) \
-            * self.head_dim
+        return (2 * self.block_m + 2 * self.stages * self.block_n * self.element_bytes) * self.head_dim
 
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
         return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.tile_bytes()
@@ -134,11 +123,6 @@ class Config:
         if self.fp8 and self.head_dim not in FP8_HEAD_DIMS:
             raise ValueError(f"fa3 in FP8 supports head_dim in {FP8_HEAD_DIMS}, got "
                              f"{self.head_dim}")
-        if self.v_transpose not in ("prepass", "producer"):
-            raise ValueError(f"v_transpose must be 'prepass' or 'producer', got {self.v_transpose!r}")
-        if self.v_transpose == "producer" and not (self.fp8 and self.setmaxnreg):
-            raise ValueError("v_transpose='producer' is for FP8 inputs with setmaxnreg=True (the "
-                             "producer warpgroup's spare warps transpose V)")
         if self.fp8 and self.block_n % 128:
             raise ValueError(f"fa3 in FP8: block_n={self.block_n} must be 128 or 256 (whole "
                              "128-key rows of the swizzled V^T tile)")
@@ -234,16 +218,6 @@ def build(cfg):
     PINGPONG = cfg.scheduled
     TURN = 4
     TURN_THREADS = 2 * WG_THREADS
-    # FP8 with V transposed in the kernel: the producer thread lands V_j (B_c keys x d) in a staging
-    # buffer of its stage (full: BAR_VS, with TMA's bytes; empty: BAR_VS_EMPTY, one arrival a
-    # transposing thread); the producer warpgroup's other three warps write it as V_j^T into the
-    # stage's V tile, then arrive on BAR_V (one arrival each).
-    TRANSPOSE = cfg.transposes_v
-    BAR_VS, BAR_VS_EMPTY = 4 + 16 * STAGES, 4 + 20 * STAGES
-    STAGING0 = K0 + STAGES * 2 * K_TILE_ELEMS   # 16-bit offset of stage 0's staging buffer
-    NT = 3 * 32                                 # transposing threads
-    T_COLS = D // 4                             # 4-column groups of a key's row
-    T_BLOCKS = T_COLS * (BC // 4)               # 4 keys x 4 columns a step of the transpose
 
     @device_function
     def scores(s, q_addr, k_addr):
@@ -315,57 +289,6 @@ def build(cfg):
             sm90.mbarrier_arrive(smem, empty + 4 * stage)
 
     @device_function
-    def transpose_v(smem32, staging_word, vt_word, t):
-        """V_j (B_c rows of d e4m3, 128-byte swizzled as TMA lands it) -> V_j^T (d rows of 128
-        keys a panel, swizzled, keys in fp8.KEY_ORDER within each 16): thread t moves 4 keys x 4
-        columns at a time, 4 32-bit loads and 4 stores."""
-        for blk in range(t, T_BLOCKS, NT):
-            d0 = 4 * (blk % T_COLS)
-            pos = 4 * (blk // T_COLS)             # its output key positions pos..pos+3
-            w0 = uint32(0)
-            w1 = uint32(0)
-            w2 = uint32(0)
-            w3 = uint32(0)
-            for i in range(4):
-                key = (pos & ~15) + fp8.key_at_device((pos & 15) + i)
-                a = key * 128 + ((((d0 >> 4) ^ (key & 7)) << 4) | (d0 & 15))
-                w = smem32[staging_word + (a >> 2)]
-                if i == 0:
-                    w0 = w
-                elif i == 1:
-                    w1 = w
-                elif i == 2:
-                    w2 = w
-                else:
-                    w3 = w
-            panel, col = pos >> 7, pos & 127
-            for e in range(4):
-                sh = uint32(8 * e)
-                out = (((w0 >> sh) & uint32(0xFF)) | (((w1 >> sh) & uint32(0xFF)) << uint32(8))
-                       | (((w2 >> sh) & uint32(0xFF)) << uint32(16))
-                       | (((w3 >> sh) & uint32(0xFF)) << uint32(24)))
-                row = d0 + e
-                a = panel * D * 128 + row * 128 + ((((col >> 4) ^ (row & 7)) << 4) | (col & 15))
-                smem32[vt_word + (a >> 2)] = out
-
-    @device_function
-    def transpose_loop(smem, tiles0, t, t_c):
-        """The three transposing warps: for each block j, wait for V_j in staging and for the
-        consumers to release the stage's V tile, write V_j^T there, make the writes visible to the
-        tensor cores' (async) proxy, and arrive on the stage's full and staging-empty barriers."""
-        smem32 = cuda.shared.array(0, uint32)
-        for j in range(t_c):
-            stage = j % STAGES
-            sm90.mbarrier_wait(smem, BAR_VS + 4 * stage, (j // STAGES) & 1)
-            if j >= STAGES:
-                sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, ((j // STAGES) - 1) & 1)
-            transpose_v(smem32, (tiles0 + STAGING0 + stage * K_TILE_ELEMS) >> 1,
-                        (tiles0 + K0 + stage * 2 * K_TILE_ELEMS + K_TILE_ELEMS) >> 1, t)
-            ptx.fence_proxy_async_shared()
-            sm90.mbarrier_arrive(smem, BAR_VS_EMPTY + 4 * stage)
-            sm90.mbarrier_arrive(smem, BAR_V + 4 * stage)
-
-    @device_function
     def produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c):
         """The producer (one thread): Q_i, then K_j, V_j into stage j % STAGES once it is free."""
         for m in range(3):
@@ -385,13 +308,6 @@ def build(cfg):
             for p in range(PANELS):
                 sm90.tma_load_4d(smem, k0 + p * BC * ROW, tmaps, 1, p * PANEL, j * BC, h_kv, b,
                                  smem, BAR_K + 4 * stage)
-            if TRANSPOSE:                     # V_j as it is, into staging (the transposers free it)
-                if j >= STAGES:
-                    sm90.mbarrier_wait(smem, BAR_VS_EMPTY + 4 * stage, freed)
-                sm90.mbarrier_arrive_expect_tx(smem, BAR_VS + 4 * stage, KV_BYTES)
-                sm90.tma_load_4d(smem, tiles0 + STAGING0 + stage * K_TILE_ELEMS, tmaps, 2, 0,
-                                 j * BC, h_kv, b, smem, BAR_VS + 4 * stage)
-                continue
             if j >= STAGES:                   # ... and its V
                 sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, freed)
             sm90.mbarrier_arrive_expect_tx(smem, BAR_V + 4 * stage, KV_BYTES)
@@ -431,10 +347,7 @@ def build(cfg):
             sm90.mbarrier_init(smem, BAR_Q, 1)
             for s in range(STAGES):
                 sm90.mbarrier_init(smem, BAR_K + 4 * s, 1)
-                sm90.mbarrier_init(smem, BAR_V + 4 * s, NT if TRANSPOSE else 1)
-                if TRANSPOSE:
-                    sm90.mbarrier_init(smem, BAR_VS + 4 * s, 1)
-                    sm90.mbarrier_init(smem, BAR_VS_EMPTY + 4 * s, NT)
+                sm90.mbarrier_init(smem, BAR_V + 4 * s, 1)
                 sm90.mbarrier_init(smem, BAR_EMPTY_K + 4 * s, 4 * NWG)   # one arrival a consumer warp
                 sm90.mbarrier_init(smem, BAR_EMPTY_V + 4 * s, 4 * NWG)
             sm90.fence_mbarrier_init()
@@ -445,8 +358,6 @@ def build(cfg):
                 GIVE_REGISTERS()   # the whole producer warpgroup, then 3 of its warps leave
             if warp == PRODUCER_WARP and lane == 0:
                 produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c)
-            elif TRANSPOSE and warp > PRODUCER_WARP:
-                transpose_loop(smem, tiles0, tid - (PRODUCER_WARP + 1) * 32, t_c)
             return
         if SETMAXNREG:
             TAKE_REGISTERS()
@@ -594,21 +505,19 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, q_descale=No
                    out_dtype=out_dtype if fp8_in else None)
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
+        v_panel = fp8.v_k_major(v)
+        v_view = arrays.bits_view(arrays.describe(v_panel), np.uint8)
         problem = (("fp8", True), ("k_block_scales", k_block_scales))
     else:
         if any(x is not None for x in descales):
             raise ValueError("q_descale, k_descale, v_descale are for e4m3 (FP8) inputs; q, k, v "
                              f"are {prob.dtype}")
         scales, rows, problem = (_no_scales(prob),) * 3, (1, 1), ()
+        v_view = prob.v
     cfg = default_config(prob.head_dim, prob.is_bf16, causal, problem, **options)
     box = sm90.SWIZZLE_BYTES // cfg.element_bytes
-    if fp8_in and not cfg.transposes_v:   # V^T (B, H_kv, d, N_pad) from the pre-pass
-        v_view = arrays.bits_view(arrays.describe(fp8.v_k_major(v)), np.uint8)
-        v_box = (prob.head_dim, box)
-    else:                                 # V as given (the producer transposes FP8's)
-        v_view, v_box = prob.v, (cfg.block_n, box)
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
-                              (v_view, *v_box)), prob.stream)
+                              (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
     grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
