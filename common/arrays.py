@@ -164,6 +164,20 @@ def zeros(library, shape, dtype, like=None):
     return cuda.to_device(np.zeros(shape, dtype=DTYPES[dtype]))
 
 
+_PLACEHOLDERS = {}
+
+
+def placeholder(library, ndim, like=None):
+    """A kernel argument (float32 zeros of shape (1,) * ndim, made once per library) for an array
+    parameter that a kernel's configuration does not read (fa3's descales with 16-bit inputs, the
+    quantiser's signs without incoherent processing)."""
+    hit = _PLACEHOLDERS.get((library, ndim))
+    if hit is None:
+        arr = zeros(library, (1,) * ndim, "float32", like=like)
+        hit = _PLACEHOLDERS[(library, ndim)] = (bits_view(describe(arr), np.float32), arr)
+    return hit[0]
+
+
 def stream_of(d):
     """The raw handle of the stream the caller's library is working on (kernels launch there),
     or 0 for the default stream."""

@@ -222,13 +222,14 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
     out32 = arrays.bits_view(arrays.describe(x8), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
     dd = arrays.bits_view(arrays.describe(descale), np.float32)
     if signs is None:
-        sign_view, hadamard = _dummy(dx.library, x), False
+        sign_view, hadamard = arrays.placeholder(dx.library, 1, x), False
     else:
         sign_view, hadamard = _signs_view(signs, d, dx.library, x), True
     is_bf16 = dx.dtype == "bfloat16"
     if block is not None:
         launch(_quantizer(d, is_bf16, hadamard, "block"), (nb, h, b), THREADS, 0, stream,
-               x32, sign_view, out32, dd, _dummy(dx.library, x), np.int32(n), np.int32(block))
+               x32, sign_view, out32, dd, arrays.placeholder(dx.library, 1, x), np.int32(n),
+               np.int32(block))
         return x8, descale
     amax = arrays.zeros(dx.library, (1,), "float32", like=x)
     av = arrays.bits_view(arrays.describe(amax), np.float32)
@@ -239,18 +240,6 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
     launch(_quantizer(d, is_bf16, hadamard, "tensor"), grid, THREADS, 0, stream,
            x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
     return x8, descale
-
-
-_DUMMIES = {}
-
-
-def _dummy(library, like):
-    """A 1-element float32 array for a kernel argument the configuration does not read."""
-    hit = _DUMMIES.get(library)
-    if hit is None:
-        arr = arrays.zeros(library, (1,), "float32", like=like)
-        hit = _DUMMIES[library] = (arrays.bits_view(arrays.describe(arr), np.float32), arr)
-    return hit[0]
 
 
 def _signs_view(signs, d, library, like):

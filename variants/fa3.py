@@ -512,7 +512,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, q_descale=No
         if any(x is not None for x in descales):
             raise ValueError("q_descale, k_descale, v_descale are for e4m3 (FP8) inputs; q, k, v "
                              f"are {prob.dtype}")
-        scales, rows, problem = (_no_scales(prob),) * 3, (1, 1), ()
+        scales, rows, problem = (arrays.placeholder(prob.library, 3, prob.like),) * 3, (1, 1), ()
         v_view = prob.v
     cfg = default_config(prob.head_dim, prob.is_bf16, causal, problem, **options)
     box = sm90.SWIZZLE_BYTES // cfg.element_bytes
@@ -561,18 +561,6 @@ def _fp8_scales(prob, descales, block):
         raise ValueError(f"scale_block={block}: Q's scales must cover whole 64-row warpgroup "
                          "tiles (a multiple of 64)")
     return views, counts[1] > 1, (block if counts[0] > 1 else 1 << 30, block)
-
-
-_NO_SCALES = {}
-
-
-def _no_scales(prob):
-    """A (1, 1, 1) float32 array for the descale arguments a 16-bit kernel does not read."""
-    hit = _NO_SCALES.get(prob.library)
-    if hit is None:
-        arr = arrays.zeros(prob.library, (1, 1, 1), "float32", like=prob.like)
-        hit = _NO_SCALES[prob.library] = (arrays.bits_view(arrays.describe(arr), np.float32), arr)
-    return hit[0]
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, **options):
