@@ -32,18 +32,18 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from common import arrays, ptx
+from common.checks import UNIT_ROUNDOFF as _UNIT_ROUNDOFF
+from common.problem import _BSHD_TO_BHSD
 from common.target import device_function, kernel, launch
 
 E4M3_MAX = 448.0
-UNIT_ROUNDOFF = 2.0 ** -4        # relative rounding error of a normal e4m3 value
-SMALLEST_NORMAL = 2.0 ** -6
+UNIT_ROUNDOFF = _UNIT_ROUNDOFF["float8_e4m3fn"]   # relative rounding error of a normal e4m3 value
 DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multiple of every B_r
                                  # and B_c of fa3 (FP8's B_c is 256), so that a key block never
                                  # straddles two K scales (which costs a scale per column group)
 HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
 THREADS = 128
 V_KEYS = 64                      # keys of V a block of the K-major pre-pass moves
-FP8_DTYPES = ("float8_e4m3fn", "uint8")   # torch/ml_dtypes e4m3, or its bits (CuPy, Numba)
 
 
 def key_at(position):
@@ -58,12 +58,6 @@ _key_at = device_function(key_at)
 
 
 # --------------------------------------------------------------------------- host side
-
-def to_e4m3(x):
-    """Host rounding to e4m3 as the GPU's cvt.rn.satfinite does it, as float64 (the reference)."""
-    from common import _ptx_sim
-    return _ptx_sim.bytes_to_float(_ptx_sim.float_to_e4m3(x))
-
 
 def hadamard_matrix(d):
     """The d x d Walsh-Hadamard matrix (Sylvester's construction; entries +-1, H H^T = d I)."""
@@ -186,9 +180,6 @@ def _quantizer(head_dim, is_bf16, hadamard, scope):
                             vals[4 * w + 2] * scale, vals[4 * w + 3] * scale)
 
     return quantize
-
-
-_BSHD_TO_BHSD = (0, 2, 1, 3)
 
 
 def _fp8_empty(library, shape, like):
