@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 from numba import cuda
 
-from common.target import SIMULATOR, KernelView
+from common.target import SIMULATOR, KernelView, view_layout
 
 # The element types this project handles, by the names used in configs, CSVs and error messages.
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
@@ -103,19 +103,19 @@ def bits_view(d, element, axes=None, last_dim_divisor=1):
 
     In the simulator the view's `.array` is built from NumPy's array interface over the same
     descriptor, so the simulator exercises exactly the shapes and strides the GPU kernels get."""
-    shape, strides, dtype = _view_geometry(d.shape, d.strides, d.itemsize, element, axes,
-                                           last_dim_divisor)
-    view = KernelView(d.ptr, shape, strides, dtype, d.owner)
+    view = KernelView.over(d.ptr, view_layout_of(d.shape, d.strides, d.itemsize, element, axes,
+                                                 last_dim_divisor), d.owner)
     if d.library == "sim":
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         host = _HostView(view.__cuda_array_interface__, vars(d.owner)["_ary"])
-        view = KernelView(d.ptr, shape, strides, view.dtype, d.owner, FakeCUDAArray(np.asarray(host)))
+        view._array = FakeCUDAArray(np.asarray(host))
     return view
 
 
 @lru_cache(maxsize=4096)
-def _view_geometry(shape, strides, itemsize, element, axes, last_dim_divisor):
-    """(shape, strides, dtype) of bits_view's view: pure arithmetic on the geometry, once per one."""
+def view_layout_of(shape, strides, itemsize, element, axes=None, last_dim_divisor=1):
+    """The target.ViewLayout of bits_view's view of an array of that geometry: pure arithmetic,
+    once per geometry."""
     shape, strides = list(shape), list(strides)
     dtype = np.dtype(element)
     if dtype.itemsize != itemsize * last_dim_divisor:
@@ -129,7 +129,7 @@ def _view_geometry(shape, strides, itemsize, element, axes, last_dim_divisor):
     if axes is not None:
         shape = [shape[a] for a in axes]
         strides = [strides[a] for a in axes]
-    return tuple(shape), tuple(strides), dtype
+    return view_layout(tuple(shape), tuple(strides), dtype)
 
 
 class _HostView:
@@ -178,12 +178,32 @@ def placeholder(library, ndim, like=None):
     return hit[0]
 
 
+def torch_stream(device_index):
+    """The raw handle of torch's current stream on a device: torch's own C getter (what torch's
+    compiled kernels launch with; 0.1 us), or, if a torch version lacks it, the public API (3 us)."""
+    import torch
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def empty_view(library, shape, dtype, element, like=None):
+    """(a new contiguous device array of `library` (see `empty`), its bits_view as `element`):
+    the per-call path for work arrays and outputs, with no description of the new array."""
+    x = empty(library, shape, dtype, like=like)
+    if library == "torch":
+        itemsize = DTYPES[dtype].itemsize
+        return x, KernelView.over(x.data_ptr(), view_layout_of(
+            tuple(shape), _contiguous_strides(tuple(shape), itemsize), itemsize, element), x)
+    return x, bits_view(describe(x), element)
+
+
 def stream_of(d):
     """The raw handle of the stream the caller's library is working on (kernels launch there),
     or 0 for the default stream."""
     if d.library == "torch":
-        import torch
-        return torch.cuda.current_stream(d.owner.device).cuda_stream
+        return torch_stream(d.owner.device.index)
     if d.library == "cupy":
         import cupy
         return cupy.cuda.get_current_stream().ptr

@@ -18,8 +18,9 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from common import arrays, ptx, tiles
-from common.problem import AttentionProblem, _BSHD_TO_BHSD, _check_layout, prepare
-from common.target import kernel, launch
+from common.problem import (_BSHD_TO_BHSD, _PER_CALL, AttentionProblem, _check_layout, misaligned,
+                            prepare, remember, torch_call_key)
+from common.target import KernelView, kernel, launch
 
 WARPS = 4            # rows per thread block of the row kernels (one warp a row)
 
@@ -46,7 +47,66 @@ class BackwardProblem:
 
 def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads=None):
     """Check a backward call's arguments (q, k, v, o, lse as the forward took and returned them; dO
-    like o) and allocate (or check) dq, dk, dv shaped like q, k, v."""
+    like o) and allocate (or check) dq, dk, dv shaped like q, k, v. Like `prepare`, a call with
+    the geometry of an earlier one (torch tensors) only reads addresses and allocates."""
+    key = None
+    if grads is None:
+        key = torch_call_key((do, q, k, v, o, lse), (causal, softmax_scale, head_dims, variant))
+        template = _TEMPLATES.get(key) if key is not None else None
+        if template is not None:
+            g = template.problem(do, q, k, v, o, lse)
+            if g is not None:
+                return g
+    g = _prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                          head_dims=head_dims, variant=variant, grads=grads)
+    if key is not None:
+        remember(_TEMPLATES, key, _BackwardTemplate(g))
+    return g
+
+
+_TEMPLATES = {}
+
+
+class _BackwardTemplate:
+    """A BackwardProblem of torch tensors without its addresses, gradients and stream (see
+    common.problem's per-call path)."""
+    VIEWS = ("q", "k", "v", "o32", "lse")
+
+    def __init__(self, g):
+        import torch
+        prob = g.prob
+        self.fields = {f: (None if f in _PER_CALL else x) for f, x in vars(prob).items()}
+        self.layouts = tuple(getattr(prob, f).layout for f in self.VIEWS) + tuple(
+            getattr(g, f).layout for f in ("do", "do32", "dq32", "dk32", "dv32"))
+        self.grad_shapes = tuple(tuple(x.shape) for x in g.result())
+        self.dtype, self.device = getattr(torch, prob.dtype), g.dq_out.device
+
+    def problem(self, do, q, k, v, o, lse):
+        """The problem of a call with this template's key (None: an address is misaligned)."""
+        import torch
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                do.data_ptr())
+        if misaligned(*ptrs):
+            return None
+        grads = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                 for shape in self.grad_shapes]
+        lq, lk, lv, lo, ll, ldo, ldo32, ldq, ldk, ldv = self.layouts
+        over = KernelView.over
+        prob = AttentionProblem.__new__(AttentionProblem)
+        prob.__dict__.update(self.fields)
+        prob.q, prob.k, prob.v = over(ptrs[0], lq, q), over(ptrs[1], lk, k), over(ptrs[2], lv, v)
+        prob.o32, prob.lse = over(ptrs[3], lo, o), over(ptrs[4], ll, lse)
+        prob.o_out, prob.lse_out, prob.like = o, lse, q
+        prob.stream = arrays.torch_stream(self.device.index)
+        dq, dk, dv = grads
+        return BackwardProblem(
+            prob=prob, do=over(ptrs[5], ldo, do), do32=over(ptrs[5], ldo32, do),
+            dq_out=dq, dk_out=dk, dv_out=dv, dq32=over(dq.data_ptr(), ldq, dq),
+            dk32=over(dk.data_ptr(), ldk, dk), dv32=over(dv.data_ptr(), ldv, dv))
+
+
+def _prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads):
+    """prepare_backward's checked path."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=(o, lse),
                    head_dims=head_dims, variant=variant)
     d_do, d_q = arrays.describe(do, "do"), arrays.describe(q, "q")
@@ -106,11 +166,6 @@ class DqLayout:
 
     def padded_rows(self, n):
         return (n + self.rows - 1) // self.rows * self.rows
-
-
-def scratch_view(prob, shape):
-    """An fp32 work array in the caller's library, as a kernel view."""
-    return arrays.bits_view(arrays.describe(prob.scratch(shape, "float32")), np.float32)
 
 
 # --------------------------------------------------------------------------- the row kernels
@@ -215,10 +270,10 @@ def preprocess(g, zero_dq, dq_layout=None):
     """Fill g.d_vec (allocating it) and, when zero_dq, a zeroed g.dq_acc: row-major, or in
     `dq_layout`'s fragment order (rows padded to whole query blocks)."""
     prob = g.prob
-    g.d_vec = scratch_view(prob, (prob.batch, prob.heads, prob.n_q))
+    g.d_vec = prob.scratch_view((prob.batch, prob.heads, prob.n_q))
     rows = dq_layout.padded_rows(prob.n_q) if dq_layout is not None else prob.n_q
     shape = (prob.batch, prob.heads, rows, prob.head_dim) if zero_dq else (1, 1, 1, 1)
-    g.dq_acc = scratch_view(prob, shape)     # (1, 1, 1, 1): not used, one kernel signature
+    g.dq_acc = prob.scratch_view(shape)     # (1, 1, 1, 1): not used, one kernel signature
     g.dq_layout = dq_layout
     launch(build_preprocess(prob.head_dim, prob.is_bf16, bool(zero_dq)), _row_grid(prob, rows),
            32 * WARPS, 0, prob.stream, prob.o32, g.do32, g.d_vec, g.dq_acc, np.int32(prob.n_q),

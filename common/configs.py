@@ -33,6 +33,8 @@ def default_config_function(variant, config_class, defaults, option_names, head_
         """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options.
         problem: ((field, value), ...) of the Config's further problem fields (fa3: fp8); a true
         one may have defaults of its own, DEFAULTS[(head_dim, field)]."""
+        if not options and head_dim in head_dims:   # the common call: no options, no checks
+            return build(head_dim, is_bf16, causal, (), tuple(problem))
         unknown = set(options) - set(option_names)
         if unknown:
             raise ValueError(f"{variant} has no option {', '.join(sorted(unknown))}; its options: "

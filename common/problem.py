@@ -6,6 +6,7 @@ and returns the zero-copy views the kernels take:
   lse      (B, H, N_q) float32
 """
 import math
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -13,6 +14,7 @@ import numpy as np
 from numba import types
 
 from common import arrays
+from common.target import KernelView
 
 _BSHD_TO_BHSD = (0, 2, 1, 3)
 HALF_DTYPES = ("float16", "bfloat16")
@@ -68,11 +70,109 @@ class AttentionProblem:
         """A work array in the caller's library (so its memory pool serves it)."""
         return arrays.empty(self.library, shape, dtype, like=self.like)
 
+    def scratch_view(self, shape, dtype="float32", element=np.float32):
+        """A new work array as a kernel view of `element`s (the view keeps the array alive)."""
+        return arrays.empty_view(self.library, shape, dtype, element, like=self.like)[1]
+
 
 def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=HALF_DTYPES,
             out_dtype=None):
     """dtypes: the input types the variant takes; out_dtype: the output's ("float16" or
     "bfloat16"), None for q's (16-bit inputs)."""
+    key = torch_call_key((q, k, v), (causal, softmax_scale, out is None, head_dims, variant,
+                                     dtypes, out_dtype))
+    if key is not None and out is None:
+        template = _TEMPLATES.get(key)
+        if template is not None:
+            prob = template.problem(q, k, v)
+            if prob is not None:
+                return prob
+    prob = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
+                    head_dims=head_dims, variant=variant, dtypes=dtypes, out_dtype=out_dtype)
+    if key is not None and out is None:
+        remember(_TEMPLATES, key, _ForwardTemplate(prob))
+    return prob
+
+
+# --------------------------------------------------------------------------- the per-call path
+# A training step calls with the same geometry every time, and checking and describing the
+# arguments costs more than the launch (issue: host overhead). So the first call with a geometry
+# (every input's shape, strides, dtype and device, and the call's options) runs every check and
+# keeps what it found as a template; later calls with the same key read the addresses, check
+# their alignment, allocate the outputs and read the current stream, nothing else. Keys are made
+# for torch tensors (the autograd path; other libraries take the checked path, whose checks are
+# cached too, see _check_geometry); a call whose key has no template, or whose addresses are
+# misaligned, takes the checked path, so it raises exactly the error it always raised.
+
+_TEMPLATES = {}
+
+
+def torch_call_key(tensors, options):
+    """The call's key when every array is a torch tensor (None otherwise): each one's shape,
+    strides, dtype and device, then `options`."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensor = torch.Tensor
+    key = [options]
+    for x in tensors:
+        if not isinstance(x, tensor):
+            return None
+        key.append((x.shape, x.stride(), x.dtype, x.device))
+    return tuple(key)
+
+
+def remember(cache, key, value, size=256):
+    """cache[key] = value, the oldest entry dropped past `size` entries."""
+    if len(cache) >= size:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
+def misaligned(*ptrs):
+    """True if any address is not a multiple of 16 bytes."""
+    bits = 0
+    for p in ptrs:
+        bits |= p
+    return bool(bits & 15)
+
+
+_PER_CALL = ("q", "k", "v", "o32", "lse", "o_out", "lse_out", "stream", "like")
+
+
+class _ForwardTemplate:
+    """An AttentionProblem of torch tensors without its addresses, outputs and stream."""
+
+    def __init__(self, prob):
+        import torch
+        # the first call's arrays are not kept (a template must not hold memory alive)
+        self.fields = {f: (None if f in _PER_CALL else x) for f, x in vars(prob).items()}
+        self.layouts = tuple(getattr(prob, f).layout for f in ("q", "k", "v", "o32", "lse"))
+        self.out_shapes = (tuple(prob.o_out.shape), tuple(prob.lse_out.shape))
+        self.out_dtype = getattr(torch, prob.out_dtype)
+        self.device = prob.o_out.device
+
+    def problem(self, q, k, v):
+        """The problem of a call with this template's key (None: an address is misaligned)."""
+        import torch
+        pq, pk, pv = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if misaligned(pq, pk, pv):
+            return None
+        o = torch.empty(self.out_shapes[0], dtype=self.out_dtype, device=self.device)
+        lse = torch.empty(self.out_shapes[1], dtype=torch.float32, device=self.device)
+        lq, lk, lv, lo, ll = self.layouts
+        prob = AttentionProblem.__new__(AttentionProblem)
+        prob.__dict__.update(self.fields)
+        prob.q, prob.k, prob.v = (KernelView.over(pq, lq, q), KernelView.over(pk, lk, k),
+                                  KernelView.over(pv, lv, v))
+        prob.o32, prob.lse = KernelView.over(o.data_ptr(), lo, o), KernelView.over(lse.data_ptr(), ll, lse)
+        prob.o_out, prob.lse_out, prob.like = o, lse, q
+        prob.stream = arrays.torch_stream(self.device.index)
+        return prob
+
+
+def _prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes, out_dtype):
+    """prepare's checked path: every check, with errors that name the problem."""
     dq, dk, dv = (arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     # Everything but the addresses is checked once per (shapes, strides, dtypes, options): a
     # training step calls with the same geometry every time, and the checks cost more than the

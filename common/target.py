@@ -122,16 +122,69 @@ def multiprocessor_count():
 
 # --------------------------------------------------------------------------- launching
 
+class ViewLayout:
+    """The geometry of a kernel view, made once per (shape, byte strides, element dtype) and shared
+    by every view of that geometry: what Numba types the array as (C layout when C-contiguous, else
+    any, "A") and its words in Numba's kernel ABI but the data pointer (an array is meminfo, parent,
+    size, itemsize, data, shape..., strides...)."""
+    __slots__ = ("shape", "strides", "dtype", "numba_type", "head", "tail")
+
+    def __init__(self, shape, strides, dtype, numba_type):
+        self.shape, self.strides, self.dtype, self.numba_type = shape, strides, dtype, numba_type
+        size = 1
+        for n in shape:
+            size *= n
+        self.head, self.tail = (0, 0, size, dtype.itemsize), (*shape, *strides)
+
+
+_ARRAY_TYPES = {}
+_LAYOUTS = {}          # (shape, strides, dtype) -> ViewLayout
+
+
+def view_layout(shape, strides, dtype):
+    """The ViewLayout of a geometry (shape and strides tuples, a NumPy dtype), built once: typing a
+    view costs ~5 us and a call's views repeat the last call's geometry."""
+    key = (shape, strides, dtype)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        from numba import from_dtype, types
+        expect, contiguous = dtype.itemsize, True
+        for n, stride in zip(reversed(shape), reversed(strides)):
+            contiguous &= n == 1 or stride == expect
+            expect *= n
+        tkey = (dtype, len(shape), "C" if contiguous else "A")
+        numba_type = _ARRAY_TYPES.get(tkey)
+        if numba_type is None:   # building a Numba type costs ~10 us: once per kind of view
+            numba_type = _ARRAY_TYPES[tkey] = types.Array(from_dtype(dtype), len(shape), tkey[2])
+        if len(_LAYOUTS) >= 4096:
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[key] = ViewLayout(tuple(shape), tuple(strides), dtype, numba_type)
+    return hit
+
+
 class KernelView:
-    """A device array as a kernel argument: address, shape and byte strides of any axis order
-    and element type over someone else's memory (`owner` keeps it alive). `launch` passes its
-    fields straight to the driver; `.array` is the same memory as a Numba device array (or, in the
-    simulator, a simulator array)."""
-    __slots__ = ("ptr", "shape", "strides", "dtype", "owner", "_array", "_type")
+    """A device array as a kernel argument: an address and a ViewLayout (shape, byte strides and
+    element type, any axis order) over someone else's memory (`owner` keeps it alive). `launch`
+    passes its words straight to the driver; `.array` is the same memory as a Numba device array
+    (or, in the simulator, a simulator array)."""
+    __slots__ = ("ptr", "layout", "owner", "_array")
 
     def __init__(self, ptr, shape, strides, dtype, owner, array=None):
-        self.ptr, self.shape, self.strides = ptr, tuple(shape), tuple(strides)
-        self.dtype, self.owner, self._array, self._type = dtype, owner, array, None
+        self.ptr, self.layout = ptr, view_layout(tuple(shape), tuple(strides), dtype)
+        self.owner, self._array = owner, array
+
+    @classmethod
+    def over(cls, ptr, layout, owner):
+        """A view of a known layout (the per-call path: no geometry to look up)."""
+        view = cls.__new__(cls)
+        view.ptr, view.layout, view.owner, view._array = ptr, layout, owner, None
+        return view
+
+    shape = property(lambda self: self.layout.shape)
+    strides = property(lambda self: self.layout.strides)
+    dtype = property(lambda self: self.layout.dtype)
+    numba_type = property(lambda self: self.layout.numba_type,
+                          doc="What Numba would type the array as (ViewLayout).")
 
     @property
     def __cuda_array_interface__(self):
@@ -144,40 +197,6 @@ class KernelView:
             self._array = cuda.from_cuda_array_interface(self.__cuda_array_interface__,
                                                          owner=self.owner, sync=False)
         return self._array
-
-    @property
-    def numba_type(self):
-        """What Numba would type the array as: C layout when C-contiguous, else any ("A")."""
-        if self._type is None:
-            self._type = _layout(self.shape, self.strides, self.dtype)[0]
-        return self._type
-
-
-_ARRAY_TYPES = {}
-_LAYOUTS = {}          # (shape, strides, dtype) -> (Numba type, packed kernel argument)
-
-
-def _layout(shape, strides, dtype):
-    """(Numba type, the argument's words but the data pointer) of a view geometry, worked out once
-    per geometry: a call's views repeat the last call's shapes, and typing one costs ~5 us."""
-    key = (shape, strides, dtype)
-    hit = _LAYOUTS.get(key)
-    if hit is None:
-        from numba import from_dtype, types
-        expect, contiguous, size = dtype.itemsize, True, 1
-        for n, stride in zip(reversed(shape), reversed(strides)):
-            contiguous &= n == 1 or stride == expect
-            expect *= n
-            size *= n
-        tkey = (dtype, len(shape), "C" if contiguous else "A")
-        numba_type = _ARRAY_TYPES.get(tkey)
-        if numba_type is None:   # building a Numba type costs ~10 us: once per kind of view
-            numba_type = _ARRAY_TYPES[tkey] = types.Array(from_dtype(dtype), len(shape), tkey[2])
-        if len(_LAYOUTS) >= 4096:
-            _LAYOUTS.clear()
-        # Numba's kernel ABI for an array: meminfo, parent, size, itemsize, data, shape, strides
-        hit = _LAYOUTS[key] = (numba_type, (0, 0, size, dtype.itemsize), (*shape, *strides))
-    return hit
 
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
@@ -206,12 +225,13 @@ def launch(kern, grid, block, shared_bytes, stream, *args):
         # threads. current_context() makes Numba's (the device's primary) context current here.
         cuda.current_context()
         _thread.has_context = True
-    # keyed by identities (Numba types are interned and kept in _ARRAY_TYPES / _SCALAR_TYPES; the
+    # keyed by identities (Numba types are interned in _ARRAY_TYPES and _SCALAR_TYPES; the
     # launcher keeps the kernel): hashing the types themselves costs ~1 us each
-    sig = tuple(a.numba_type if isinstance(a, KernelView) else _SCALAR_TYPES[type(a)] for a in args)
-    key = (id(kern), *map(id, sig))
+    key = (id(kern), *[id(a.layout.numba_type) if type(a) is KernelView else type(a) for a in args])
     launcher = _compiled.get(key)
     if launcher is None:
+        sig = tuple(a.numba_type if isinstance(a, KernelView) else _SCALAR_TYPES[type(a)]
+                    for a in args)
         launcher = _compiled[key] = _Launcher(kern, sig)
     launcher(grid, block, shared_bytes, stream, args)
 
@@ -220,12 +240,14 @@ class _Launcher:
     """One compiled kernel and the driver calls that launch it.
 
     The kernel's parameters are 8-byte words (an array: meminfo, parent, size, itemsize, data,
-    shape..., strides...; a 4-byte scalar: its bits in the low half of a word) written into a
-    buffer of this thread's, whose word addresses (the void*[] cuLaunchKernel reads) are worked
-    out once; the driver copies the parameters before cuLaunchKernel returns, so the buffer is
-    free again at once."""
+    shape..., strides...; a 4-byte scalar: its bits in the low half of a word), packed by one
+    `struct.Struct` into a buffer of this thread's whose word addresses (the void*[] cuLaunchKernel
+    reads) are worked out once; the driver copies the parameters before cuLaunchKernel returns, so
+    the buffer is free again at once."""
 
     def __init__(self, kern, sig):
+        import struct
+
         import numpy as np
         from cuda.bindings import driver as cu
 
@@ -238,7 +260,12 @@ class _Launcher:
         self.shared_allowed = _DEFAULT_SHARED_LIMIT
         self.streams = {}
         self.buffers = threading.local()
-        self.words = sum(5 + 2 * t.ndim if hasattr(t, "ndim") else 1 for t in sig)
+        # an array: meminfo, parent, size, itemsize (q), data (Q), shape and strides (q); a scalar:
+        # its 4 bytes, then 4 of padding
+        self.struct = struct.Struct("<" + "".join(
+            f"4qQ{2 * t.ndim}q" if hasattr(t, "ndim") else ("f4x" if str(t) == "float32" else "i4x")
+            for t in sig))
+        self.words = self.struct.size // 8
 
     def _buffer(self):
         buf = getattr(self.buffers, "slots", None)
@@ -246,7 +273,7 @@ class _Launcher:
             np = self.np
             words = np.zeros(self.words, dtype=np.int64)
             pointers = words.__array_interface__["data"][0] + 8 * np.arange(self.words, dtype=np.uint64)
-            buf = self.buffers.slots = (words, words.view(np.int32), words.view(np.float32), pointers)
+            buf = self.buffers.slots = (words, pointers)
         return buf
 
     def __call__(self, grid, block, shared_bytes, stream, args):
@@ -256,18 +283,17 @@ class _Launcher:
             _check(cu.cuKernelSetAttribute(attr, shared_bytes, self.cufunc.handle,
                                            self.cufunc.device.id))
             self.shared_allowed = shared_bytes
-        words, as_i32, as_f32, pointers = self._buffer()
-        at = 0
+        words, pointers = self._buffer()
+        values = []
         for a in args:
-            if isinstance(a, KernelView):
-                _, head, tail = _layout(a.shape, a.strides, a.dtype)
-                words[at:at + 4] = head
-                words[at + 4] = a.ptr
-                words[at + 5:at + 5 + len(tail)] = tail
-                at += 5 + len(tail)
-            else:   # np.int32 / np.float32: its 4 bytes at the start of the word (little-endian)
-                (as_f32 if isinstance(a, self.np.float32) else as_i32)[2 * at] = a
-                at += 1
+            if type(a) is KernelView:
+                layout = a.layout
+                values += layout.head
+                values.append(a.ptr)
+                values += layout.tail
+            else:   # np.int32 / np.float32
+                values.append(a)
+        self.struct.pack_into(words, 0, *values)
         cu_stream = self.streams.get(stream)
         if cu_stream is None:
             cu_stream = self.streams[stream] = cu.CUstream(stream)

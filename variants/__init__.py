@@ -32,9 +32,15 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **opt
 
 def get(name):
     """The module of variant `name` (it has forward(q, k, v, *, causal, softmax_scale, **options))."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown variant {name!r}; registered: {', '.join(REGISTRY)}")
-    return import_module(REGISTRY[name])
+    module = _MODULES.get(name)
+    if module is None:
+        if name not in REGISTRY:
+            raise ValueError(f"unknown variant {name!r}; registered: {', '.join(REGISTRY)}")
+        module = _MODULES[name] = import_module(REGISTRY[name])
+    return module
+
+
+_MODULES = {}
 
 
 def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):

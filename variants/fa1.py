@@ -38,7 +38,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import arrays, configs, ptx, softmax, splitk, target, tiles
+from common import configs, ptx, softmax, splitk, target, tiles
 from common import backward as bwd
 from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
@@ -352,14 +352,14 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
     if cfg.outer_loop == "kv":
         splits = cfg.q_splits or -(-RESIDENT * target.multiprocessor_count() // (b * h))
         grid = (min(splits, t_r), b, h)
-        o_ws = prob.scratch((b, h, n_q, prob.head_dim), "float32")   # O between K/V blocks, fp32
+        o_ws = prob.scratch_view((b, h, n_q, prob.head_dim))   # O between K/V blocks, fp32
     else:
         grid = (t_r, b, h)
-        o_ws = prob.scratch((1, 1, 1, prob.head_dim), "float32")     # not used
-    m_ws, l_ws = (prob.scratch((b, h, n_q), "float32") for _ in range(2))
+        o_ws = prob.scratch_view((1, 1, 1, prob.head_dim))     # not used
+    m_ws, l_ws = (prob.scratch_view((b, h, n_q)) for _ in range(2))
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse,
-           *(arrays.bits_view(arrays.describe(x), np.float32) for x in (o_ws, m_ws, l_ws)),
+           o_ws, m_ws, l_ws,
            np.int32(n_q), np.int32(prob.n_k), np.int32(prob.kv_group),
            np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
     return prob.result()

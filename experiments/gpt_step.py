@@ -1,0 +1,147 @@
+"""A training step of a small GPT with a variant's attention in place of SDPA's: step time and loss
+curve, the two models from the same initial weights on the same batches.
+
+    python experiments/gpt_step.py [--variants fa2,fa3] [--steps 30] [--batch 8] [--seqlen 1024]
+
+The model (issue: host overhead): 4 pre-LayerNorm blocks of d_model 512, 8 causal heads of 64,
+an MLP of 4 x d_model, vocabulary 8192, next-token cross-entropy, AdamW, bf16 autocast. Q, K, V
+are strided views of one projection, as in real models. Attention is `variants.attention(q, k, v,
+variant=..., causal=True)` or SDPA's FlashAttention-2 backend (`sdpa_flash`). Step time: the
+median over `--repeats` runs of `--steps` steps (wall clock from a synchronize to a synchronize,
+after `--warmup` steps), the models taking turns so that clocks and other drift hit both alike.
+Loss curves: the first `--steps` losses of each model from the same start, and their largest
+difference from SDPA's (bf16 rounding lets them drift apart slowly; a wrong gradient does not
+stay close).
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+common.select_backend()
+
+
+def make_model(torch, attention, *, layers, width, heads, vocab, seqlen):
+    """A GPT whose blocks call attention(q, k, v) on (B, N, H, d) views."""
+    nn = torch.nn
+    head_dim = width // heads
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv = nn.Linear(width, 3 * width)
+            self.proj = nn.Linear(width, width)
+            self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                     nn.Linear(4 * width, width))
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, heads, head_dim).unbind(2)
+            x = x + self.proj(attention(q, k, v).reshape(b, n, width))
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.position = nn.Parameter(torch.zeros(1, seqlen, width))
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens) + self.position[:, :tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+    return GPT()
+
+
+def attention_fn(name):
+    """attention(q, k, v) -> o, causal, for a variant name or `sdpa_flash`."""
+    if name.startswith("sdpa"):
+        from experiments import peers
+        return peers.forward_fn(name, True, None, False)
+    import variants
+    return lambda q, k, v: variants.attention(q, k, v, variant=name, causal=True)
+
+
+def main(argv=None):
+    a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a.add_argument("--variants", default="fa2")
+    a.add_argument("--peer", default="sdpa_flash")
+    a.add_argument("--steps", type=int, default=30)
+    a.add_argument("--warmup", type=int, default=10)
+    a.add_argument("--repeats", type=int, default=5)
+    a.add_argument("--batch", type=int, default=8)
+    a.add_argument("--seqlen", type=int, default=1024)
+    a.add_argument("--layers", type=int, default=4)
+    a.add_argument("--width", type=int, default=512)
+    a.add_argument("--heads", type=int, default=8)
+    a.add_argument("--vocab", type=int, default=8192)
+    args = a.parse_args(argv)
+
+    import torch
+
+    from common import target
+
+    names = [args.peer] + args.variants.split(",")
+    shape = dict(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
+                 seqlen=args.seqlen)
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)   # the same initial weights for every model
+        model = make_model(torch, attention_fn(name), **shape).cuda()
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
+    data = torch.Generator("cuda").manual_seed(1)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seqlen + 1), device="cuda",
+                             generator=data) for _ in range(args.steps)]
+
+    def step(name, tokens):
+        model, opt = runs[name]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                 tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    # Loss curves from the common start, on the same batches.
+    curves = {name: torch.stack([step(name, t) for t in batches]).tolist() for name in names}
+    # Step time (the models keep training; the values no longer matter).
+    times = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            for t in batches[:args.warmup]:
+                step(name, t)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for t in batches:
+                step(name, t)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - start) / len(batches) * 1e3)
+
+    peer = statistics.median(times[args.peer])
+    print(f"# {target.describe()}, torch {torch.__version__}; GPT {args.layers} x d_model "
+          f"{args.width}, {args.heads} heads of {args.width // args.heads}, batch {args.batch}, "
+          f"seqlen {args.seqlen}, bf16 autocast, AdamW; median of {args.repeats} x {args.steps} "
+          f"steps")
+    print(f"{'attention':12s} {'ms/step':>8s} {'vs peer':>8s} {'loss@1':>8s} "
+          f"{'loss@' + str(args.steps):>9s} {'max |dloss|':>12s}")
+    for name in names:
+        ms = statistics.median(times[name])
+        diff = max(abs(x - y) for x, y in zip(curves[name], curves[args.peer]))
+        print(f"{name:12s} {ms:8.2f} {ms / peer:8.3f} {curves[name][0]:8.4f} "
+              f"{curves[name][-1]:9.4f} {diff:12.2e}")
+
+
+if __name__ == "__main__":
+    main()
