@@ -199,6 +199,16 @@ def empty_view(library, shape, dtype, element, like=None):
     return x, bits_view(describe(x), element)
 
 
+def as_elements(view, element, last_dim_divisor=1):
+    """Another kernel view of a whole array's memory, in its axis order (a view from `empty_view`),
+    as `element`s (see bits_view): e.g. 16-bit P as pairs (uint32) for one kernel and as uint16
+    for the next."""
+    if SIMULATOR:
+        return bits_view(describe(view.owner), element, None, last_dim_divisor)
+    return KernelView.over(view.ptr, view_layout_of(view.shape, view.strides, view.dtype.itemsize,
+                                                    element, None, last_dim_divisor), view.owner)
+
+
 def stream_of(d):
     """The raw handle of the stream the caller's library is working on (kernels launch there),
     or 0 for the default stream."""

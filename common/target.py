@@ -273,7 +273,8 @@ class _Launcher:
             np = self.np
             words = np.zeros(self.words, dtype=np.int64)
             pointers = words.__array_interface__["data"][0] + 8 * np.arange(self.words, dtype=np.uint64)
-            buf = self.buffers.slots = (words, pointers)
+            # cuLaunchKernel takes the void*[]'s address as an int (no buffer request a call)
+            buf = self.buffers.slots = (words, pointers, pointers.__array_interface__["data"][0])
         return buf
 
     def __call__(self, grid, block, shared_bytes, stream, args):
@@ -283,7 +284,7 @@ class _Launcher:
             _check(cu.cuKernelSetAttribute(attr, shared_bytes, self.cufunc.handle,
                                            self.cufunc.device.id))
             self.shared_allowed = shared_bytes
-        words, pointers = self._buffer()
+        words, _, pointers = self._buffer()
         values = []
         for a in args:
             if type(a) is KernelView:

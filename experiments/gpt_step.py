@@ -2,6 +2,7 @@
 curve, the two models from the same initial weights on the same batches.
 
     python experiments/gpt_step.py [--variants fa2,fa3] [--steps 30] [--batch 8] [--seqlen 1024]
+                                   [--graph]
 
 The model (issue: host overhead): 4 pre-LayerNorm blocks of d_model 512, 8 causal heads of 64,
 an MLP of 4 x d_model, vocabulary 8192, next-token cross-entropy, AdamW, bf16 autocast. Q, K, V
@@ -11,7 +12,8 @@ median over `--repeats` runs of `--steps` steps (wall clock from a synchronize t
 after `--warmup` steps), the models taking turns so that clocks and other drift hit both alike.
 Loss curves: the first `--steps` losses of each model from the same start, and their largest
 difference from SDPA's (bf16 rounding lets them drift apart slowly; a wrong gradient does not
-stay close).
+stay close). `--graph` times each model's whole training step (forward, backward, AdamW)
+captured once in a CUDA graph and replayed on each batch: what is left without any host time.
 """
 import argparse
 import statistics
@@ -85,6 +87,7 @@ def main(argv=None):
     a.add_argument("--width", type=int, default=512)
     a.add_argument("--heads", type=int, default=8)
     a.add_argument("--vocab", type=int, default=8192)
+    a.add_argument("--graph", action="store_true", help="time steps replayed from a CUDA graph")
     args = a.parse_args(argv)
 
     import torch
@@ -98,7 +101,8 @@ def main(argv=None):
     for name in names:
         torch.manual_seed(0)   # the same initial weights for every model
         model = make_model(torch, attention_fn(name), **shape).cuda()
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True))
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True,
+                                                           capturable=args.graph))
     data = torch.Generator("cuda").manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seqlen + 1), device="cuda",
                              generator=data) for _ in range(args.steps)]
@@ -106,7 +110,7 @@ def main(argv=None):
     def step(name, tokens):
         model, opt = runs[name]
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):   # graph-safe
             logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                  tokens[:, 1:].flatten())
@@ -117,15 +121,26 @@ def main(argv=None):
     # Loss curves from the common start, on the same batches.
     curves = {name: torch.stack([step(name, t) for t in batches]).tolist() for name in names}
     # Step time (the models keep training; the values no longer matter).
+    if args.graph:
+        from common.timing import capture_cuda_graph
+        static = batches[0].clone()
+        graphs = {name: capture_cuda_graph(lambda n=name: step(n, static), warmup=3)[0]
+                  for name in names}
+
+        def timed(name, tokens):
+            static.copy_(tokens)
+            graphs[name].replay()
+    else:
+        timed = step
     times = {name: [] for name in names}
     for _ in range(args.repeats):
         for name in names:
             for t in batches[:args.warmup]:
-                step(name, t)
+                timed(name, t)
             torch.cuda.synchronize()
             start = time.perf_counter()
             for t in batches:
-                step(name, t)
+                timed(name, t)
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - start) / len(batches) * 1e3)
 

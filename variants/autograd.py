@@ -22,8 +22,8 @@ def _function_class():
     class FlashAttentionFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, variant, causal, softmax_scale, forward_options, backward_options):
-            o, lse = variants.forward(q, k, v, variant=variant, causal=causal,
-                                      softmax_scale=softmax_scale, **dict(forward_options))
+            o, lse = variants.get(variant).forward(q, k, v, causal=causal,
+                                                   softmax_scale=softmax_scale, **dict(forward_options))
             ctx.save_for_backward(q, k, v, o, lse)
             ctx.settings = (variant, causal, softmax_scale, dict(backward_options))
             return o
@@ -46,5 +46,5 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, forwa
         raise TypeError(f"attention() is the torch autograd wrapper; q is a {type(q).__name__}. "
                         "For CuPy or Numba arrays call variants.forward / variants.backward")
     return _function_class().apply(q, k, v, variant, causal, softmax_scale,
-                                   tuple(sorted((forward_options or {}).items())),
-                                   tuple(sorted((backward_options or {}).items())))
+                                   tuple(sorted(forward_options.items())) if forward_options else (),
+                                   tuple(sorted(backward_options.items())) if backward_options else ())

@@ -275,12 +275,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=Non
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
     cfg = Config(prob.head_dim, prob.is_bf16)
     n_pad = padded_keys(n_k)
-    views = {}
-    for name, dtype in (("s", "float32"), ("dp", "float32"), ("p", prob.dtype), ("ds", prob.dtype)):
-        d = arrays.describe(prob.scratch((b, h, n_q, n_pad), dtype))
-        views[name] = d
-    s_view = arrays.bits_view(views["s"], np.float32)
-    dp_view = arrays.bits_view(views["dp"], np.float32)
+    s_view, dp_view = (prob.scratch_view((b, h, n_q, n_pad)) for _ in range(2))    # S, dP: fp32
+    p16, ds16 = (prob.scratch_view((b, h, n_q, n_pad), prob.dtype, np.uint16) for _ in range(2))
     row_tiles = (n_q + TILE - 1) // TILE
     sizes = (np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group))
 
@@ -291,10 +287,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=Non
            g.do, prob.v, dp_view, *sizes, np.float32(1))
     launch(build_softmax_backward(prob.causal, prob.is_bf16), ((n_q + WARPS - 1) // WARPS, b, h),
            THREADS, 0, prob.stream, s_view, dp_view, prob.lse,                            # l.2-4
-           arrays.bits_view(views["p"], np.uint32, last_dim_divisor=2),
-           arrays.bits_view(views["ds"], np.uint32, last_dim_divisor=2),
+           arrays.as_elements(p16, np.uint32, 2), arrays.as_elements(ds16, np.uint32, 2),
            np.int32(n_q), np.int32(n_k), np.float32(prob.softmax_scale))
-    p16, ds16 = (arrays.bits_view(views[n], np.uint16) for n in ("p", "ds"))
     output, smem = build_output(cfg)
     launch(output, (row_tiles, b, h), THREADS, smem, prob.stream, ds16, prob.k, g.dq32, *sizes)
     transposed, smem = build_transposed_output(cfg)
@@ -315,10 +309,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None):
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
     cfg = Config(prob.head_dim, prob.is_bf16)
     n_pad = padded_keys(n_k)
-    s = prob.scratch((b, h, n_q, n_pad), "float32")
-    p = prob.scratch((b, h, n_q, n_pad), prob.dtype)
-    s_view = arrays.bits_view(arrays.describe(s), np.float32)
-    p_desc = arrays.describe(p)
+    s_view = prob.scratch_view((b, h, n_q, n_pad))                         # S, fp32
+    p16 = prob.scratch_view((b, h, n_q, n_pad), prob.dtype, np.uint16)      # P, 16-bit
     row_tiles = (n_q + TILE - 1) // TILE
 
     scores, smem = build_scores(cfg)
@@ -326,11 +318,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None):
            prob.q, prob.k, s_view, np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group),
            np.float32(prob.softmax_scale))
     launch(build_softmax(prob.causal, prob.is_bf16), ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0,
-           prob.stream, s_view, arrays.bits_view(p_desc, np.uint32, last_dim_divisor=2), prob.lse,
+           prob.stream, s_view, arrays.as_elements(p16, np.uint32, 2), prob.lse,
            np.int32(n_q), np.int32(n_k))
     output, smem = build_output(cfg)
     launch(output, (row_tiles, b, h), THREADS, smem, prob.stream,
-           arrays.bits_view(p_desc, np.uint16), prob.v, prob.o32, np.int32(n_q), np.int32(n_k),
+           p16, prob.v, prob.o32, np.int32(n_q), np.int32(n_k),
            np.int32(prob.kv_group))
     return prob.result()
 
