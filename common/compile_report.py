@@ -3,6 +3,8 @@
     python -m common.compile_report            # a table
     python -m common.compile_report --json     # one JSON object a kernel (used by the tests)
     python -m common.compile_report --sass     # also SASS instruction counts (needs cuobjdump)
+    python -m common.compile_report --skip REGEX   # targets whose name matches are listed, not compiled
+    python -m common.compile_report --jobs N       # compiled in N processes
 
 For each kernel: the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
 in the PTX, and, when ptxas is installed (the `test` extra brings CUDA 13.0's), the registers,
@@ -102,34 +104,59 @@ def main_loop(sass):
     return [op for addr, op, _ in code if best[1] <= addr <= best[2]]
 
 
-def report(cc=(9, 0)):
-    from importlib import import_module
-
-    from numba import config, cuda
+def report(cc=(9, 0), skip=None, jobs=1):
+    """One row a compile target, in the variants' order; targets whose name matches the regex
+    `skip` are listed as {"kernel": name, "skipped": True} without compiling them. jobs > 1
+    compiles in that many processes (NVVM is single-threaded; the targets are independent)."""
+    from numba import config
     if config.ENABLE_CUDASIM:
         raise RuntimeError("compile_report needs NUMBA_ENABLE_CUDASIM=0 (the simulator cannot compile)")
-    rows = []
-    for mod in variant_modules():
-        module = import_module(mod)
-        # fa3's wgmma and setmaxnreg need sm_90a (what numba-cuda builds for on a Hopper GPU)
-        arch = getattr(module, "COMPILE_CC", cc)
-        for name, kern, argtypes, mma in module.compile_targets():
-            # mma: the mma.sync (fa3: wgmma) count the tile shapes call for, or (in the PTX, in the
-            # main loop) where some sit outside the loop (the atomic backward's last dQ product)
-            total, in_loop = mma if isinstance(mma, tuple) else (mma, mma)
-            ptx, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=arch,
-                                      launch_bounds=kern.targetoptions.get("launch_bounds"))
-            row = {"kernel": name, "expected_mma": total, "expected_loop_mma": in_loop,
-                   **ptx_counts(ptx)}
-            row.update(ptxas_resources(ptx, arch="sm_" + "".join(map(str, arch))) or {})
-            rows.append(row)
-    return rows
+    work = [(mod, i, name) for mod in variant_modules()
+            for i, name in enumerate(t[0] for t in _targets(mod))]
+    todo = [(mod, i, cc) for mod, i, name in work if not (skip and re.search(skip, name))]
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        # spawn: a fresh interpreter imports numba with the simulator off, as this one did
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = dict(zip(((m, i) for m, i, _ in todo), pool.map(_compile_row, todo)))
+    else:
+        done = {(m, i): _compile_row((m, i, c)) for m, i, c in todo}
+    return [done.get((mod, i)) or {"kernel": name, "skipped": True} for mod, i, name in work]
+
+
+def _targets(mod):
+    from importlib import import_module
+    return list(import_module(mod).compile_targets())
+
+
+def _compile_row(job):
+    """The report row of target `index` of variant module `mod`."""
+    mod, index, cc = job
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+    from importlib import import_module
+
+    from numba import cuda
+    module = import_module(mod)
+    # fa3's wgmma and setmaxnreg need sm_90a (what numba-cuda builds for on a Hopper GPU)
+    arch = getattr(module, "COMPILE_CC", cc)
+    name, kern, argtypes, mma = _targets(mod)[index]
+    # mma: the mma.sync (fa3: wgmma) count the tile shapes call for, or (in the PTX, in the main
+    # loop) where some sit outside the loop (the atomic backward's last dQ product)
+    total, in_loop = mma if isinstance(mma, tuple) else (mma, mma)
+    ptx, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=arch,
+                              launch_bounds=kern.targetoptions.get("launch_bounds"))
+    row = {"kernel": name, "expected_mma": total, "expected_loop_mma": in_loop, **ptx_counts(ptx)}
+    row.update(ptxas_resources(ptx, arch="sm_" + "".join(map(str, arch))) or {})
+    return row
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
-    rows = report()
+    skip = argv[argv.index("--skip") + 1] if "--skip" in argv else None
+    jobs = int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv else 1
+    rows = report(skip=skip, jobs=jobs)
     if "--json" in argv:
         print(json.dumps(rows))
         return
@@ -140,7 +167,8 @@ def main(argv=None):
     widths = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
-        print("  ".join(str(r.get(c, "-")).ljust(widths[c]) for c in cols))
+        print("  ".join(str(r.get(c, "skipped" if r.get("skipped") and c != "kernel" else "-"))
+                        .ljust(widths[c]) for c in cols))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 #   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
 #   fa3      the sm90 instruction tests and every fa3 test (tests/test_sm90.py, test_variants -k fa3)
 #   fa3_quick  fa3 and fa2 with the SDPA peers, d 64/128, causal and not (FA3_SEQLENS, default 4k,16k)
-#   compile  registers / spills / mma counts of every kernel (python -m common.compile_report)
+#   compile  registers / spills / mma counts of every kernel (python -m common.compile_report), and
+#            tests/test_compile.py's assertions on all of them (FA_COMPILE_ALL=1)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
 #   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
 #   experiment:<name>   any conf/experiment/<name>.yaml sweep (its CSV lands in $OUT/<name>.csv)
@@ -78,8 +79,13 @@ for step in $steps; do
         > "$OUT/bwd_ncu.csv" 2> "$OUT/bwd_ncu.log" || status=1
       tail -3 "$OUT/bwd_ncu.log"; wc -l "$OUT/bwd_ncu.csv" ;;
     compile)
-      python3 -m common.compile_report > "$OUT/compile_report.txt" 2>&1 || status=1
-      cat "$OUT/compile_report.txt" ;;
+      # every target (the CPU suite compiles one of each pair of twins), in parallel, then the
+      # suite's assertions on all of them
+      python3 -m common.compile_report --jobs "$(nproc)" > "$OUT/compile_report.txt" 2>&1 || status=1
+      cat "$OUT/compile_report.txt"
+      FA_COMPILE_ALL=1 python3 -m pytest -q -p no:cacheprovider tests/test_compile.py \
+        > "$OUT/tests_compile.log" 2>&1 || status=1
+      tail -2 "$OUT/tests_compile.log" ;;
     fa3)
       # fa3 and the sm90 layer on the GPU: the instructions against NumPy, fa3 against float64
       # (every case, option and library), bitwise repeatability; one process (fa3 compiles in ~5 s)
