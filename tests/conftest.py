@@ -26,7 +26,8 @@ def pytest_report_header(config):
 # second and fourth to the other), then one to whichever finishes a file. The slowest files go
 # first, paired so that the two workers' loads are even (simulator, two cores, session 9: forward
 # sweep ~9.5 minutes + backward options ~2.5 on one, compile report ~7.5 + backward ~4.5 on the
-# other), and the small ones fill the tail.
+# other; since the report compiles in parallel and skips twins it takes ~3), and the small ones
+# fill the tail.
 SLOW_FIRST = ("tests/test_variants.py", "tests/test_compile.py", "tests/test_backward_options.py",
               "tests/test_backward.py")
 
