@@ -135,6 +135,17 @@ def ex2_approx(typingctx, x):
     return sig, codegen
 
 
+@intrinsic
+def rcp_approx(typingctx, x):
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = _as(context, builder, args[0], sig.args[0], types.float32)
+        return _asm(builder, _f32, [v], "rcp.approx.ftz.f32 $0, $1;", "=f,f")
+
+    return sig, codegen
+
+
 def _make_pack(ptx_type):
     # cvt.rn.<t>x2.f32 d, a, b puts cvt(a) in the upper half of d and cvt(b) in the lower half.
     text = f"cvt.rn.{ptx_type}x2.f32 $0, $1, $2;"

@@ -268,6 +268,11 @@ def ex2_approx(x):
         return np.float32(np.exp2(np.float32(x)))
 
 
+def rcp_approx(x):
+    with np.errstate(divide="ignore"):
+        return np.float32(np.float32(1) / np.float32(x))
+
+
 def _make_pack(dtype):
     def pack(lo, hi):
         bits = float_to_halves([lo, hi], dtype).astype(np.uint32)

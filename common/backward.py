@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32
 
-from common import arrays, ptx, tiles
+from common import arrays, masks, ptx, tiles
 from common.problem import (_BSHD_TO_BHSD, _PER_CALL, AttentionProblem, _check_layout, misaligned,
                             prepare, remember, torch_call_key)
 from common.target import KernelView, kernel, launch
@@ -45,20 +45,26 @@ class BackwardProblem:
         return self.dq_out, self.dk_out, self.dv_out
 
 
-def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads=None):
+def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads=None,
+                     window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT):
     """Check a backward call's arguments (q, k, v, o, lse as the forward took and returned them; dO
-    like o) and allocate (or check) dq, dk, dv shaped like q, k, v. Like `prepare`, a call with
-    the geometry of an earlier one (torch tensors) only reads addresses and allocates."""
+    like o; the forward's mask: causal, window_size, softcap, align) and allocate (or check) dq,
+    dk, dv shaped like q, k, v. Like `prepare`, a call with the geometry of an earlier one (torch
+    tensors) only reads addresses and allocates."""
     key = None
+    if type(window_size) is not tuple:
+        window_size = masks.window_of(window_size)
     if grads is None:
-        key = torch_call_key((do, q, k, v, o, lse), (causal, softmax_scale, head_dims, variant))
+        key = torch_call_key((do, q, k, v, o, lse), (causal, softmax_scale, head_dims, variant,
+                                                     window_size, softcap, align))
         template = _TEMPLATES.get(key) if key is not None else None
         if template is not None:
             g = template.problem(do, q, k, v, o, lse)
             if g is not None:
                 return g
     g = _prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                          head_dims=head_dims, variant=variant, grads=grads)
+                          head_dims=head_dims, variant=variant, grads=grads,
+                          window_size=window_size, softcap=softcap, align=align)
     if key is not None:
         remember(_TEMPLATES, key, _BackwardTemplate(g))
     return g
@@ -105,10 +111,12 @@ class _BackwardTemplate:
             dk32=over(dk.data_ptr(), ldk, dk), dv32=over(dv.data_ptr(), ldv, dv))
 
 
-def _prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads):
+def _prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads,
+                      window_size, softcap, align):
     """prepare_backward's checked path."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=(o, lse),
-                   head_dims=head_dims, variant=variant)
+                   head_dims=head_dims, variant=variant, window_size=window_size,
+                   softcap=softcap, align=align)
     d_do, d_q = arrays.describe(do, "do"), arrays.describe(q, "q")
     if d_do.shape != d_q.shape or d_do.dtype != d_q.dtype:
         raise ValueError(f"do must be {d_q.dtype} of shape {d_q.shape} (like q and o), got "

@@ -6,8 +6,9 @@ from dataclasses import fields, replace
 from functools import lru_cache
 
 # What every Config starts with, and what a variant's Config may add after them (fa3: its FP8
-# inputs): set from the problem, never options.
-PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales")
+# inputs; softcap): set from the problem, never options. `causal` is the band mask of
+# common/masks.py (causal or a sliding window): its bounds are kernel arguments.
+PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales", "softcap")
 
 
 def options_of(config_class):
@@ -45,3 +46,9 @@ def default_config_function(variant, config_class, defaults, option_names, head_
         return build(head_dim, is_bf16, causal, tuple(sorted(chosen.items())), tuple(problem))
 
     return default_config
+
+
+def softcap_field(prob):
+    """The `problem` argument of default_config for a call's softcap: (("softcap", True),) when
+    its scores are capped, else () (so a configuration without softcap keeps its key)."""
+    return (("softcap", True),) if prob.softcapped else ()

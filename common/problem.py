@@ -13,7 +13,7 @@ from functools import lru_cache
 import numpy as np
 from numba import types
 
-from common import arrays
+from common import arrays, masks
 from common.target import KernelView
 
 _BSHD_TO_BHSD = (0, 2, 1, 3)
@@ -25,6 +25,7 @@ FP8_DTYPES = ("float8_e4m3fn", "uint8")   # e4m3 as torch/ml_dtypes have it, or 
 QKV_TYPE = types.Array(types.uint16, 4, "A")      # q, k, v: (B, H, N, d) permuted views
 OUT_TYPE = types.Array(types.uint32, 4, "A")      # o32: (B, H, N_q, d/2) permuted view
 LSE_TYPE = types.Array(types.float32, 3, "C")     # lse: (B, H, N_q)
+MASK_TYPES = (types.int32, types.int32, types.float32)   # AttentionProblem.mask_args()
 
 
 @dataclass
@@ -39,6 +40,7 @@ class AttentionProblem:
     out_dtype: str
     causal: bool
     softmax_scale: float
+    band: masks.Band    # the keys each query sees (causal, window_size) and softcap
     q: object
     k: object
     v: object
@@ -63,6 +65,20 @@ class AttentionProblem:
     def kv_group(self):
         return self.heads // self.heads_kv
 
+    @property
+    def banded(self):
+        """Some key is masked by the band (causal or a window): the kernel's compile-time switch."""
+        return self.band.banded
+
+    @property
+    def softcapped(self):
+        return self.band.softcap > 0
+
+    def mask_args(self):
+        """The kernels' band and softcap arguments: lo, hi (int32), the cap on raw scores (fp32)."""
+        return (np.int32(self.band.lo), np.int32(self.band.hi),
+                np.float32(self.band.softcap_raw))
+
     def result(self):
         return self.o_out, self.lse_out
 
@@ -76,11 +92,14 @@ class AttentionProblem:
 
 
 def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=HALF_DTYPES,
-            out_dtype=None):
+            out_dtype=None, window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT):
     """dtypes: the input types the variant takes; out_dtype: the output's ("float16" or
-    "bfloat16"), None for q's (16-bit inputs)."""
+    "bfloat16"), None for q's (16-bit inputs). causal, window_size, softcap, align: the mask
+    (common/masks.py)."""
+    if type(window_size) is not tuple:   # a list, say: checked, and hashable for the key
+        window_size = masks.window_of(window_size)
     key = torch_call_key((q, k, v), (causal, softmax_scale, out is None, head_dims, variant,
-                                     dtypes, out_dtype))
+                                     dtypes, out_dtype, window_size, softcap, align))
     if key is not None and out is None:
         template = _TEMPLATES.get(key)
         if template is not None:
@@ -88,7 +107,8 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=H
             if prob is not None:
                 return prob
     prob = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
-                    head_dims=head_dims, variant=variant, dtypes=dtypes, out_dtype=out_dtype)
+                    head_dims=head_dims, variant=variant, dtypes=dtypes, out_dtype=out_dtype,
+                    window_size=window_size, softcap=softcap, align=align)
     if key is not None and out is None:
         remember(_TEMPLATES, key, _ForwardTemplate(prob))
     return prob
@@ -171,14 +191,15 @@ class _ForwardTemplate:
         return prob
 
 
-def _prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes, out_dtype):
+def _prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes, out_dtype,
+             window_size, softcap, align):
     """prepare's checked path: every check, with errors that name the problem."""
     dq, dk, dv = (arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     # Everything but the addresses is checked once per (shapes, strides, dtypes, options): a
     # training step calls with the same geometry every time, and the checks cost more than the
     # launch (issue: host overhead).
     b, n_q, h, n_k, h_kv, d = _check_geometry(_geometry(dq), _geometry(dk), _geometry(dv),
-                                              bool(causal), tuple(head_dims), variant, dtypes)
+                                              tuple(head_dims), variant, dtypes)
     out_dtype = dq.dtype if out_dtype is None else out_dtype
     if out_dtype not in HALF_DTYPES:
         raise TypeError(f"the output is float16 or bfloat16, not {out_dtype}")
@@ -190,6 +211,7 @@ def _prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes,
     softmax_scale = float(softmax_scale)
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    band = masks.band(causal, window_size, align, n_q, n_k, softcap, softmax_scale)
 
     if out is None:   # contiguous, of the right shape and dtype by construction
         o_out = arrays.empty(dq.library, (b, n_q, h, d), out_dtype, like=q)
@@ -210,7 +232,7 @@ def _prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes,
 
     return AttentionProblem(
         batch=b, heads=h, heads_kv=h_kv, n_q=n_q, n_k=n_k, head_dim=d, dtype=dq.dtype,
-        out_dtype=out_dtype, causal=bool(causal), softmax_scale=softmax_scale,
+        out_dtype=out_dtype, causal=bool(causal), softmax_scale=softmax_scale, band=band,
         q=arrays.bits_view(dq, element, _BSHD_TO_BHSD),
         k=arrays.bits_view(dk, element, _BSHD_TO_BHSD),
         v=arrays.bits_view(dv, element, _BSHD_TO_BHSD),
@@ -225,7 +247,7 @@ def _geometry(d):
 
 
 @lru_cache(maxsize=1024)
-def _check_geometry(gq, gk, gv, causal, head_dims, variant, dtypes=HALF_DTYPES):
+def _check_geometry(gq, gk, gv, head_dims, variant, dtypes=HALF_DTYPES):
     """(batch, n_q, heads, n_k, heads_kv, head_dim) of valid q, k, v geometries (see _geometry),
     or the error that names what is wrong; exceptions are not cached, so a bad call always
     raises."""
@@ -253,9 +275,6 @@ def _check_geometry(gq, gk, gv, causal, head_dims, variant, dtypes=HALF_DTYPES):
         raise ValueError(f"q has {h} heads, not a multiple of the {h_kv} heads of k, v")
     if d not in head_dims:
         raise ValueError(f"{variant} supports head_dim in {tuple(head_dims)}, got {d}")
-    if causal and n_q != n_k:
-        raise ValueError(f"causal=True needs seqlen_q == seqlen_k (got {n_q} and {n_k}): the "
-                         "diagonal of a rectangular mask is ambiguous (top-left or bottom-right)")
     if max(b, h) > 65535:
         raise ValueError(f"batch and heads must each be at most 65535, got {b} and {h}")
     for g, name in ((gq, "q"), (gk, "k"), (gv, "v")):

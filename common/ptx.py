@@ -13,6 +13,7 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | bar_sync                             | bar.sync (a named barrier over some of the warps)      |
 | bar_arrive                           | bar.arrive (count into a named barrier, do not wait)   |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
+| rcp_approx                           | rcp.approx.ftz.f32                                     |
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
 | pack_e4m3x4                          | cvt.rn.satfinite.e4m3x2.f32 (x2): four fp32 -> e4m3    |
 | unpack_bf16x2, unpack_f16x2          | mov.b32 {lo, hi}; cvt.f32.{bf16,f16} (both halves)     |
@@ -42,6 +43,7 @@ syncwarp = _impl.syncwarp
 bar_sync = _impl.bar_sync
 bar_arrive = _impl.bar_arrive
 ex2_approx = _impl.ex2_approx
+rcp_approx = _impl.rcp_approx
 pack_bf16x2 = _impl.pack_bf16x2
 pack_f16x2 = _impl.pack_f16x2
 pack_e4m3x4 = _impl.pack_e4m3x4

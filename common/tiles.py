@@ -295,6 +295,15 @@ def scale_all(acc, factor):
 
 
 @device_function
+def multiply(acc, factor):
+    """acc *= factor, element by element (two arrays of one shape)."""
+    for m in range(acc.shape[0]):
+        for n in range(acc.shape[1]):
+            for j in range(acc.shape[2]):
+                acc[m, n, j] *= factor[m, n, j]
+
+
+@device_function
 def fill(frag, value):
     """Set every element of a 3-D register array."""
     for i in range(frag.shape[0]):
@@ -312,43 +321,52 @@ def accumulator_position(m, n, j, lane):
 
 
 @device_function
-def mask_scores(s, row0, col0, n_cols, causal, lane):
-    """Set s to -inf where column >= n_cols, or column > row when causal. row0: global row of the
-    warp's first row; col0: global column of the tile's first column.
+def mask_scores(s, row0, col0, n_cols, banded, lo, hi, lane):
+    """Set s to -inf where column >= n_cols, or (banded) outside the band lo <= column - row <= hi
+    (common/masks.py: causal, sliding window). row0: global row of the warp's first row; col0:
+    global column of the tile's first column.
 
-    Per held row, the first masked column is turned into a bound relative to the lane's column
-    offset 2t, so that every element's test compares one register with an immediate (its n-tile
-    and pair position) and no per-element index stays live across the K/V loop."""
+    Per held row, the masked columns are turned into bounds relative to the lane's column offset
+    2t, so that every element's test compares one register with an immediate (its n-tile and pair
+    position) and no per-element index stays live across the K/V loop."""
     t2 = 2 * (lane & 3)
     for m in range(s.shape[0]):
         for h in range(2):
             end = n_cols
-            if causal:
-                end = min(end, row0 + m * 16 + (lane >> 2) + 8 * h + 1)
-            bound = int32(end - col0 - t2)   # element (n, jj) is masked when 8n + jj >= bound
+            start = int32(-(1 << 30))
+            if banded:
+                row = row0 + m * 16 + (lane >> 2) + 8 * h
+                end = min(end, int32(row + hi + 1))
+                start = int32(row + lo - col0 - t2)
+            bound = int32(end - col0 - t2)   # element (n, jj) is masked when 8n + jj >= bound ...
             for n in range(s.shape[1]):
                 for jj in range(2):
-                    if int32(n * 8 + jj) >= bound:     # 32-bit: one compare, not two
+                    c = int32(n * 8 + jj)      # 32-bit: one compare, not two
+                    if c >= bound or c < start:   # ... or 8n + jj < start
                         s[m, n, 2 * h + jj] = NEG_INF
 
 
 @device_function
-def mask_scores_transposed(s, row0, n_rows, col0, n_cols, causal, lane):
+def mask_scores_transposed(s, row0, n_rows, col0, n_cols, banded, lo, hi, lane):
     """mask_scores for S^T (rows are keys, columns queries, as in the backward pass): set s to -inf
-    where row >= n_rows, column >= n_cols, or column < row when causal (key after query). row0:
+    where row >= n_rows, column >= n_cols, or (banded) outside lo <= row - column <= hi. row0:
     global key of the warp's first row; col0: global query of the tile's first column."""
     t2 = 2 * (lane & 3)
     for m in range(s.shape[0]):
         for h in range(2):
             row = row0 + m * 16 + (lane >> 2) + 8 * h
-            hi = int32(n_cols - col0 - t2)   # element (n, jj) is masked when 8n + jj >= hi ...
-            lo = int32(row - col0 - t2) if causal else int32(-(1 << 30))   # ... or 8n + jj < lo
+            end = n_cols
+            lo_c = int32(-(1 << 30))
+            if banded:   # queries row - hi <= column <= row - lo see this key
+                end = min(end, int32(row - lo + 1))
+                lo_c = int32(row - hi - col0 - t2)
+            hi_c = int32(end - col0 - t2)   # element (n, jj) is masked when 8n + jj >= hi_c ...
             if row >= n_rows:
-                hi = int32(-(1 << 30))
+                hi_c = int32(-(1 << 30))
             for n in range(s.shape[1]):
                 for jj in range(2):
                     c = int32(n * 8 + jj)           # 32-bit compares, as in mask_scores
-                    if c >= hi or c < lo:
+                    if c >= hi_c or c < lo_c:       # ... or 8n + jj < lo_c
                         s[m, n, 2 * h + jj] = NEG_INF
 
 

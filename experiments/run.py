@@ -48,7 +48,9 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            # the pass timed (fwd, bwd, fwd_bwd) and its times (fwd_* above: pass=fwd only)
            "pass", "ms", "tflops", "ms_min", "ms_max", "dq_err", "dk_err", "dv_err", "peak_mem_mib",
            # root-mean-square error of O against float64 (the FA3 paper's FP8 measure)
-           "rmse"]
+           "rmse",
+           # the mask beyond `causal` (common/masks.py): window_size "left,right", softcap, align
+           "window", "softcap", "align"]
 PASSES = ("fwd", "bwd", "fwd_bwd")
 
 SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a small problem, and "
@@ -102,12 +104,28 @@ def resolve_problem(cfg, mode):
     return dict(batch=int(batch), seqlen=seqlen, heads=int(heads), head_dim=head_dim,
                 causal=bool(p["causal"]), seqlen_k=int(p.get("seqlen_k") or seqlen),
                 heads_kv=int(p.get("heads_kv") or heads), softmax_scale=p.get("softmax_scale"),
-                outliers=float(p.get("outliers") or 0.0))
+                outliers=float(p.get("outliers") or 0.0),
+                window_size=tuple(p.get("window") or (-1, -1)),
+                softcap=float(p.get("softcap") or 0.0), align=p.get("align") or "bottom_right")
+
+
+def mask_of(prob):
+    """The call's mask keywords (common/masks.py) when the problem sets more than `causal`."""
+    mask = dict(window_size=prob["window_size"], softcap=prob["softcap"], align=prob["align"])
+    return {} if mask == dict(window_size=(-1, -1), softcap=0.0, align="bottom_right") else mask
+
+
+def sdpa_takes(prob):
+    """SDPA's masks: is_causal is top-left; no window, no softcap."""
+    mask = mask_of(prob)
+    plain = not mask or mask == dict(window_size=(-1, -1), softcap=0.0, align="top_left")
+    return plain and (not prob["causal"] or prob["seqlen"] == prob["seqlen_k"]
+                      or mask.get("align") == "top_left")
 
 
 def run_job(cfg, mode):
     import variants
-    from common import checks, inputs, reference, target
+    from common import checks, flops, inputs, masks, reference, target
     from experiments import peers
 
     prob = resolve_problem(cfg, mode)
@@ -152,19 +170,26 @@ def run_job(cfg, mode):
     if n_q > cfg.bench.check_rows:
         check_rows = np.unique(np.concatenate([[0, n_q - 1], rng.choice(n_q, cfg.bench.check_rows,
                                                                         replace=False)]))
+    mask = mask_of(prob)
     ref = reference.attention(*host[:3], causal=prob["causal"], softmax_scale=prob["softmax_scale"],
-                              rows=check_rows)
+                              rows=check_rows, **mask)
     grad_ref = None
     if backward:   # batch 0, K/V head 0 and the query heads that share it
         group = prob["heads"] // prob["heads_kv"]
         q, k, v, do = host
         grad_ref = reference.attention_backward(q[:1, :, :group], k[:1, :, :1], v[:1, :, :1],
                                                 do[:1, :, :group], causal=prob["causal"],
-                                                softmax_scale=prob["softmax_scale"])
+                                                softmax_scale=prob["softmax_scale"], **mask)
 
     lse_tol = checks.fp8_lse_tolerance(host[0], host[1], prob["softmax_scale"]) if fp8_run \
         else checks.LSE_TOL
+    pairs = None    # FLOPs: the FA papers' N^2 (halved when causal), or the mask's exact count
+    if mask or (prob["causal"] and prob["seqlen"] != prob["seqlen_k"]):
+        band = masks.band(prob["causal"], prob["window_size"], prob["align"], prob["seqlen"],
+                          prob["seqlen_k"], 0.0, 1.0)
+        pairs = flops.visible_pairs(prob["seqlen"], prob["seqlen_k"], band)
     ctx = dict(prob=prob, dtype=dtype, sets=sets, ref=ref, grad_ref=grad_ref, check_rows=check_rows,
+               pairs=pairs,
                lse_tol=lse_tol,
                mode=mode, library=library, seed=seed, gpu=target.describe(), bench=cfg.bench,
                job=_job_name(), label=cfg.get("label") or "", pass_=pass_)
@@ -182,11 +207,11 @@ def run_job(cfg, mode):
         if fp8_run:
             q, k, v, descales = quantised[id(q)]
             return module.forward(q, k, v, causal=causal, softmax_scale=scale, **descales,
-                                  **options)
-        return module.forward(q, k, v, causal=causal, softmax_scale=scale, **options)
+                                  **mask, **options)
+        return module.forward(q, k, v, causal=causal, softmax_scale=scale, **mask, **options)
 
     def ours_backward(q, k, v, do, o, lse):
-        return module.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale,
+        return module.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, **mask,
                                **backward_options)
 
     shown = dict(options, **{f"bwd.{k}": v for k, v in backward_options.items()}) if backward \
@@ -203,6 +228,9 @@ def run_job(cfg, mode):
     if fp8_run and cfg.bench.peers:
         print("dtype=fp8: no SDPA peers (they would run in fp16; experiments/fp8.py speed times "
               "FP8 beside them)")
+    elif cfg.bench.peers and not sdpa_takes(prob):
+        print(f"mask {mask_of(prob)}: no SDPA peers (SDPA has no sliding window or softcap, and "
+              "its causal diagonal is top-left)")
     elif peers.available() and mode == "gpu" and library == "torch" and (
             peer_jobs is None or cfg.variant.name in peer_jobs):
         for name in cfg.bench.peers:
@@ -269,8 +297,10 @@ def resolved_config(module, prob, dtype, options, k_block_scales=False):
     if default_config is None:
         return ""
     problem = (("fp8", True), ("k_block_scales", k_block_scales)) if dtype == FP8 else ()
-    chosen = default_config(prob["head_dim"], dtype == "bfloat16", prob["causal"], problem,
-                            **options)
+    if prob["softcap"]:
+        problem += (("softcap", True),)
+    banded = prob["causal"] or tuple(prob["window_size"]) != (-1, -1)   # the kernel's band switch
+    chosen = default_config(prob["head_dim"], dtype == "bfloat16", banded, problem, **options)
     return ";".join(f"{k}={getattr(chosen, k)}" for k in module.OPTIONS)
 
 
@@ -286,6 +316,8 @@ def measure(name, fn, ctx, options=None, workspace=0):
                heads_kv=prob["heads_kv"], mode=ctx["mode"], library=ctx["library"],
                options=";".join(f"{k}={v}" for k, v in (options or {}).items()),
                label=ctx["label"], seed=ctx["seed"], job=ctx["job"], check="", status="ok",
+               window="{},{}".format(*prob["window_size"]), softcap=prob["softcap"],
+               align=prob["align"],
                **{"pass": pass_})
     free = _free_device_bytes(ctx)
     if workspace and free is not None and workspace > free:
@@ -323,7 +355,8 @@ def measure(name, fn, ctx, options=None, workspace=0):
             t = timing.benchmark(fn, warmup=bench.warmup, min_reps=bench.min_reps,
                                  max_reps=bench.max_reps, target_ms=bench.target_ms)
         total = flops.attention_flops(prob["batch"], prob["heads"], prob["seqlen"],
-                                      prob["seqlen_k"], prob["head_dim"], prob["causal"], pass_)
+                                      prob["seqlen_k"], prob["head_dim"], prob["causal"], pass_,
+                                      pairs=ctx["pairs"])
         tflops = "" if t.simulated else f"{total / t.median_ms / 1e9:.1f}"
         row.update(ms=f"{t.median_ms:.4f}", ms_min=f"{t.min_ms:.4f}", ms_max=f"{t.max_ms:.4f}",
                    reps=t.reps, tflops=tflops)

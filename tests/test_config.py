@@ -109,8 +109,10 @@ def test_sweep_writes_one_table(tmp_path):
 
 @pytest.mark.slow
 def test_backward_pass_job_checks_gradients(tmp_path):
-    """pass=fwd_bwd: forward and backward timed together, dq, dk, dv checked against float64."""
+    """pass=fwd_bwd: forward and backward timed together, dq, dk, dv checked against float64; under
+    a mask set from the problem's keys (a causal window with a softcap, on a rectangle)."""
     out = run(["pass=fwd_bwd", "problem.seqlen=20", "problem.heads=1", "problem.causal=true",
+               "problem.seqlen_k=28", "problem.window=[6,0]", "problem.softcap=4",
                "variant.backward_options.block_n=32", "variant.backward_options.warps=2",
                "variant.backward_options.block_m=64", "variant.backward_options.dq_block_m=32",
                "variant.backward_options.dq_warps=2", "variant.backward_options.dq_block_n=32",
@@ -120,6 +122,7 @@ def test_backward_pass_job_checks_gradients(tmp_path):
     assert row["pass"] == "fwd_bwd" and row["check"] == "ok" and row["fwd_ms"] == ""
     assert all(0 < float(row[f"{g}_err"]) < 8e-3 for g in ("dq", "dk", "dv"))
     assert "bwd.block_n=32" in row["options"]
+    assert (row["window"], row["softcap"], row["align"]) == ("6,0", "4.0", "bottom_right")
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "bwd", "fwd_bwd"])

@@ -6,6 +6,10 @@
 q: (batch, seqlen_q, heads, head_dim), k and v: (batch, seqlen_k, heads_kv, head_dim), as in
 flash_attn_func; fp16 or bf16 CuPy arrays, Numba device arrays or torch CUDA tensors (no copies).
 Returns o like q and lse (batch, heads, seqlen_q) float32, the log-sum-exp of each row's scores.
+The mask is flash_attn_func's: `causal`, `window_size=(left, right)` (-1: unbounded), `softcap`
+(Gemma 2's tanh capping), and, beyond flash_attn, `align="top_left"` for torch's `is_causal`
+diagonal instead of the bottom-right one (common/masks.py). A row that sees no key gets O = 0 and
+LSE = -inf.
 
     dq, dk, dv = backward(do, q, k, v, o, lse, variant="fa2", causal=True)
 

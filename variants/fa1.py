@@ -38,9 +38,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import configs, ptx, softmax, splitk, target, tiles
+from common import configs, masks, ptx, softmax, splitk, target, tiles
 from common import backward as bwd
-from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
+from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -52,13 +52,14 @@ class Config:
     """Compile-time shape of the kernel. block_m = B_r, block_n = B_c of the paper."""
     head_dim: int
     is_bf16: bool
-    causal: bool
+    causal: bool                 # a band mask (causal and/or sliding window, common/masks.py)
+    softcap: bool = False        # scores soft-capped (Gemma 2)
     block_m: int = 16            # B_r: query rows a step (DEFAULTS)
     block_n: int = 128           # B_c: keys a block, split over the warps
     warps: int = 4               # split-K: warp w takes keys [w, w+1) * B_c / warps of K_j
     outer_loop: str = "kv"       # "kv": Algorithm 1; "q": FA2's loop order and grid
     deferred_rescale: bool = False   # FA2: O normalised once at the end, only L saved
-    causal_skip: bool = False    # visit only K/V blocks on or below the diagonal
+    causal_skip: bool = False    # visit only K/V blocks inside the band (on or below the diagonal)
     q_splits: int = 1            # thread blocks per (batch, head) along the queries (outer_loop="kv";
                                  # 0: enough for every SM to hold RESIDENT of them)
 
@@ -135,7 +136,7 @@ def build(cfg):
     D, BR, BC, WARPS, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.warps, cfg.threads
     KW, M_TILES = cfg.keys_per_warp, cfg.m_tiles
     ROWS = 2 * M_TILES                               # rows a lane holds: 2 an m16 tile
-    IS_BF16, CAUSAL, DEFERRED = cfg.is_bf16, cfg.causal, cfg.deferred_rescale
+    IS_BF16, BANDED, DEFERRED, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.deferred_rescale, cfg.softcap
     OUTER_KV, SKIP = cfg.outer_loop == "kv", cfg.causal and cfg.causal_skip
     STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -153,15 +154,18 @@ def build(cfg):
     NEG_INF = float32(-math.inf)
 
     @device_function
-    def scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane):
+    def scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, lo, hi, softcap,
+                               warp, lane):
         """l.9 and the start of l.10 over this warp's keys of K_j: S_w = Q_i K_w^T (masked), and each
         row's max over those keys published for the other warps."""
         key0 = col0 + warp * KW
         tiles.fill(s, float32(0))
         tiles.gemm_abt_streamed(s, q_frag, q_s, 0, D // 16, k_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS],
                                 lane, STRIDE, True, IS_BF16)
-        if key0 + KW > n_k or (CAUSAL and key0 + KW - 1 > row0):
-            tiles.mask_scores(s, row0, key0, n_k, CAUSAL, lane)
+        if SOFTCAP:
+            softmax.softcap_scores(s, softcap)
+        if masks.block_is_partial(row0, BR, key0, KW, n_k, BANDED, lo, hi):
+            tiles.mask_scores(s, row0, key0, n_k, BANDED, lo, hi, lane)
         for r in range(ROWS):
             row_max = softmax.quad_max(softmax.lane_row_max(s, r >> 1, r & 1, NEG_INF))
             splitk.publish(red_max, r, row_max, warp, lane, BR)
@@ -190,7 +194,7 @@ def build(cfg):
         l_blk = splitk.gather_sum(red_sum, row, WARPS, BR)
         m_new, l_new, alpha, beta = softmax.merge_statistics(m_old, l_old, m_blk, l_blk, scale_log2)
         if not DEFERRED:   # l.12 as written: O stays normalised, diag(l_new)^-1 every step
-            inv = float32(1) / l_new
+            inv = float32(1) / l_new if l_new > float32(0) else float32(0)   # 0: no key yet
             alpha, beta = alpha * l_old * inv, beta * inv
         splitk.merge_partial_o(o_own, o_part, row, c0, alpha, beta, WARPS, BR, O_STRIDE)
         return m_new, l_new
@@ -199,22 +203,24 @@ def build(cfg):
     def write_output(o32, lse, m_ws, l_ws, o_own, grow, c0, m_row, l_row, softmax_scale):
         """O_i's owned chunk in the output dtype (deferred: normalised now, once) and the row's
         L = m + log l; without deferral also FA1's saved statistics m and l."""
+        seen = l_row > float32(0)   # a row that sees no key: O = 0, L = -inf
         if DEFERRED:
-            inv = float32(1) / l_row
+            inv = float32(1) / l_row if seen else float32(0)
             for c in range(CHUNK):
                 o_own[c] *= inv
         splitk.store_row_chunk(o32, grow, c0, o_own, IS_BF16)
         if c0 == 0:
-            lse[grow] = m_row * softmax_scale + math.log(l_row)
+            lse[grow] = m_row * softmax_scale + math.log(l_row) if seen else NEG_INF
             if not DEFERRED:
                 m_ws[grow] = m_row
                 l_ws[grow] = l_row
 
     @kernel
-    def fa1_forward(q, k, v, o, lse, o_ws, m_ws, l_ws, n_q, n_k, kv_group, softmax_scale,
-                    scale_log2):
+    def fa1_forward(q, k, v, o, lse, o_ws, m_ws, l_ws, n_q, n_k, kv_group, lo, hi, softcap,
+                    softmax_scale, scale_log2):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse, m_ws, l_ws:
-        (B, H, N_q) fp32; o_ws: (B, H, N_q, d) fp32, O between K/V blocks (outer_loop="kv")."""
+        (B, H, N_q) fp32; o_ws: (B, H, N_q, d) fp32, O between K/V blocks (outer_loop="kv");
+        lo, hi, softcap: the mask (variants/fa2.py)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
@@ -240,10 +246,21 @@ def build(cfg):
             share = (t_r + cuda.gridDim.x - 1) // cuda.gridDim.x
             i_begin = cuda.blockIdx.x * share
             i_end = min(t_r, i_begin + share)
+            if SKIP:   # query blocks that see no key at all are never visited: O = 0, L = -inf
+                for i in range(i_begin, i_end):
+                    j_first, j_stop = masks.key_blocks(i * BR, BR, n_q, n_k, BC, lo, hi)
+                    if j_stop <= j_first and i * BR + row < n_q:
+                        for c in range(CHUNK):
+                            o_own[c] = float32(0)
+                        write_output(o_bh, lse_bh, m_bh, l_bh, o_own, i * BR + row, c0, NEG_INF,
+                                     float32(0), softmax_scale)
             for j in range(t_c):                                   # l.5
                 col0 = j * BC
-                i_first = max(i_begin, col0 // BR) if SKIP else i_begin
-                if i_first < i_end:
+                i_first, i_stop = i_begin, i_end
+                if SKIP:   # only the query blocks whose band reaches K_j
+                    i0, i1 = masks.query_blocks(col0, BC, n_q, n_k, BR, lo, hi)
+                    i_first, i_stop = max(i_begin, i0), min(i_end, i1)
+                if i_first < i_stop:
                     # l.6: K_j, V_j to SRAM (with the first Q_i), once every warp is done with the
                     # previous ones.
                     cuda.syncthreads()
@@ -254,28 +271,33 @@ def build(cfg):
                     tiles.load_tile_async(smem[Q_START:Q_START + Q_TILE], q_bh, i_first * BR, n_q,
                                           0, BR, D, STRIDE, True, tid, THREADS, ADDRESS_ONCE)
                     ptx.cp_async_commit()
-                for i in range(i_first, i_end):                    # l.7
+                for i in range(i_first, i_stop):                   # l.7
                     row0 = i * BR
                     q0 = Q_START + ((i - i_first) & 1) * Q_TILE
                     ptx.cp_async_wait(0)   # Q_i landed; every warp is done with step i-1
                     cuda.syncthreads()
-                    if i + 1 < i_end:      # Q_{i+1} into the other tile while step i computes
+                    if i + 1 < i_stop:     # Q_{i+1} into the other tile while step i computes
                         nxt = Q_START + ((i + 1 - i_first) & 1) * Q_TILE
                         tiles.load_tile_async(smem[nxt:nxt + Q_TILE], q_bh, row0 + BR, n_q, 0, BR, D,
                                               STRIDE, True, tid, THREADS, ADDRESS_ONCE)
                     ptx.cp_async_commit()
-                    # l.8: O_i, l_i, m_i from HBM; their first visit (j = 0) starts from l.2's values.
+                    # l.8: O_i, l_i, m_i from HBM; their first visit (j = 0, or the first block
+                    # of the band) starts from l.2's values.
                     grow = row0 + row
+                    j_first, j_stop = int32(0), int32(t_c)
+                    if SKIP:
+                        j_first, j_stop = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
                     m_old, l_old = NEG_INF, float32(0)
                     for c in range(CHUNK):
                         o_own[c] = float32(0)
-                    if j > 0 and grow < n_q:
+                    if j > j_first and grow < n_q:
                         m_old, l_old = m_bh[grow], l_bh[grow]
                         for c in range(CHUNK):
                             o_own[c] = o_ws[b, h, grow, c0 + c]
                     # l.9-10 over each warp's keys; maxima, sums and P~ V exchanged (split-K).
                     q_s = smem[q0:q0 + Q_TILE]
-                    scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane)
+                    scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, lo, hi,
+                                           softcap, warp, lane)
                     cuda.syncthreads()
                     exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
                                        scale_log2)
@@ -284,11 +306,8 @@ def build(cfg):
                     m_new, l_new = update_rows(o_own, m_old, l_old, o_part, red_max, red_sum, row,
                                                c0, scale_log2)
                     # l.12-13: back to HBM; after the last K/V block Q_i sees, O_i is the output.
-                    last = t_c - 1
-                    if SKIP:
-                        last = min(last, (row0 + BR - 1) // BC)
                     if grow < n_q:
-                        if j == last:
+                        if j == j_stop - 1:
                             write_output(o_bh, lse_bh, m_bh, l_bh, o_own, grow, c0, m_new, l_new,
                                          softmax_scale)
                         else:
@@ -301,35 +320,37 @@ def build(cfg):
             # FA2's loop order: this thread block is query block i; O_i, l_i, m_i stay on chip.
             i = cuda.gridDim.x - 1 - cuda.blockIdx.x if SKIP else cuda.blockIdx.x  # longest first
             row0 = i * BR
+            j0, j1 = int32(0), int32(t_c)
             if SKIP:
-                t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+                j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
             q_s = smem[Q_START:Q_START + Q_TILE]
             tiles.load_tile_async(q_s, q_bh, row0, n_q, 0, BR, D, STRIDE, True,
                                   tid, THREADS, ADDRESS_ONCE)
-            tiles.load_tile_async(k_s, k_h, 0, n_k, 0, BC, D, STRIDE, True,
+            tiles.load_tile_async(k_s, k_h, j0 * BC, n_k, 0, BC, D, STRIDE, True,
                                   tid, THREADS, ADDRESS_ONCE)
             ptx.cp_async_commit()
-            tiles.load_tile_async(v_s, v_h, 0, n_k, 0, BC, D, STRIDE, True,
+            tiles.load_tile_async(v_s, v_h, j0 * BC, n_k, 0, BC, D, STRIDE, True,
                                   tid, THREADS, ADDRESS_ONCE)
             ptx.cp_async_commit()
             m_row, l_row = NEG_INF, float32(0)
             for c in range(CHUNK):
                 o_own[c] = float32(0)
-            for j in range(t_c):   # l.9-12 for K_j, V_j as in the other loop order
+            for j in range(j0, j1):   # l.9-12 for K_j, V_j as in the other loop order
                 col0 = j * BC
                 ptx.cp_async_wait(1)   # K_j landed; every warp is done with step j-1
                 cuda.syncthreads()
-                scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, warp, lane)
+                scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, lo, hi,
+                                       softcap, warp, lane)
                 ptx.cp_async_wait(0)   # V_j landed
                 cuda.syncthreads()     # ... and every warp is done with K_j: copy K_{j+1}
-                if j + 1 < t_c:
+                if j + 1 < j1:
                     tiles.load_tile_async(k_s, k_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
                                           THREADS, ADDRESS_ONCE)
                 ptx.cp_async_commit()
                 exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
                                    scale_log2)
                 cuda.syncthreads()     # every warp is done with V_j: copy V_{j+1}
-                if j + 1 < t_c:
+                if j + 1 < j1:
                     tiles.load_tile_async(v_s, v_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
                                           THREADS, ADDRESS_ONCE)
                 ptx.cp_async_commit()
@@ -342,11 +363,14 @@ def build(cfg):
     return fa1_forward
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
+def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+            align=masks.BOTTOM_RIGHT, out=None, **options):
     """FA1 forward; same arguments and results as variants.fa2.forward. options: see Config."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
-                   head_dims=HEAD_DIMS, variant="fa1")
-    cfg = default_config(prob.head_dim, prob.is_bf16, causal, **options)
+                   head_dims=HEAD_DIMS, variant="fa1", window_size=window_size, softcap=softcap,
+                   align=align)
+    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.softcap_field(prob),
+                         **options)
     b, h, n_q = prob.batch, prob.heads, prob.n_q
     t_r = (n_q + cfg.block_m - 1) // cfg.block_m
     if cfg.outer_loop == "kv":
@@ -360,7 +384,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse,
            o_ws, m_ws, l_ws,
-           np.int32(n_q), np.int32(prob.n_k), np.int32(prob.kv_group),
+           np.int32(n_q), np.int32(prob.n_k), np.int32(prob.kv_group), *prob.mask_args(),
            np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
     return prob.result()
 
@@ -380,7 +404,8 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "causal_skip",
                     "kv_in_registers", "dq_reduce")
 
 
-def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None, **options):
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+             softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
     """FA1 backward (Algorithm 4's schedule); arguments as variants.fa2_backward.backward. options: the tile
     of fa2's backward kernel (BACKWARD_OPTIONS), causal_skip False unless set."""
     from variants import fa2_backward
@@ -389,11 +414,13 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=Non
         raise ValueError(f"fa1 backward has no option {', '.join(sorted(unknown))}; its options: "
                          f"{', '.join(BACKWARD_OPTIONS)}")
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                             grads=grads, head_dims=HEAD_DIMS, variant="fa1")
+                             grads=grads, head_dims=HEAD_DIMS, variant="fa1",
+                             window_size=window_size, softcap=softcap, align=align)
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("causal_skip", False)
-    cfg = fa2_backward.default_backward_config(g.prob.head_dim, g.prob.is_bf16, causal, dq="atomic",
-                                      kv_blocks="sequential", **options)
+    cfg = fa2_backward.default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
+                                               configs.softcap_field(g.prob), dq="atomic",
+                                               kv_blocks="sequential", **options)
     return fa2_backward.run_backward(g, cfg)
 
 
@@ -403,7 +430,7 @@ def compile_targets():
     (d=128, bf16)."""
     ws4, ws3 = types.Array(types.float32, 4, "C"), LSE_TYPE
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, ws4, ws3, ws3, types.int32,
-                types.int32, types.int32, types.float32, types.float32)
+                types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32)
     rungs = [dict(), dict(outer_loop="q"), dict(outer_loop="q", deferred_rescale=True)]
     for head_dim in HEAD_DIMS:
         for is_bf16 in (True, False):

@@ -28,8 +28,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import configs, ptx, softmax, tiles
-from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
+from common import configs, masks, ptx, softmax, tiles
+from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
 from common.target import device_function, kernel, launch
 from variants import fa2_backward
 from variants.fa2_backward import backward  # noqa: F401  (Algorithm 2, variants/fa2_backward.py)
@@ -42,7 +42,8 @@ class Config:
     """Compile-time shape of the kernel. block_m = B_r, block_n = B_c of the paper."""
     head_dim: int
     is_bf16: bool
-    causal: bool
+    causal: bool            # a band mask (causal and/or sliding window, common/masks.py)
+    softcap: bool = False   # scores soft-capped (Gemma 2)
     block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
     block_n: int = 64       # B_c: keys per inner step
     warps: int = 4          # split-Q: each warp owns block_m / warps query rows
@@ -51,7 +52,7 @@ class Config:
     kv_stages: int = 1      # K/V buffers: 1 (FA2's kernels) or 2 (double-buffered, a step ahead)
     q_in_registers: bool = True   # Q_i's fragments held in registers (False: re-read each step)
     p_in_registers: bool = True   # P~ re-packed in registers (False: through a shared tile)
-    causal_skip: bool = True      # causal: never visit K/V blocks above the diagonal (False: mask them)
+    causal_skip: bool = True      # banded: never visit K/V blocks outside the band (False: mask them)
 
     @property
     def threads(self):
@@ -105,8 +106,8 @@ def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
-    IS_BF16, CAUSAL, PIPELINE, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.pipeline, cfg.swizzle
-    SKIP = cfg.causal and cfg.causal_skip
+    IS_BF16, BANDED, PIPELINE, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.pipeline, cfg.swizzle
+    SKIP, SOFTCAP = cfg.causal and cfg.causal_skip, cfg.softcap
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -131,24 +132,27 @@ def build(cfg):
                               tid, THREADS, ADDRESS_ONCE)
 
     @device_function
-    def refill_after_use(tile, src, j, t_c, n_rows, tid):
+    def refill_after_use(tile, src, j, j_end, n_rows, tid):
         """One K/V buffer (FA2's schedule): once every warp has passed the barrier, block j is no
-        longer needed; start copying block j+1 into the same tile."""
+        longer needed; start copying block j+1 (if before j_end) into the same tile."""
         cuda.syncthreads()
-        if j + 1 < t_c:
+        if j + 1 < j_end:
             load_kv_tile(tile, src, (j + 1) * BC, n_rows, tid)
         ptx.cp_async_commit()
         if not PIPELINE:
             ptx.cp_async_wait(0)
 
     @kernel
-    def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, softmax_scale, scale_log2):
-        """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q)."""
+    def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
+                    scale_log2):
+        """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
+        lo, hi: the band of keys a query sees (lo <= key - query <= hi, when BANDED); softcap: the
+        cap on raw scores (when SOFTCAP)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
         # K/V blocks to visit are started first.
-        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if BANDED else cuda.blockIdx.x
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
         q_i, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
         row0 = i * BR                       # first query row of Q_i
@@ -159,18 +163,18 @@ def build(cfg):
         p_s = smem[P_START:P_START + P_TILE]
         p_s32 = cuda.shared.array(0, uint32)[P_START // 2:(P_START + P_TILE) // 2]
 
-        # Causal: K/V blocks past the diagonal of the last row of Q_i are never visited
+        # Causal or a window: K/V blocks outside the band of Q_i's rows are never visited
         # (causal_skip=False: they are, fully masked, as an ablation).
-        t_c = (n_k + BC - 1) // BC
+        j0, j1 = int32(0), int32((n_k + BC - 1) // BC)
         if SKIP:
-            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+            j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
 
-        # Alg.1 l.4: load Q_i (and, ahead of the loop, K_1 and V_1) from HBM to SRAM.
+        # Alg.1 l.4: load Q_i (and, ahead of the loop, the first K_j and V_j) from HBM to SRAM.
         tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
                               tid, THREADS, ADDRESS_ONCE)
-        load_kv_tile(smem[Q_TILE:Q_TILE + KV_TILE], k_h, 0, n_k, tid)
+        load_kv_tile(smem[Q_TILE:Q_TILE + KV_TILE], k_h, j0 * BC, n_k, tid)
         ptx.cp_async_commit()
-        load_kv_tile(smem[Q_TILE + KV_TILE:Q_TILE + 2 * KV_TILE], v_h, 0, n_k, tid)
+        load_kv_tile(smem[Q_TILE + KV_TILE:Q_TILE + 2 * KV_TILE], v_h, j0 * BC, n_k, tid)
         ptx.cp_async_commit()
         ptx.cp_async_wait(1)
         cuda.syncthreads()
@@ -188,17 +192,17 @@ def build(cfg):
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
 
-        for j in range(t_c):  # Alg.1 l.6
+        for j in range(j0, j1):  # Alg.1 l.6
             col0 = j * BC
-            kv0 = Q_TILE + (j & (STAGES - 1)) * 2 * KV_TILE   # this step's K/V buffers
+            kv0 = Q_TILE + ((j - j0) & (STAGES - 1)) * 2 * KV_TILE   # this step's K/V buffers
             k_s = smem[kv0:kv0 + KV_TILE]
             v_s = smem[kv0 + KV_TILE:kv0 + 2 * KV_TILE]
             # l.7: K_j (two stages: and V_j) in SRAM; their copies were issued one step earlier.
             if STAGES == 2:
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()  # ... and every warp is done with step j-1's buffers: refill
-                if j + 1 < t_c:     # them with K_{j+1} and V_{j+1} while this step computes
-                    nxt = Q_TILE + ((j + 1) & 1) * 2 * KV_TILE
+                if j + 1 < j1:      # them with K_{j+1} and V_{j+1} while this step computes
+                    nxt = Q_TILE + ((j + 1 - j0) & 1) * 2 * KV_TILE
                     load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, tid)
                     load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k, tid)
                 ptx.cp_async_commit()
@@ -211,10 +215,12 @@ def build(cfg):
             tiles.fill(s, float32(0))
             tiles.gemm_abt_held_or_streamed(s, q_frag, Q_IN_REGISTERS, q_s, warp_row, D // 16, k_s,
                                             lane, STRIDE, SWIZZLE, IS_BF16)
-            if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > row0):
-                tiles.mask_scores(s, row0 + warp_row, col0, n_k, CAUSAL, lane)
+            if SOFTCAP:
+                softmax.softcap_scores(s, softcap)
+            if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi):
+                tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane)
             if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
-                refill_after_use(k_s, k_h, j, t_c, n_k, tid)
+                refill_after_use(k_s, k_h, j, j1, n_k, tid)
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
@@ -231,7 +237,7 @@ def build(cfg):
                 cuda.syncthreads()
             tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, IS_BF16)
             if STAGES == 1:  # every warp is done with V_j: refill the tile with V_{j+1}
-                refill_after_use(v_s, v_h, j, t_c, n_k, tid)
+                refill_after_use(v_s, v_h, j, j1, n_k, tid)
 
         # l.12-13: O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i), once.
         inv_l = cuda.local.array(ROWS, float32)
@@ -254,17 +260,21 @@ def build(cfg):
     return fa2_forward
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, **options):
+def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+            align=masks.BOTTOM_RIGHT, out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or
     bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and lse (B, H, N_q) fp32.
+    causal, window_size, softcap, align: the mask, as flash_attn_func (common/masks.py).
     options: see Config and OPTIONS."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
-                   head_dims=HEAD_DIMS, variant="fa2")
-    cfg = default_config(prob.head_dim, prob.is_bf16, causal, **options)
+                   head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,
+                   align=align)
+    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.softcap_field(prob),
+                         **options)
     grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
-           np.int32(prob.kv_group), np.float32(prob.softmax_scale),
+           np.int32(prob.kv_group), *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)))
     return prob.result()
 
@@ -273,7 +283,7 @@ def compile_targets():
     """(name, kernel, argument types, mma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
-                types.int32, types.float32, types.float32)
+                types.int32) + MASK_TYPES + (types.float32, types.float32)
     for head_dim in HEAD_DIMS:
         for is_bf16 in (True, False):
             for causal in (False, True):

@@ -10,8 +10,8 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
-from common import configs, ptx, softmax, tiles
-from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE
+from common import configs, masks, ptx, softmax, tiles
+from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -22,7 +22,7 @@ HEAD_DIMS = (64, 128)
 #   l.4   D = rowsum(dO o O)                                   (common/backward.py: preprocess)
 #   l.5   for 1 <= j <= T_c  (the grid: one thread block per K/V block j, batch, K/V head)
 #   l.6     load K_j, V_j to SRAM;  l.7  dK_j = 0, dV_j = 0 on chip
-#   l.8     for 1 <= i <= T_r  (causal: only blocks i that reach the diagonal of block j)
+#   l.8     for 1 <= i <= T_r  (causal or a window: only blocks i whose band reaches block j)
 #   l.9       load Q_i, dO_i, L_i, D_i to SRAM
 #   l.10      S_i^(j) = Q_i K_j^T;  l.11  P_i^(j) = exp(S_ij - L_i)
 #   l.12      dV_j += (P_i^(j))^T dO_i
@@ -60,7 +60,8 @@ class BackwardConfig:
     block_m = B_r (queries per inner step)."""
     head_dim: int
     is_bf16: bool
-    causal: bool
+    causal: bool               # a band mask (causal and/or sliding window, common/masks.py)
+    softcap: bool = False      # scores soft-capped (Gemma 2): dS times 1 - tanh^2
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
@@ -76,7 +77,7 @@ class BackwardConfig:
     dq_reduce: str = "bulk"    # dq="atomic": how dS K_j is added into dQ's fp32 accumulator:
                                # "bulk": staged in shared memory, one bulk reduction by the copy
                                # engine a step (sm_90); "red": red.global.add.v2.f32 from registers
-    causal_skip: bool = True   # causal: never visit query blocks entirely above the diagonal
+    causal_skip: bool = True   # banded: never visit query blocks outside the band
     swizzle: bool = True
     kv_in_registers: bool = False   # K_j, V_j A fragments held in registers through the i loop
     dq_block_m: int = 64       # the separate dQ kernel: queries a thread block owns,
@@ -213,7 +214,7 @@ def build_backward(cfg):
     """The K/V-block-outer kernel of Algorithm 2 (dK, dV, and with dq="atomic" dQ)."""
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
-    IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
+    IS_BF16, BANDED, SWIZZLE, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.swizzle, cfg.softcap
     SKIP = cfg.causal and cfg.causal_skip
     ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
     BULK = cfg.bulk
@@ -238,14 +239,15 @@ def build_backward(cfg):
     KV_FRAG = (M, D // 16 if KV_IN_REGISTERS else 1, 4)
     ST_ACC, P_FRAG, DKV_ACC = (M, QC // 8, 4), (M, BR // 16, 4), (M, DC // 8, 4)
     DQ_ACC, DS_FRAG = (MQ, DQ_COLS // 8, 4), (MQ, BC // 16, 4)
+    CAP_GRAD = ST_ACC if SOFTCAP else (1, 1, 1)      # 1 - tanh^2 of each score (softcap)
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
     @device_function
-    def next_position(h, i, i0, t_r):
+    def next_position(h, i, i0, i1):
         """The inner step after (query head h, query block i): the steps walk every query head of
-        the K/V head's group, each over the query blocks i0..t_r-1 that block j meets. Heads are
+        the K/V head's group, each over the query blocks i0..i1-1 that block j meets. Heads are
         unsigned so that indexing with them costs no negative-index wrap-around."""
-        if int32(i + 1) < t_r:
+        if int32(i + 1) < i1:
             return uint32(h), int32(i + 1)
         return uint32(h + 1), int32(i0)
 
@@ -295,7 +297,7 @@ def build_backward(cfg):
 
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
-                 softmax_scale, scale_log2):
+                 lo, hi, softcap, softmax_scale, scale_log2):
         """l.6-17 for K/V block j of batch b, K/V head h_kv."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
@@ -313,11 +315,12 @@ def build_backward(cfg):
         k_s = smem[0:KV_TILE]
         v_s = smem[V0:V0 + KV_TILE]
 
-        # The query blocks block j meets: causal skips those entirely above the diagonal. (Step
+        # The query blocks block j meets: causal or a window skips those outside the band. (Step
         # arithmetic in 32 bits: Numba types int32 + int32 as int64, so each sum is cast back.)
-        t_r = int32((n_q + BR - 1) // BR)
-        i0 = int32(key0 // BR) if SKIP else int32(0)
-        n_i = int32(t_r - i0)
+        i0, i1 = int32(0), int32((n_q + BR - 1) // BR)
+        if SKIP:
+            i0, i1 = masks.query_blocks(key0, BC, n_q, n_k, BR, lo, hi)
+        n_i = max(int32(i1 - i0), int32(0))
         n_steps = int32(kv_group * n_i)
 
         # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
@@ -344,6 +347,7 @@ def build_backward(cfg):
         pa = cuda.local.array(P_FRAG, uint32)
         dsa = cuda.local.array(DS_FRAG, uint32)
         dq = cuda.local.array(DQ_ACC, float32)
+        cap_grad = cuda.local.array(CAP_GRAD, float32)
         next_lse2 = cuda.local.array(STATS_PER_THREAD, float32)
         next_d = cuda.local.array(STATS_PER_THREAD, float32)
         if KV_IN_REGISTERS:                 # K_j, V_j's A fragments of the warp's keys, once
@@ -367,13 +371,13 @@ def build_backward(cfg):
             cuda.syncthreads()
             h_prev = h
             if step > 0:
-                h, i = next_position(h, i, i0, t_r)
+                h, i = next_position(h, i, i0, i1)
             more = int32(step + 1) < n_steps
             if more:
-                h1, i1 = next_position(h, i, i0, t_r)
-                load_q_do(smem, 1 - stage, q, do, b, h1, i1, n_q, tid)
+                h_next, i_next = next_position(h, i, i0, i1)
+                load_q_do(smem, 1 - stage, q, do, b, h_next, i_next, n_q, tid)
                 for r in range(STATS_PER_THREAD):
-                    next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h1, i1, n_q,
+                    next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h_next, i_next, n_q,
                                                          tid + r * THREADS)
             ptx.cp_async_commit()
             if ATOMIC and step > 0:
@@ -390,16 +394,20 @@ def build_backward(cfg):
             tiles.fill(s, float32(0))
             tiles.gemm_abt_held_or_streamed(s, kf, KV_IN_REGISTERS, k_s, warp_key, D // 16, q_s,
                                             lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
-            if int32(q0 + BR) > n_q or int32(key0 + BC) > n_k or \
-                    (CAUSAL and q0 < int32(key0 + BC - 1)):
-                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, CAUSAL,
-                                             lane)
+            if SOFTCAP:
+                softmax.softcap_scores_with_grad(s, cap_grad, softcap)
+            if int32(q0 + BR) > n_q or masks.block_is_partial(q0, BR, key0, BC, n_k, BANDED, lo,
+                                                              hi):
+                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, BANDED,
+                                             lo, hi, lane)
             softmax.recompute_p_columns(s, lse2_s, lane, scale_log2, warp_q)
             # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_held_or_streamed(dp, vf, KV_IN_REGISTERS, v_s, warp_key, D // 16, do_s,
                                             lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
             softmax.grad_columns(s, dp, d_s, lane, warp_q)
+            if SOFTCAP:   # dS of the raw scores: through the cap's derivative
+                tiles.multiply(dp, cap_grad)
             ds = DS0 + stage * DS_TILE
             ds_s = smem[ds:ds + DS_TILE]
             if STAGED_DS:
@@ -457,19 +465,19 @@ def build_backward(cfg):
             ptx.bulk_wait(0)    # the warp's reductions are done (and its slice free for FA1's next j)
 
     @kernel
-    def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
-                        softmax_scale, scale_log2):
+    def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
+                        softcap, softmax_scale, scale_log2):
         """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
-        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views."""
+        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py)."""
         b, h_kv = uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)   # unsigned: no index wrap
         if SEQUENTIAL:   # FA1 Alg. 4: one thread block walks every K/V block j in turn
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
-                         kv_group, softmax_scale, scale_log2)
+                         kv_group, lo, hi, softcap, softmax_scale, scale_log2)
                 cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
         else:            # l.5: "for 1 <= j <= T_c" is the grid
             kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
-                     n_k, kv_group, softmax_scale, scale_log2)
+                     n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2)
 
     return fa2_backward_kv
 
@@ -481,20 +489,21 @@ def build_backward_dq(cfg):
     dQ is bitwise reproducible."""
     D, BR, BC, THREADS = cfg.head_dim, cfg.dq_block_m, cfg.dq_block_n, 32 * cfg.dq_warps
     M = BR // (16 * cfg.dq_warps)
-    IS_BF16, CAUSAL, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.swizzle
+    IS_BF16, BANDED, SWIZZLE, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.swizzle, cfg.softcap
     SKIP = cfg.causal and cfg.causal_skip
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     Q_TILE, KV_TILE = BR * STRIDE, BC * STRIDE
     DO0, KV0 = Q_TILE, 2 * Q_TILE
     A_FRAG, S_ACC, P_FRAG, DQ_ACC = (M, 1, 4), (M, BC // 8, 4), (M, BC // 16, 4), (M, D // 8, 4)
     ROWS = 2 * M
+    CAP_GRAD = S_ACC if SOFTCAP else (1, 1, 1)
 
     @kernel
-    def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, softmax_scale,
-                        scale_log2):
+    def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, lo, hi, softcap,
+                        softmax_scale, scale_log2):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
-        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
+        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if BANDED else cuda.blockIdx.x
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
         k_h, v_h = k[b, h // kv_group], v[b, h // kv_group]
         row0 = i * BR
@@ -502,15 +511,15 @@ def build_backward_dq(cfg):
         smem = cuda.shared.array(0, uint16)
         q_s = smem[0:Q_TILE]
         do_s = smem[DO0:DO0 + Q_TILE]
-        t_c = (n_k + BC - 1) // BC
+        j0, j1 = int32(0), int32((n_k + BC - 1) // BC)
         if SKIP:
-            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+            j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
         tiles.load_tile_async(q_s, q[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
         tiles.load_tile_async(do_s, do[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
-        tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, 0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid,
-                              THREADS)
-        tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, 0, n_k, 0, BC, D, STRIDE,
-                              SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, j0 * BC, n_k, 0, BC, D, STRIDE, SWIZZLE,
+                              tid, THREADS)
+        tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, j0 * BC, n_k, 0, BC, D,
+                              STRIDE, SWIZZLE, tid, THREADS)
         ptx.cp_async_commit()
         # L_i * log2(e) and D_i of the lane's rows, in registers.
         lse2 = cuda.local.array(ROWS, float32)
@@ -524,16 +533,17 @@ def build_backward_dq(cfg):
         dp = cuda.local.array(S_ACC, float32)
         pa = cuda.local.array(P_FRAG, uint32)
         dq = cuda.local.array(DQ_ACC, float32)
+        cap_grad = cuda.local.array(CAP_GRAD, float32)
         tiles.fill(dq, float32(0))
-        for j in range(t_c):
+        for j in range(j0, j1):
             col0 = j * BC
-            kv = KV0 + (j & 1) * 2 * KV_TILE
+            kv = KV0 + ((j - j0) & 1) * 2 * KV_TILE
             k_s = smem[kv:kv + KV_TILE]
             v_s = smem[kv + KV_TILE:kv + 2 * KV_TILE]
             ptx.cp_async_wait(0)
             cuda.syncthreads()
-            if j + 1 < t_c:
-                nxt = KV0 + ((j + 1) & 1) * 2 * KV_TILE
+            if j + 1 < j1:
+                nxt = KV0 + ((j + 1 - j0) & 1) * 2 * KV_TILE
                 tiles.load_tile_async(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, 0, BC, D,
                                       STRIDE, SWIZZLE, tid, THREADS)
                 tiles.load_tile_async(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k,
@@ -543,13 +553,17 @@ def build_backward_dq(cfg):
             tiles.fill(s, float32(0))
             tiles.gemm_abt_streamed(s, a, q_s, warp_row, D // 16, k_s, lane, STRIDE, SWIZZLE,
                                     IS_BF16)
-            if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > row0):
-                tiles.mask_scores(s, row0 + warp_row, col0, n_k, CAUSAL, lane)
+            if SOFTCAP:
+                softmax.softcap_scores_with_grad(s, cap_grad, softcap)
+            if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi):
+                tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane)
             softmax.recompute_p_rows(s, lse2, scale_log2)
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_streamed(dp, a, do_s, warp_row, D // 16, v_s, lane, STRIDE, SWIZZLE,
                                     IS_BF16)
             softmax.grad_rows(s, dp, d_rows)
+            if SOFTCAP:
+                tiles.multiply(dp, cap_grad)
             # l.15: dQ_i += dS K_j, dS straight from its accumulator into A fragments.
             tiles.accumulator_to_a(pa, dp, IS_BF16)
             tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
@@ -564,12 +578,16 @@ def build_backward_dq(cfg):
     return fa2_backward_dq
 
 
-def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None, **options):
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+             softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
     """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs
-    (o, lse) and dO = dLoss/dO (like o). options: see BackwardConfig and BACKWARD_OPTIONS."""
+    (o, lse) and dO = dLoss/dO (like o); the mask as the forward's. options: see BackwardConfig
+    and BACKWARD_OPTIONS."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                             grads=grads, head_dims=HEAD_DIMS, variant="fa2")
-    cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, causal, **options)
+                             grads=grads, head_dims=HEAD_DIMS, variant="fa2",
+                             window_size=window_size, softcap=softcap, align=align)
+    cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
+                                  configs.softcap_field(g.prob), **options)
     return run_backward(g, cfg)
 
 
@@ -581,7 +599,7 @@ def run_backward(g, cfg):
     bwd.preprocess(g, zero_dq=atomic, dq_layout=cfg.dq_layout())                # l.4
     scale, scale_log2 = np.float32(prob.softmax_scale), \
         np.float32(prob.softmax_scale * math.log2(math.e))
-    sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
+    sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group), *prob.mask_args())
     kv_blocks = 1 if cfg.kv_blocks == "sequential" else (prob.n_k + cfg.block_n - 1) // cfg.block_n
     grid = (kv_blocks, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
@@ -601,7 +619,7 @@ def backward_compile_targets(cfg, tag):
     the kernels `run_backward` launches for cfg (the preprocess and dQ conversion: common/
     backward.py's compile_targets)."""
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
-    sizes = (types.int32, types.int32, types.int32, types.float32, types.float32)
+    sizes = (types.int32, types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32)
     # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
     # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
     # atomics dQ's product appears twice (in the loop and for the last step):

@@ -51,7 +51,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, fp8, ptx, sm90, softmax, tiles
+from common import arrays, configs, fp8, masks, ptx, sm90, softmax, tiles
 from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
@@ -168,6 +168,7 @@ default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTION
 
 LOG2E = float32(softmax.LOG2E)
 LN2 = float32(math.log(2))
+BAND_LO = int32(-masks.UNBOUNDED)   # fa3's causal band: every key up to the query's (top-left)
 
 
 @lru_cache(maxsize=None)
@@ -243,7 +244,7 @@ def build(cfg):
         """-inf where block j's keys run past n_k or (causal) past a row's diagonal."""
         col0 = j * BC
         if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > wg_row0):
-            tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lane)
+            tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, BAND_LO, 0, lane)   # key <= query
 
     @device_function
     def key_scale(s, k_descale, b, h_kv, j, k_scale_rows):
@@ -487,22 +488,30 @@ def build(cfg):
     return fa3_forward
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, out=None, q_descale=None,
-            k_descale=None, v_descale=None, scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16",
-            **options):
+def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+            align=masks.BOTTOM_RIGHT, out=None, q_descale=None, k_descale=None, v_descale=None,
+            scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16", **options):
     """FA3 forward (Hopper: sm_90a). q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's
     layout, on the GPU (CuPy, Numba or torch), fp16 or bf16 — or e4m3 (torch float8_e4m3fn, or
     uint8 bits) with float32 descales (`common.fp8.quantize_fp8` makes both): q_descale
     (B, H, nb_q), k_descale and v_descale (B, H_kv, nb), x ~= descale[b, h, row // scale_block] x8,
     nb = 1 for one scale a head (V: always one a head); the output is then `out_dtype`. Returns
     (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
-    OPTIONS."""
+    OPTIONS. The mask: causal with its diagonal from the top-left corner (seqlen_q == seqlen_k, or
+    align="top_left"); sliding windows, softcap and bottom-right rectangles are fa2's for now."""
     descales = (q_descale, k_descale, v_descale)
     fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=FP8_HEAD_DIMS if fp8_in else HEAD_DIMS, variant="fa3",
                    dtypes=FP8_DTYPES if fp8_in else HALF_DTYPES,
-                   out_dtype=out_dtype if fp8_in else None)
+                   out_dtype=out_dtype if fp8_in else None, window_size=window_size,
+                   softcap=softcap, align=align)
+    if prob.softcapped or prob.band.lo != -masks.UNBOUNDED or prob.band.hi not in (0, masks.UNBOUNDED):
+        raise ValueError(f"fa3 takes causal masks whose diagonal starts at the top-left corner "
+                         f"(seqlen_q == seqlen_k, or align='top_left'), without window_size or "
+                         f"softcap, for now (got causal={causal}, window_size={window_size}, "
+                         f"softcap={softcap}, align={align!r}, seqlen_q={prob.n_q}, "
+                         f"seqlen_k={prob.n_k}); fa2 takes them all")
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
         v_panel = fp8.v_k_major(v)
@@ -565,7 +574,7 @@ def _fp8_scales(prob, descales, block):
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, **options):
     """fa3 has no backward of its own yet: FA2's backward (Algorithm 2, variants/fa2_backward.py) from fa3's
-    o and lse, which are the same quantities (options: fa2's BackwardConfig)."""
+    o and lse, which are the same quantities (options: fa2's BackwardConfig and the mask)."""
     from variants import fa2_backward
     return fa2_backward.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, **options)
 

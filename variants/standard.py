@@ -24,10 +24,10 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, ptx, softmax, tiles
+from common import arrays, masks, ptx, softmax, tiles
 from common import backward as bwd
-from common.problem import LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
-from common.target import kernel, launch
+from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
+from common.target import device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
 TILE = 64          # rows and columns of every block tile
@@ -84,29 +84,42 @@ def build_scores(cfg):
     return scores, 2 * TILE * STRIDE * 2
 
 
+@device_function
+def visible_columns(row, n_k, banded, lo, hi):
+    """[start, end): the keys row `row` sees (common/masks.py)."""
+    if banded:
+        return max(int32(row + lo), int32(0)), min(int32(row + hi + 1), n_k)
+    return int32(0), n_k
+
+
+@device_function
+def capped(x, cap, softcap):
+    """A score after soft-capping (when the compile-time `softcap` is on): cap * tanh(x / cap)."""
+    return cap * softmax.tanh(x / cap) if softcap else x
+
+
 @lru_cache(maxsize=None)
-def build_softmax(causal, is_bf16):
-    """Alg.0 l.2: P = softmax(S) row by row (one warp a row), and LSE = log rowsum exp(S)."""
-    CAUSAL, IS_BF16 = causal, is_bf16
+def build_softmax(banded, softcap, is_bf16):
+    """Alg.0 l.2: P = softmax(S) row by row (one warp a row), and LSE = log rowsum exp(S); S masked
+    outside the band (banded) and soft-capped (softcap), as common/masks.py says."""
+    BANDED, SOFTCAP, IS_BF16 = banded, softcap, is_bf16
 
     @kernel
-    def row_softmax(s, p32, lse, n_q, n_k):
+    def row_softmax(s, p32, lse, n_q, n_k, lo, hi, cap):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         row = cuda.blockIdx.x * WARPS + warp
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
         inside = row < n_q
-        n_valid = n_k
-        if CAUSAL:
-            n_valid = min(n_k, row + 1)
+        start, end = visible_columns(row, n_k, BANDED, lo, hi)
         if not inside:
-            n_valid = 0   # still takes part in the warp shuffles below
+            end = start   # still takes part in the warp shuffles below
         s_row = s[b, h, row if inside else 0]
         # Each lane: running max and sum of exp over its columns (an online softmax).
         m = float32(-math.inf)
         l = float32(0)
-        for c in range(lane, n_valid, 32):
-            x = s_row[c]
+        for c in range(start + lane, end, 32):
+            x = capped(s_row[c], cap, SOFTCAP)
             if x > m:
                 l = l * ptx.ex2_approx((m - x) * float32(softmax.LOG2E))
                 m = x
@@ -121,18 +134,20 @@ def build_softmax(causal, is_bf16):
                  + l_other * ptx.ex2_approx((m_other - base) * float32(softmax.LOG2E)))
             m = m_new
         if inside:
-            inv_l = float32(1) / l
+            inv_l = float32(1) / l if l > float32(0) else float32(0)
             for c2 in range(lane, p32.shape[3], 32):
                 c = 2 * c2
                 x0 = float32(0)
                 x1 = float32(0)
-                if c < n_valid:
-                    x0 = ptx.ex2_approx((s_row[c] - m) * float32(softmax.LOG2E)) * inv_l
-                if c + 1 < n_valid:
-                    x1 = ptx.ex2_approx((s_row[c + 1] - m) * float32(softmax.LOG2E)) * inv_l
+                if start <= c < end:
+                    x0 = ptx.ex2_approx((capped(s_row[c], cap, SOFTCAP) - m) *
+                                        float32(softmax.LOG2E)) * inv_l
+                if start <= c + 1 < end:
+                    x1 = ptx.ex2_approx((capped(s_row[c + 1], cap, SOFTCAP) - m) *
+                                        float32(softmax.LOG2E)) * inv_l
                 p32[b, h, row, c2] = tiles.pack_pair(x0, x1, IS_BF16)
-            if lane == 0:
-                lse[b, h, row] = m + math.log(l)
+            if lane == 0:   # a row that sees no key: L = -inf
+                lse[b, h, row] = m + math.log(l) if l > float32(0) else float32(-math.inf)
 
     return row_softmax
 
@@ -177,27 +192,27 @@ def build_output(cfg):
 
 
 @lru_cache(maxsize=None)
-def build_softmax_backward(causal, is_bf16):
+def build_softmax_backward(banded, softcap, is_bf16):
     """Alg.3 l.2-4: P = exp(S - L), D = rowsum(P o dP), dS = softmax_scale * P o (dP - D), one
-    warp a row; P and dS written in the 16-bit dtype (zeros in masked and padded columns)."""
-    CAUSAL, IS_BF16 = causal, is_bf16
+    warp a row; P and dS written in the 16-bit dtype (zeros in masked and padded columns). With
+    softcap, S is capped first and dS multiplied by the cap's derivative 1 - tanh^2."""
+    BANDED, SOFTCAP, IS_BF16 = banded, softcap, is_bf16
 
     @kernel
-    def softmax_backward(s, dp, lse, p32, ds32, n_q, n_k, softmax_scale):
+    def softmax_backward(s, dp, lse, p32, ds32, n_q, n_k, lo, hi, cap, softmax_scale):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         row = cuda.blockIdx.x * WARPS + warp
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
         inside = row < n_q
         r = row if inside else 0
-        n_valid = n_k
-        if CAUSAL:
-            n_valid = min(n_k, r + 1)
+        start, end = visible_columns(r, n_k, BANDED, lo, hi)
         lse2 = softmax.lse_log2(lse[b, h, r])
         s_row, dp_row = s[b, h, r], dp[b, h, r]
         d_sum = float32(0)
-        for c in range(lane, n_valid, 32):
-            d_sum += ptx.ex2_approx(s_row[c] * float32(softmax.LOG2E) - lse2) * dp_row[c]
+        for c in range(start + lane, end, 32):
+            x = capped(s_row[c], cap, SOFTCAP)
+            d_sum += ptx.ex2_approx(x * float32(softmax.LOG2E) - lse2) * dp_row[c]
         for offset in (16, 8, 4, 2, 1):
             d_sum += ptx.shfl_xor_f32(d_sum, offset)
         if inside:
@@ -208,9 +223,13 @@ def build_softmax_backward(causal, is_bf16):
                     c = 2 * c2 + e
                     p_pair[e] = float32(0)
                     ds_pair[e] = float32(0)
-                    if c < n_valid:
-                        p_pair[e] = ptx.ex2_approx(s_row[c] * float32(softmax.LOG2E) - lse2)
+                    if start <= c < end:
+                        x = capped(s_row[c], cap, SOFTCAP)
+                        p_pair[e] = ptx.ex2_approx(x * float32(softmax.LOG2E) - lse2)
                         ds_pair[e] = p_pair[e] * (dp_row[c] - d_sum) * softmax_scale
+                        if SOFTCAP:   # through the cap: d(cap tanh(s / cap))/ds = 1 - tanh^2
+                            t = x / cap
+                            ds_pair[e] *= float32(1) - t * t
                 p32[b, h, row, c2] = tiles.pack_pair(p_pair[0], p_pair[1], IS_BF16)
                 ds32[b, h, row, c2] = tiles.pack_pair(ds_pair[0], ds_pair[1], IS_BF16)
 
@@ -265,10 +284,12 @@ def backward_workspace_bytes(batch, heads, n_q, n_k):
     return batch * heads * n_q * padded_keys(n_k) * (4 + 4 + 2 + 2)
 
 
-def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=None):
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+             softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None):
     """Standard attention backward (every N x N matrix in HBM); arguments as fa2.backward."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                             grads=grads, head_dims=HEAD_DIMS, variant="standard")
+                             grads=grads, head_dims=HEAD_DIMS, variant="standard",
+                             window_size=window_size, softcap=softcap, align=align)
     prob = g.prob
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
@@ -285,10 +306,10 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=Non
            prob.q, prob.k, s_view, *sizes, np.float32(prob.softmax_scale))
     launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
            g.do, prob.v, dp_view, *sizes, np.float32(1))
-    launch(build_softmax_backward(prob.causal, prob.is_bf16), ((n_q + WARPS - 1) // WARPS, b, h),
-           THREADS, 0, prob.stream, s_view, dp_view, prob.lse,                            # l.2-4
-           arrays.as_elements(p16, np.uint32, 2), arrays.as_elements(ds16, np.uint32, 2),
-           np.int32(n_q), np.int32(n_k), np.float32(prob.softmax_scale))
+    launch(build_softmax_backward(prob.banded, prob.softcapped, prob.is_bf16),
+           ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream, s_view, dp_view, prob.lse,
+           arrays.as_elements(p16, np.uint32, 2), arrays.as_elements(ds16, np.uint32, 2),  # l.2-4
+           np.int32(n_q), np.int32(n_k), *mask_args(prob), np.float32(prob.softmax_scale))
     output, smem = build_output(cfg)
     launch(output, (row_tiles, b, h), THREADS, smem, prob.stream, ds16, prob.k, g.dq32, *sizes)
     transposed, smem = build_transposed_output(cfg)
@@ -300,10 +321,17 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, grads=Non
     return g.result()
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, out=None):
+def mask_args(prob):
+    """The softmax kernels' lo, hi, and the cap on S (which holds softmax_scale * QK^T)."""
+    return np.int32(prob.band.lo), np.int32(prob.band.hi), np.float32(prob.band.softcap)
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+            align=masks.BOTTOM_RIGHT, out=None):
     """Standard attention forward; same arguments and results as variants.fa2.forward."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
-                   head_dims=HEAD_DIMS, variant="standard")
+                   head_dims=HEAD_DIMS, variant="standard", window_size=window_size,
+                   softcap=softcap, align=align)
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
@@ -317,9 +345,10 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, out=None):
     launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
            prob.q, prob.k, s_view, np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group),
            np.float32(prob.softmax_scale))
-    launch(build_softmax(prob.causal, prob.is_bf16), ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0,
-           prob.stream, s_view, arrays.as_elements(p16, np.uint32, 2), prob.lse,
-           np.int32(n_q), np.int32(n_k))
+    launch(build_softmax(prob.banded, prob.softcapped, prob.is_bf16),
+           ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream, s_view,
+           arrays.as_elements(p16, np.uint32, 2), prob.lse, np.int32(n_q), np.int32(n_k),
+           *mask_args(prob))
     output, smem = build_output(cfg)
     launch(output, (row_tiles, b, h), THREADS, smem, prob.stream,
            p16, prob.v, prob.o32, np.int32(n_q), np.int32(n_k),
@@ -343,13 +372,14 @@ def compile_targets():
     for causal in (False, True):
         for is_bf16 in (True, False):
             yield f"standard softmax causal={causal} {'bf16' if is_bf16 else 'fp16'}", \
-                build_softmax(causal, is_bf16), \
-                (s_type, types.Array(types.uint32, 4, "C"), LSE_TYPE, i32, i32), 0
+                build_softmax(causal, False, is_bf16), \
+                (s_type, types.Array(types.uint32, 4, "C"), LSE_TYPE, i32, i32) + MASK_TYPES, 0
     # The backward's own kernels (it reuses scores and output), bf16.
     u32 = types.Array(types.uint32, 4, "C")
     for causal in (False, True):
         yield f"standard softmax_backward causal={causal} bf16", \
-            build_softmax_backward(causal, True), (s_type, s_type, LSE_TYPE, u32, u32, i32, i32, f32), 0
+            build_softmax_backward(causal, False, True), \
+            (s_type, s_type, LSE_TYPE, u32, u32, i32, i32) + MASK_TYPES + (f32,), 0
     for head_dim in HEAD_DIMS:
         yield f"standard transposed_output d={head_dim} bf16", \
             build_transposed_output(Config(head_dim, True))[0], \
