@@ -8,7 +8,7 @@ from functools import lru_cache
 # What every Config starts with, and what a variant's Config may add after them (fa3: its FP8
 # inputs; softcap): set from the problem, never options. `causal` is the band mask of
 # common/masks.py (causal or a sliding window): its bounds are kernel arguments.
-PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales", "softcap")
+PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales", "softcap", "window")
 
 
 def options_of(config_class):
@@ -48,7 +48,9 @@ def default_config_function(variant, config_class, defaults, option_names, head_
     return default_config
 
 
-def softcap_field(prob):
-    """The `problem` argument of default_config for a call's softcap: (("softcap", True),) when
-    its scores are capped, else () (so a configuration without softcap keeps its key)."""
-    return (("softcap", True),) if prob.softcapped else ()
+def mask_fields(prob):
+    """The `problem` argument of default_config for a call's mask beyond `causal`: ("window",
+    True) when the band has a left edge, ("softcap", True) when the scores are capped; () for
+    neither (so the configurations without them keep their keys)."""
+    return tuple((f, True) for f, on in (("window", prob.band.windowed),
+                                         ("softcap", prob.softcapped)) if on)

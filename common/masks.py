@@ -33,7 +33,9 @@ UNBOUNDED = 1 << 30     # |c - r| never reaches this: a side of the band that is
 @dataclass(frozen=True)
 class Band:
     """The keys each query sees: lo <= key - query <= hi. banded: some key is masked by the band
-    (causal or a window), so the kernels compile their block range and edge masking in."""
+    (causal or a window), so the kernels compile their block range and edge masking in; windowed:
+    the band has a left edge (a sliding window), so they compile its test in too (causal alone
+    keeps the instructions and registers of a plain causal kernel)."""
     lo: int = -UNBOUNDED
     hi: int = UNBOUNDED
     softcap: float = 0.0        # as the caller gave it (0: none)
@@ -42,6 +44,10 @@ class Band:
     @property
     def banded(self):
         return self.lo > -UNBOUNDED or self.hi < UNBOUNDED
+
+    @property
+    def windowed(self):
+        return self.lo > -UNBOUNDED
 
 
 def window_of(window_size):
@@ -108,11 +114,14 @@ def query_blocks(key0, keys, n_q, n_k, block, lo, hi):
 
 
 @device_function
-def block_is_partial(row0, rows, col0, cols, n_k, banded, lo, hi):
+def block_is_partial(row0, rows, col0, cols, n_k, banded, lo, hi, windowed=True):
     """True if the block of queries row0.. (rows) and keys col0.. (cols) has a score to mask: a key
-    past n_k or (banded) a pair outside lo <= c - r <= hi. (Queries past N_q are the caller's.)"""
+    past n_k or (banded) a pair outside lo <= c - r <= hi (windowed=False: no left edge, lo is not
+    read). (Queries past N_q are the caller's.)"""
     if int32(col0 + cols) > n_k:
         return True
     if banded:
-        return int32(col0 - (row0 + rows - 1)) < lo or int32(col0 + cols - 1 - row0) > hi
+        if int32(col0 + cols - 1 - row0) > hi:
+            return True
+        return windowed and int32(col0 - (row0 + rows - 1)) < lo
     return False

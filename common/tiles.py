@@ -321,10 +321,11 @@ def accumulator_position(m, n, j, lane):
 
 
 @device_function
-def mask_scores(s, row0, col0, n_cols, banded, lo, hi, lane):
+def mask_scores(s, row0, col0, n_cols, banded, lo, hi, lane, windowed=True):
     """Set s to -inf where column >= n_cols, or (banded) outside the band lo <= column - row <= hi
-    (common/masks.py: causal, sliding window). row0: global row of the warp's first row; col0:
-    global column of the tile's first column.
+    (common/masks.py: causal, sliding window; windowed=False: the band has no left edge, lo is
+    not read, as for causal). row0: global row of the warp's first row; col0: global column of
+    the tile's first column.
 
     Per held row, the masked columns are turned into bounds relative to the lane's column offset
     2t, so that every element's test compares one register with an immediate (its n-tile and pair
@@ -337,7 +338,8 @@ def mask_scores(s, row0, col0, n_cols, banded, lo, hi, lane):
             if banded:
                 row = row0 + m * 16 + (lane >> 2) + 8 * h
                 end = min(end, int32(row + hi + 1))
-                start = int32(row + lo - col0 - t2)
+                if windowed:
+                    start = int32(row + lo - col0 - t2)
             bound = int32(end - col0 - t2)   # element (n, jj) is masked when 8n + jj >= bound ...
             for n in range(s.shape[1]):
                 for jj in range(2):
@@ -347,7 +349,7 @@ def mask_scores(s, row0, col0, n_cols, banded, lo, hi, lane):
 
 
 @device_function
-def mask_scores_transposed(s, row0, n_rows, col0, n_cols, banded, lo, hi, lane):
+def mask_scores_transposed(s, row0, n_rows, col0, n_cols, banded, lo, hi, lane, windowed=True):
     """mask_scores for S^T (rows are keys, columns queries, as in the backward pass): set s to -inf
     where row >= n_rows, column >= n_cols, or (banded) outside lo <= row - column <= hi. row0:
     global key of the warp's first row; col0: global query of the tile's first column."""
@@ -358,7 +360,8 @@ def mask_scores_transposed(s, row0, n_rows, col0, n_cols, banded, lo, hi, lane):
             end = n_cols
             lo_c = int32(-(1 << 30))
             if banded:   # queries row - hi <= column <= row - lo see this key
-                end = min(end, int32(row - lo + 1))
+                if windowed:
+                    end = min(end, int32(row - lo + 1))
                 lo_c = int32(row - hi - col0 - t2)
             hi_c = int32(end - col0 - t2)   # element (n, jj) is masked when 8n + jj >= hi_c ...
             if row >= n_rows:

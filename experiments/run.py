@@ -297,10 +297,12 @@ def resolved_config(module, prob, dtype, options, k_block_scales=False):
     if default_config is None:
         return ""
     problem = (("fp8", True), ("k_block_scales", k_block_scales)) if dtype == FP8 else ()
-    if prob["softcap"]:
-        problem += (("softcap", True),)
-    banded = prob["causal"] or tuple(prob["window_size"]) != (-1, -1)   # the kernel's band switch
-    chosen = default_config(prob["head_dim"], dtype == "bfloat16", banded, problem, **options)
+    from common import masks
+    band = masks.band(prob["causal"], prob["window_size"], prob["align"], prob["seqlen"],
+                      prob["seqlen_k"], prob["softcap"], 1.0)
+    problem += tuple((f, True) for f, on in (("window", band.windowed), ("softcap", band.softcap))
+                     if on and hasattr(module.Config, f))   # (fa3 refuses them when called)
+    chosen = default_config(prob["head_dim"], dtype == "bfloat16", band.banded, problem, **options)
     return ";".join(f"{k}={getattr(chosen, k)}" for k in module.OPTIONS)
 
 

@@ -53,6 +53,7 @@ class Config:
     head_dim: int
     is_bf16: bool
     causal: bool                 # a band mask (causal and/or sliding window, common/masks.py)
+    window: bool = False         # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False        # scores soft-capped (Gemma 2)
     block_m: int = 16            # B_r: query rows a step (DEFAULTS)
     block_n: int = 128           # B_c: keys a block, split over the warps
@@ -137,6 +138,7 @@ def build(cfg):
     KW, M_TILES = cfg.keys_per_warp, cfg.m_tiles
     ROWS = 2 * M_TILES                               # rows a lane holds: 2 an m16 tile
     IS_BF16, BANDED, DEFERRED, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.deferred_rescale, cfg.softcap
+    WINDOW = cfg.window
     OUTER_KV, SKIP = cfg.outer_loop == "kv", cfg.causal and cfg.causal_skip
     STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -164,8 +166,8 @@ def build(cfg):
                                 lane, STRIDE, True, IS_BF16)
         if SOFTCAP:
             softmax.softcap_scores(s, softcap)
-        if masks.block_is_partial(row0, BR, key0, KW, n_k, BANDED, lo, hi):
-            tiles.mask_scores(s, row0, key0, n_k, BANDED, lo, hi, lane)
+        if masks.block_is_partial(row0, BR, key0, KW, n_k, BANDED, lo, hi, WINDOW):
+            tiles.mask_scores(s, row0, key0, n_k, BANDED, lo, hi, lane, WINDOW)
         for r in range(ROWS):
             row_max = softmax.quad_max(softmax.lane_row_max(s, r >> 1, r & 1, NEG_INF))
             splitk.publish(red_max, r, row_max, warp, lane, BR)
@@ -369,7 +371,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa1", window_size=window_size, softcap=softcap,
                    align=align)
-    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.softcap_field(prob),
+    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.mask_fields(prob),
                          **options)
     b, h, n_q = prob.batch, prob.heads, prob.n_q
     t_r = (n_q + cfg.block_m - 1) // cfg.block_m
@@ -419,7 +421,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("causal_skip", False)
     cfg = fa2_backward.default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
-                                               configs.softcap_field(g.prob), dq="atomic",
+                                               configs.mask_fields(g.prob), dq="atomic",
                                                kv_blocks="sequential", **options)
     return fa2_backward.run_backward(g, cfg)
 

@@ -43,6 +43,7 @@ class Config:
     head_dim: int
     is_bf16: bool
     causal: bool            # a band mask (causal and/or sliding window, common/masks.py)
+    window: bool = False    # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False   # scores soft-capped (Gemma 2)
     block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
     block_n: int = 64       # B_c: keys per inner step
@@ -107,7 +108,7 @@ def build(cfg):
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
     IS_BF16, BANDED, PIPELINE, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.pipeline, cfg.swizzle
-    SKIP, SOFTCAP = cfg.causal and cfg.causal_skip, cfg.softcap
+    SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -217,8 +218,8 @@ def build(cfg):
                                             lane, STRIDE, SWIZZLE, IS_BF16)
             if SOFTCAP:
                 softmax.softcap_scores(s, softcap)
-            if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi):
-                tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane)
+            if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
+                tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
                 refill_after_use(k_s, k_h, j, j1, n_k, tid)
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
@@ -269,7 +270,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,
                    align=align)
-    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.softcap_field(prob),
+    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.mask_fields(prob),
                          **options)
     grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,

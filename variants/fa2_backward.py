@@ -61,6 +61,7 @@ class BackwardConfig:
     head_dim: int
     is_bf16: bool
     causal: bool               # a band mask (causal and/or sliding window, common/masks.py)
+    window: bool = False       # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False      # scores soft-capped (Gemma 2): dS times 1 - tanh^2
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
@@ -215,7 +216,7 @@ def build_backward(cfg):
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
     IS_BF16, BANDED, SWIZZLE, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.swizzle, cfg.softcap
-    SKIP = cfg.causal and cfg.causal_skip
+    SKIP, WINDOW = cfg.causal and cfg.causal_skip, cfg.window
     ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
     BULK = cfg.bulk
     SEQUENTIAL = cfg.kv_blocks == "sequential"
@@ -397,9 +398,9 @@ def build_backward(cfg):
             if SOFTCAP:
                 softmax.softcap_scores_with_grad(s, cap_grad, softcap)
             if int32(q0 + BR) > n_q or masks.block_is_partial(q0, BR, key0, BC, n_k, BANDED, lo,
-                                                              hi):
+                                                              hi, WINDOW):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, BANDED,
-                                             lo, hi, lane)
+                                             lo, hi, lane, WINDOW)
             softmax.recompute_p_columns(s, lse2_s, lane, scale_log2, warp_q)
             # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
             tiles.fill(dp, float32(0))
@@ -490,7 +491,7 @@ def build_backward_dq(cfg):
     D, BR, BC, THREADS = cfg.head_dim, cfg.dq_block_m, cfg.dq_block_n, 32 * cfg.dq_warps
     M = BR // (16 * cfg.dq_warps)
     IS_BF16, BANDED, SWIZZLE, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.swizzle, cfg.softcap
-    SKIP = cfg.causal and cfg.causal_skip
+    SKIP, WINDOW = cfg.causal and cfg.causal_skip, cfg.window
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     Q_TILE, KV_TILE = BR * STRIDE, BC * STRIDE
     DO0, KV0 = Q_TILE, 2 * Q_TILE
@@ -555,8 +556,8 @@ def build_backward_dq(cfg):
                                     IS_BF16)
             if SOFTCAP:
                 softmax.softcap_scores_with_grad(s, cap_grad, softcap)
-            if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi):
-                tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane)
+            if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
+                tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             softmax.recompute_p_rows(s, lse2, scale_log2)
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_streamed(dp, a, do_s, warp_row, D // 16, v_s, lane, STRIDE, SWIZZLE,
@@ -587,7 +588,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
                              grads=grads, head_dims=HEAD_DIMS, variant="fa2",
                              window_size=window_size, softcap=softcap, align=align)
     cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
-                                  configs.softcap_field(g.prob), **options)
+                                  configs.mask_fields(g.prob), **options)
     return run_backward(g, cfg)
 
 
