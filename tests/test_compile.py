@@ -85,8 +85,8 @@ def test_no_spills_in_the_kv_loop(report):
     before or after that loop (epilogue addresses) in local memory: a handful of accesses per thread
     block. Inside the loop the only local traffic allowed is the d=128 kernels': they keep the four
     row sums l_i in local memory, 4 loads and 4 stores a step against 256 HMMA, and the non-causal
-    one (one K/V buffer, refilled inside the step) reloads 4 copy addresses (docs/performance.md:
-    each measured faster than its spill-free alternative)."""
+    one (one K/V buffer, refilled inside the step) reloads the copies' addresses, 4 a refill
+    (docs/performance.md: each measured faster than its spill-free alternative)."""
     if "registers" not in report[0]:
         pytest.skip("ptxas not installed (pip install -e '.[test]' brings it)")
     for r in report:
@@ -104,7 +104,12 @@ def test_no_spills_in_the_kv_loop(report):
             assert r["loop_local"] <= allowed, r
             assert r["loop_HMMA"] == r["expected_loop_mma"], r
         elif "loop_local" in r and r["kernel"].startswith("fa2"):
-            allowed = 12 if "d=128" in r["kernel"] else 0
+            # d=128: l_i's 8 accesses, and (non-causal, two refills a step) 4 address reloads a
+            # refill: 16 since the masks (5083af4), where the base had 4 for one refill but 184
+            # bytes of spill stores outside the loop against 72; the same kernel measured 1.658 ms
+            # at N=4k (0.94x sdpa_flash in the run) against the base's 1.671 ms (0.93x), H100
+            # (docs/results/masks_h100.txt).
+            allowed = (16 if "causal=False" in r["kernel"] else 12) if "d=128" in r["kernel"] else 0
             assert r["loop_local"] <= allowed, r
             assert r["loop_HMMA"] == r["expected_loop_mma"], r   # every MMA of a step inside, unrolled
         elif "loop_local" in r and r["kernel"].startswith("fa1"):
