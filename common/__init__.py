@@ -16,18 +16,20 @@ def select_backend():
     NUMBA_ENABLE_CUDASIM in the environment wins. Returns "sim" or "gpu"."""
     flag = os.environ.get("NUMBA_ENABLE_CUDASIM")
     if flag is None:
-        flag = "0" if _driver_sees_a_gpu() else "1"
+        flag = "0" if gpu_count() > 0 else "1"
         os.environ["NUMBA_ENABLE_CUDASIM"] = flag
     return "sim" if flag not in ("", "0") else "gpu"
 
 
-def _driver_sees_a_gpu():
+def gpu_count():
+    """CUDA GPUs the driver shows this process (CUDA_VISIBLE_DEVICES applies), without numba: 0
+    when there is no driver."""
     import ctypes
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False
+        return 0
     count = ctypes.c_int(0)
     if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return False
-    return count.value > 0
+        return 0
+    return count.value

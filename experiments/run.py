@@ -20,6 +20,7 @@ backward, dq, dk, dv of batch 0's first K/V head (and its query heads) are check
 too, and with torch inputs the peak device memory a call allocates beyond its inputs is recorded.
 """
 import csv
+import fcntl
 import math
 import os
 import sys
@@ -38,6 +39,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402  (light: chooses GPU or simulator before numba loads)
+from experiments import gpus  # noqa: E402  (light too: pins a sweep's worker to a GPU)
+
+# hydra/launcher=gpus runs one worker per visible GPU (conf/hydra/launcher/gpus.yaml)
+OmegaConf.register_new_resolver("fa_gpus", gpus.worker_count, replace=True)
 
 COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads", "fwd_ms",
            "fwd_tflops", "gpu", "seqlen_k", "heads_kv", "fwd_ms_min", "fwd_ms_max", "reps",
@@ -60,6 +65,7 @@ SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
+    _pin_parallel_worker()
     mode = _select_backend(cfg.device)
     rows = run_job(cfg, mode)
     _write_rows(rows)
@@ -70,6 +76,19 @@ def main(cfg: DictConfig):
         names = ", ".join(f"{r['variant']} ({r['status']}, check {r['check']})" for r in bad)
         raise RuntimeError(f"failed: {names}")
     return rows
+
+
+def _pin_parallel_worker():
+    """Under a launcher that runs jobs side by side in worker processes (hydra/launcher=gpus, or
+    joblib itself), give this worker a GPU of its own before CUDA starts (experiments/gpus.py)."""
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return
+    if hc.mode == RunMode.MULTIRUN and "joblib" in str(hc.launcher.get("_target_", "")).lower():
+        gpu = gpus.pin_this_process(Path(hc.sweep.dir))
+        if gpu is not None:
+            print(f"worker {os.getpid()} runs on GPU {gpu}")
 
 
 def _select_backend(device):
@@ -453,13 +472,16 @@ def _write_rows(rows):
     if hc.mode == RunMode.MULTIRUN:
         paths.append(Path(hc.sweep.dir) / "results.csv")
     for path in paths:
-        new = not path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
+        # jobs of a parallel sweep append to the sweep's file at once: one at a time, the header
+        # written by whichever comes first
         with path.open("a", newline="") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
             w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-            if new:
+            if f.seek(0, os.SEEK_END) == 0:
                 w.writeheader()
             w.writerows(rows)
+            f.flush()
         print(f"rows written to {path}")
 
 

@@ -98,13 +98,54 @@ def test_numba_and_cupy_log_quietly_unless_asked():
 
 
 @pytest.mark.slow
-def test_sweep_writes_one_table(tmp_path):
-    out = run(["-m", "variant=standard,fa2", "problem.seqlen=8", "problem.heads=1",
-               "bench.peers=[]", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+def test_parallel_sweep_writes_one_table(tmp_path):
+    """hydra/launcher=gpus (experiments/gpus.py): the jobs run side by side in joblib's worker
+    processes (two here; on a GPU host one per GPU, each pinned to its own) and their rows land
+    in the sweep's one results.csv, one header."""
+    out = run(["-m", "hydra/launcher=gpus", "hydra.launcher.n_jobs=2", "variant=standard,fa2",
+               "problem.seqlen=8", "problem.heads=1", "bench.peers=[]",
+               f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Joblib.Parallel(n_jobs=2" in out.stdout + out.stderr
     rows = read_rows(tmp_path / "sweep" / "results.csv")
-    assert [r["variant"] for r in rows] == ["standard", "fa2"]
+    assert sorted(r["variant"] for r in rows) == ["fa2", "standard"]
     assert all(r["check"] == "ok" for r in rows)
+
+
+PIN = """
+import sys, time
+from pathlib import Path
+from experiments import gpus
+print(gpus.pin_this_process(sys.argv[1]), flush=True)
+while not Path(sys.argv[2]).exists():   # hold the GPU until the test has seen both
+    time.sleep(0.05)
+"""
+
+
+def test_parallel_workers_take_one_gpu_each(tmp_path):
+    """Two workers of a sweep at once get different GPUs, named as CUDA_VISIBLE_DEVICES names
+    them, and each process sees only its own."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="5,GPU-7f3a", PYTHONPATH=str(ROOT))
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", PIN, str(tmp_path / "locks"), str(go)],
+                              env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        taken = sorted(p.stdout.readline().strip() for p in procs)
+    finally:
+        go.touch()
+        for p in procs:
+            p.wait(timeout=60)
+            p.stdout.close()
+    assert taken == ["5", "GPU-7f3a"]
+
+
+def test_launchers_compose():
+    """hydra/launcher=gpus: joblib with one worker per visible GPU (at least one);
+    hydra/launcher=slurm: submitit's SLURM launcher, one GPU a job."""
+    gpus = composed("hydra/launcher=gpus").hydra.launcher
+    assert gpus._target_.endswith("JoblibLauncher") and gpus.n_jobs >= 1
+    slurm = composed("hydra/launcher=slurm").hydra.launcher
+    assert slurm._target_.endswith("SlurmLauncher") and slurm.gpus_per_node == 1
 
 
 @pytest.mark.slow
