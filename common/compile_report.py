@@ -5,6 +5,8 @@
     python -m common.compile_report --sass     # also SASS instruction counts (needs cuobjdump)
     python -m common.compile_report --skip REGEX   # targets whose name matches are listed, not compiled
     python -m common.compile_report --jobs N       # compiled in N processes
+    python -m common.compile_report --ptx DIR      # only the PTX, one file a kernel, into DIR
+                                                   # (a refactor's check: diff -r two such DIRs)
 
 For each kernel: the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
 in the PTX, and, when ptxas is installed (the `test` extra brings CUDA 13.0's), the registers,
@@ -104,7 +106,7 @@ def main_loop(sass):
     return [op for addr, op, _ in code if best[1] <= addr <= best[2]]
 
 
-def report(cc=(9, 0), skip=None, jobs=1):
+def report(cc=(9, 0), skip=None, jobs=1, ptx_dir=None):
     """One row a compile target, in the variants' order; targets whose name matches the regex
     `skip` are listed as {"kernel": name, "skipped": True} without compiling them. jobs > 1
     compiles in that many processes (NVVM is single-threaded; the targets are independent)."""
@@ -113,15 +115,15 @@ def report(cc=(9, 0), skip=None, jobs=1):
         raise RuntimeError("compile_report needs NUMBA_ENABLE_CUDASIM=0 (the simulator cannot compile)")
     work = [(mod, i, name) for mod in variant_modules()
             for i, name in enumerate(t[0] for t in _targets(mod))]
-    todo = [(mod, i, cc) for mod, i, name in work if not (skip and re.search(skip, name))]
+    todo = [(mod, i, cc, ptx_dir) for mod, i, name in work if not (skip and re.search(skip, name))]
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
         # spawn: a fresh interpreter imports numba with the simulator off, as this one did
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = dict(zip(((m, i) for m, i, _ in todo), pool.map(_compile_row, todo)))
+            done = dict(zip(((m, i) for m, i, _, _ in todo), pool.map(_compile_row, todo)))
     else:
-        done = {(m, i): _compile_row((m, i, c)) for m, i, c in todo}
+        done = {(job[0], job[1]): _compile_row(job) for job in todo}
     return [done.get((mod, i)) or {"kernel": name, "skipped": True} for mod, i, name in work]
 
 
@@ -132,7 +134,7 @@ def _targets(mod):
 
 def _compile_row(job):
     """The report row of target `index` of variant module `mod`."""
-    mod, index, cc = job
+    mod, index, cc, ptx_dir = job
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
     from importlib import import_module
 
@@ -147,6 +149,10 @@ def _compile_row(job):
     ptx, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=arch,
                               launch_bounds=kern.targetoptions.get("launch_bounds"))
     row = {"kernel": name, "expected_mma": total, "expected_loop_mma": in_loop, **ptx_counts(ptx)}
+    if ptx_dir:   # the PTX alone (no ptxas): what a pure refactor must leave unchanged
+        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
+        (Path(ptx_dir) / (re.sub(r"[^\w.=-]+", "_", name) + ".ptx")).write_text(ptx)
+        return row
     row.update(ptxas_resources(ptx, arch="sm_" + "".join(map(str, arch))) or {})
     return row
 
@@ -156,7 +162,11 @@ def main(argv=None):
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
     skip = argv[argv.index("--skip") + 1] if "--skip" in argv else None
     jobs = int(argv[argv.index("--jobs") + 1]) if "--jobs" in argv else 1
-    rows = report(skip=skip, jobs=jobs)
+    ptx_dir = argv[argv.index("--ptx") + 1] if "--ptx" in argv else None
+    rows = report(skip=skip, jobs=jobs, ptx_dir=ptx_dir)
+    if ptx_dir:
+        print(f"PTX of {sum(not r.get('skipped') for r in rows)} kernels in {ptx_dir}")
+        return
     if "--json" in argv:
         print(json.dumps(rows))
         return
