@@ -18,7 +18,7 @@ from common.target import SIMULATOR, KernelView, view_layout
 # The element types this project handles, by the names used in configs, CSVs and error messages.
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
           "float32": np.dtype(np.float32), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-          "uint8": np.dtype(np.uint8)}
+          "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32)}
 
 
 def _torch_module(x):
@@ -167,15 +167,28 @@ def zeros(library, shape, dtype, like=None):
 _PLACEHOLDERS = {}
 
 
-def placeholder(library, ndim, like=None):
-    """A kernel argument (float32 zeros of shape (1,) * ndim, made once per library) for an array
+def placeholder(library, ndim, like=None, dtype="float32"):
+    """A kernel argument (zeros of shape (1,) * ndim, made once per library) for an array
     parameter that a kernel's configuration does not read (fa3's descales with 16-bit inputs, the
-    quantiser's signs without incoherent processing)."""
-    hit = _PLACEHOLDERS.get((library, ndim))
+    quantiser's signs without incoherent processing, fa2's cu_seqlens without varlen)."""
+    hit = _PLACEHOLDERS.get((library, ndim, dtype))
     if hit is None:
-        arr = zeros(library, (1,) * ndim, "float32", like=like)
-        hit = _PLACEHOLDERS[(library, ndim)] = (bits_view(describe(arr), np.float32), arr)
+        arr = zeros(library, (1,) * ndim, dtype, like=like)
+        hit = _PLACEHOLDERS[(library, ndim, dtype)] = (bits_view(describe(arr), DTYPES[dtype]), arr)
     return hit[0]
+
+
+def to_host(x):
+    """A NumPy copy of a (small) device array of any supported library (waits for it)."""
+    if _torch_module(x) is not None:
+        return x.detach().cpu().numpy()
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    if isinstance(x, np.ndarray):
+        return x
+    raise TypeError(f"cannot read an array of type {type(x).__name__} back to the host")
 
 
 def torch_stream(device_index):

@@ -8,7 +8,8 @@ from functools import lru_cache
 # What every Config starts with, and what a variant's Config may add after them (fa3: its FP8
 # inputs; softcap): set from the problem, never options. `causal` is the band mask of
 # common/masks.py (causal or a sliding window): its bounds are kernel arguments.
-PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales", "softcap", "window")
+PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales", "softcap", "window",
+                  "varlen", "bottom_right")
 
 
 def options_of(config_class):
@@ -50,7 +51,10 @@ def default_config_function(variant, config_class, defaults, option_names, head_
 
 def mask_fields(prob):
     """The `problem` argument of default_config for a call's mask beyond `causal`: ("window",
-    True) when the band has a left edge, ("softcap", True) when the scores are capped; () for
-    neither (so the configurations without them keep their keys)."""
-    return tuple((f, True) for f, on in (("window", prob.band.windowed),
-                                         ("softcap", prob.softcapped)) if on)
+    True) when the band has a left edge, ("softcap", True) when the scores are capped, and a
+    packed batch's fields; () for none (so the configurations without them keep their keys)."""
+    fields = tuple((f, True) for f, on in (("window", prob.band.windowed),
+                                           ("softcap", prob.softcapped)) if on)
+    if prob.varlen is not None:   # a packed batch (prepare_varlen): where its diagonal sits
+        fields += (("varlen", True), ("bottom_right", prob.varlen.bottom_right))
+    return fields

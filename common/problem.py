@@ -26,6 +26,19 @@ QKV_TYPE = types.Array(types.uint16, 4, "A")      # q, k, v: (B, H, N, d) permut
 OUT_TYPE = types.Array(types.uint32, 4, "A")      # o32: (B, H, N_q, d/2) permuted view
 LSE_TYPE = types.Array(types.float32, 3, "C")     # lse: (B, H, N_q)
 MASK_TYPES = (types.int32, types.int32, types.float32)   # AttentionProblem.mask_args()
+SEQS_TYPE = types.Array(types.int32, 1, "C")      # cu_seqlens_q, cu_seqlens_k (varlen)
+
+
+@dataclass
+class Varlen:
+    """A packed batch of sequences (flash_attn_varlen_func): sequence b is rows cu_q[b] ..
+    cu_q[b+1] - 1 of q (of k and v: cu_k). The kernels see q, k, v, o as one batch of one
+    sequence of total_q (total_k) rows and each thread block reads its sequence's bounds."""
+    cu_q: object          # int32 kernel views, batch + 1 entries
+    cu_k: object
+    max_q: int            # the longest sequences (the grid covers max_q rows a sequence)
+    max_k: int
+    bottom_right: bool    # the band's diagonal at each sequence's bottom-right corner
 
 
 @dataclass
@@ -51,6 +64,7 @@ class AttentionProblem:
     library: str
     stream: object
     like: object
+    varlen: Varlen = None   # a packed batch of sequences (prepare_varlen), or None
 
     @property
     def is_bf16(self):
@@ -112,6 +126,95 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=H
     if key is not None and out is None:
         remember(_TEMPLATES, key, _ForwardTemplate(prob))
     return prob
+
+
+def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
+                   softmax_scale, out, head_dims, variant, window_size=(-1, -1), softcap=0.0,
+                   align=masks.BOTTOM_RIGHT):
+    """prepare for a packed batch of sequences, as flash_attn_varlen_func takes it: q (total_q,
+    heads, d), k and v (total_k, heads_kv, d); cu_seqlens_q/k int32 (batch + 1,) device arrays of
+    the sequences' first rows (0, then non-decreasing, ending at total); max_seqlen_q/k at least
+    the longest sequence. The mask applies within each sequence (the causal diagonal at each
+    sequence's bottom-right or top-left corner). o comes back (total_q, heads, d), lse (heads,
+    total_q). cu_seqlens are read back to the host and checked (one small copy a call)."""
+    if type(window_size) is not tuple:
+        window_size = masks.window_of(window_size)
+    dq, dk, dv = (arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    for d, name in ((dq, "q"), (dk, "k"), (dv, "v")):
+        if len(d.shape) != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) as in "
+                             f"flash_attn_varlen_func, got shape {d.shape}")
+    cu_q, batch, max_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", dq.shape[0], max_seqlen_q,
+                                           "max_seqlen_q")
+    cu_k, batch_k, max_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", dk.shape[0],
+                                             max_seqlen_k, "max_seqlen_k")
+    if batch != batch_k:
+        raise ValueError(f"cu_seqlens_q holds {batch} sequences but cu_seqlens_k {batch_k}")
+    if batch > 65535:
+        raise ValueError(f"at most 65535 sequences a call, got {batch}")
+    # q, k, v as one sequence of a batch of one: every check of prepare's
+    _, total_q, h, total_k, h_kv, d = _check_geometry(
+        *(_geometry(_one_batch(x)) for x in (dq, dk, dv)), tuple(head_dims), variant)
+    for x, name in ((dq, "q"), (dk, "k"), (dv, "v")):
+        _check_address(x, name)
+    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    # the band relative to each sequence's top-left corner; the kernels add N_k - N_q of their
+    # sequence for the bottom-right diagonal
+    corner = masks.TOP_LEFT if align == masks.BOTTOM_RIGHT else align   # (a bad align: its error)
+    band = masks.band(causal, window_size, corner, max_q, max_k, softcap, softmax_scale)
+    if out is None:
+        o_out = arrays.empty(dq.library, (total_q, h, d), dq.dtype, like=q)
+        lse_out = arrays.empty(dq.library, (h, total_q), "float32", like=q)
+        do, dl = arrays.describe(o_out), arrays.describe(lse_out)
+    else:
+        o_out, lse_out = out
+        do, dl = arrays.describe(o_out, "out[0] (o)"), arrays.describe(lse_out, "out[1] (lse)")
+        if do.shape != dq.shape or do.dtype != dq.dtype:
+            raise ValueError(f"out[0] must be {dq.dtype} of shape {dq.shape}, got {do.dtype} "
+                             f"{do.shape}")
+        if dl.shape != (h, total_q) or dl.dtype != "float32" or dl.strides[-1] != 4:
+            raise ValueError(f"out[1] must be float32 of shape {(h, total_q)}, contiguous along "
+                             f"its last axis, got {dl.dtype} {dl.shape}")
+        _check_layout(_one_batch(do), "out[0] (o)")
+    return AttentionProblem(
+        batch=batch, heads=h, heads_kv=h_kv, n_q=total_q, n_k=total_k, head_dim=d,
+        dtype=dq.dtype, out_dtype=dq.dtype, causal=bool(causal), softmax_scale=softmax_scale,
+        band=band,
+        q=arrays.bits_view(_one_batch(dq), np.uint16, _BSHD_TO_BHSD),
+        k=arrays.bits_view(_one_batch(dk), np.uint16, _BSHD_TO_BHSD),
+        v=arrays.bits_view(_one_batch(dv), np.uint16, _BSHD_TO_BHSD),
+        o32=arrays.bits_view(_one_batch(do), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
+        lse=arrays.bits_view(_one_batch(dl), np.float32),
+        o_out=o_out, lse_out=lse_out, library=dq.library, stream=arrays.stream_of(dq), like=q,
+        varlen=Varlen(cu_q, cu_k, max_q, max_k, align == masks.BOTTOM_RIGHT))
+
+
+def _one_batch(d):
+    """A described array with a leading axis of one (a batch of one)."""
+    import dataclasses
+    return dataclasses.replace(d, shape=(1,) + tuple(d.shape),
+                               strides=(d.shape[0] * d.strides[0],) + tuple(d.strides))
+
+
+def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
+    """(the int32 kernel view of cu_seqlens, the number of sequences, max_seqlen) after checking
+    that cu is 0, then non-decreasing, ending at `total`, and that no sequence is longer than
+    max_seqlen; or the error that names the problem."""
+    d = arrays.describe(cu, name)
+    if d.dtype != "int32" or len(d.shape) != 1 or d.shape[0] < 2 or d.strides[0] != 4:
+        raise ValueError(f"{name} must be a contiguous int32 array of batch + 1 >= 2 sequence "
+                         f"starts, got {d.dtype} of shape {d.shape}")
+    host = arrays.to_host(cu).astype(np.int64)
+    lengths = np.diff(host)
+    if host[0] != 0 or (lengths < 0).any() or host[-1] != total:
+        raise ValueError(f"{name} must start at 0, never decrease and end at the {total} rows of "
+                         f"its tensor, got {host.tolist() if host.size <= 16 else host}")
+    longest = int(lengths.max())
+    if int(max_seqlen) < longest:
+        raise ValueError(f"{max_name}={max_seqlen} is below the longest sequence, {longest}")
+    return arrays.bits_view(d, np.int32), len(lengths), int(max_seqlen)
 
 
 # --------------------------------------------------------------------------- the per-call path

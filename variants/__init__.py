@@ -11,6 +11,8 @@ The mask is flash_attn_func's: `causal`, `window_size=(left, right)` (-1: unboun
 diagonal instead of the bottom-right one (common/masks.py). A row that sees no key gets O = 0 and
 LSE = -inf.
 
+    o, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+runs a packed batch of sequences of different lengths (flash_attn_varlen_func; fa2), and
     dq, dk, dv = backward(do, q, k, v, o, lse, variant="fa2", causal=True)
 
 is the backward pass (recomputing P from lse, nothing N x N stored except by `standard`), and
@@ -50,6 +52,20 @@ _MODULES = {}
 def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention forward with the named variant; options are that variant's tuning knobs."""
     return get(variant).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   variant="fa2", causal=False, softmax_scale=None, **options):
+    """Attention forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q,
+    heads, d), k and v (total_k, heads_kv, d), cu_seqlens_q/k int32 device arrays (batch + 1) of
+    the sequences' first rows; returns o (total_q, heads, d) and lse (heads, total_q) float32. The
+    mask keywords are forward's, applied within each sequence."""
+    module = get(variant)
+    if not hasattr(module, "forward_varlen"):
+        raise ValueError(f"variant {variant!r} has no variable-length forward; these do: "
+                         f"{', '.join(n for n in REGISTRY if hasattr(get(n), 'forward_varlen'))}")
+    return module.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 causal=causal, softmax_scale=softmax_scale, **options)
 
 
 def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=None, **options):

@@ -28,8 +28,9 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import configs, masks, ptx, softmax, tiles
-from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
+from common import arrays, configs, masks, ptx, softmax, tiles
+from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
+                            prepare_varlen)
 from common.target import device_function, kernel, launch
 from variants import fa2_backward
 from variants.fa2_backward import backward  # noqa: F401  (Algorithm 2, variants/fa2_backward.py)
@@ -54,6 +55,8 @@ class Config:
     q_in_registers: bool = True   # Q_i's fragments held in registers (False: re-read each step)
     p_in_registers: bool = True   # P~ re-packed in registers (False: through a shared tile)
     causal_skip: bool = True      # banded: never visit K/V blocks outside the band (False: mask them)
+    varlen: bool = False          # a packed batch of sequences (forward_varlen): bounds per block
+    bottom_right: bool = True     # varlen: the band's diagonal at each sequence's bottom-right
 
     @property
     def threads(self):
@@ -109,6 +112,7 @@ def build(cfg):
     M = cfg.m_tiles
     IS_BF16, BANDED, PIPELINE, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.pipeline, cfg.swizzle
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
+    VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -145,18 +149,30 @@ def build(cfg):
 
     @kernel
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
-                    scale_log2):
+                    scale_log2, cu_q, cu_k):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
         lo, hi: the band of keys a query sees (lo <= key - query <= hi, when BANDED); softcap: the
-        cap on raw scores (when SOFTCAP)."""
+        cap on raw scores (when SOFTCAP). VARLEN: B = 1 and batch b of the grid is the sequence of
+        rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k), lo and hi relative to its top-left corner."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
         # K/V blocks to visit are started first.
         i = cuda.gridDim.x - 1 - cuda.blockIdx.x if BANDED else cuda.blockIdx.x
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
-        q_i, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
         row0 = i * BR                       # first query row of Q_i
+        if VARLEN:   # sequence b of the packed batch: its rows, and its own band
+            first_q, first_k = cu_q[b], cu_k[b]
+            n_q, n_k = cu_q[b + 1] - first_q, cu_k[b + 1] - first_k
+            if row0 >= n_q:                 # the grid covers the longest sequence
+                return
+            if SHIFT:
+                lo, hi = lo + (n_k - n_q), hi + (n_k - n_q)
+            q_i = q[0, h, first_q:first_q + n_q]
+            k_h = k[0, h // kv_group, first_k:first_k + n_k]
+            v_h = v[0, h // kv_group, first_k:first_k + n_k]
+        else:
+            q_i, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
         warp_row = warp * 16 * M            # first row of this warp's part of Q_i (split-Q)
 
         smem = cuda.shared.array(0, uint16)   # Q_i | STAGES x (K, V) | P~ (p_in_registers=False)
@@ -250,13 +266,17 @@ def build(cfg):
         tiles.scale_rows(o_acc, inv_l)
         tiles.stage_accumulator(q_s32, o_acc, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
         cuda.syncthreads()
-        tiles.store_tile(o[b, h], q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        if VARLEN:
+            o_i, lse_i = o[0, h, first_q:first_q + n_q], lse[0, h, first_q:first_q + n_q]
+        else:
+            o_i, lse_i = o[b, h], lse[b, h]
+        tiles.store_tile(o_i, q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
         # l.15: write L_i (one lane of each quad holds its rows' statistics).
         if lane & 3 == 0:
             for r in range(2 * M):
                 row = row0 + warp_row + 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)
                 if row < n_q:
-                    lse[b, h, row] = lse_rows[r]
+                    lse_i[row] = lse_rows[r]
 
     return fa2_forward
 
@@ -270,13 +290,38 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,
                    align=align)
+    return _run(prob, options)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                   align=masks.BOTTOM_RIGHT, out=None, **options):
+    """FA2 forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
+    k, v (total_k, H_kv, d), sequence b being rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32
+    device arrays, batch + 1 entries). Returns o (total_q, H, d) and lse (H, total_q) fp32. The
+    grid covers max_seqlen_q rows of every sequence; a block past its sequence's end returns at
+    once, so a short sequence costs its own blocks only."""
+    prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal=causal, softmax_scale=softmax_scale, out=out,
+                          head_dims=HEAD_DIMS, variant="fa2", window_size=window_size,
+                          softcap=softcap, align=align)
+    return _run(prob, options)
+
+
+def _run(prob, options):
     cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.mask_fields(prob),
                          **options)
-    grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
+    seqs = prob.varlen
+    rows = prob.n_q if seqs is None else seqs.max_q
+    cu_q, cu_k = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
+        (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
+    grid = ((rows + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
+    if grid[0] == 0:   # varlen: every sequence empty
+        return prob.result()
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), *prob.mask_args(), np.float32(prob.softmax_scale),
-           np.float32(prob.softmax_scale * math.log2(math.e)))
+           np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k)
     return prob.result()
 
 
@@ -284,7 +329,7 @@ def compile_targets():
     """(name, kernel, argument types, mma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
-                types.int32) + MASK_TYPES + (types.float32, types.float32)
+                types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE)
     for head_dim in HEAD_DIMS:
         for is_bf16 in (True, False):
             for causal in (False, True):

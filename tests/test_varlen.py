@@ -1,0 +1,94 @@
+"""Variable-length batches (flash_attn_varlen_func): `variants.forward_varlen` on packed q, k, v
+against the float64 reference run on each sequence alone, with the masks applied per sequence
+(bottom-right and top-left diagonals at each sequence's own corner), grouped-query heads, empty
+sequences; and the errors for bad cu_seqlens and max_seqlen.
+
+In the simulator the tiles are small (as in tests/test_masks.py) so that sequences span several
+query and key blocks and blocks past a short sequence's end occur; on a GPU the default tiles run
+at real lengths."""
+import numpy as np
+import pytest
+
+import variants
+from common import arrays, checks, inputs, masks, reference
+from tests.conftest import ON_GPU
+
+OPTIONS = {} if ON_GPU else dict(block_m=64, block_n=32, warps=2)
+
+# (N_q, N_k) of each sequence: a sequence with no query, one with no key (its rows: O = 0,
+# LSE = -inf), one of a single token, more keys than queries and fewer.
+LENGTHS = [(17, 40), (0, 5), (70, 70), (1, 1), (33, 12), (9, 0)]
+if ON_GPU:
+    LENGTHS = [(100, 100), (2048, 2048), (0, 7), (1000, 3000), (8192, 8192), (517, 130), (1, 1)]
+
+CASES = [
+    (dict(), 2, 1),                                                     # GQA, no mask
+    (dict(causal=True), 2, 2),                                          # bottom-right, per sequence
+    (dict(causal=True, align=masks.TOP_LEFT, window_size=(24, -1), softcap=2.0), 1, 1),
+]
+if ON_GPU:
+    CASES += [(dict(window_size=(256, 0)), 4, 2), (dict(window_size=(64, 64), softcap=30.0), 2, 1)]
+
+
+def packed(rng, lengths, heads, heads_kv, head_dim, dtype):
+    """Host q (total_q, H, d), k, v (total_k, H_kv, d), and cu_seqlens_q, cu_seqlens_k."""
+    cu_q = np.concatenate([[0], np.cumsum([n for n, _ in lengths])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([n for _, n in lengths])]).astype(np.int32)
+    q, k, v = inputs.random_qkv(rng, 1, int(cu_q[-1]), heads, head_dim, dtype,
+                                seqlen_k=int(cu_k[-1]), heads_kv=heads_kv)
+    return q[0], k[0], v[0], cu_q, cu_k
+
+
+@pytest.mark.parametrize("mask, heads, heads_kv", CASES, ids=lambda x: str(x).replace(" ", ""))
+@pytest.mark.parametrize("head_dim", [64, 128] if ON_GPU else [64])
+def test_varlen_forward_matches_each_sequence_alone(rng, mask, heads, heads_kv, head_dim):
+    dtype = "bfloat16"
+    q, k, v, cu_q, cu_k = packed(rng, LENGTHS, heads, heads_kv, head_dim, dtype)
+    library = inputs.default_library()
+    dq_, dk_, dv_, dcq, dck = (inputs.to_device(x, library) for x in (q, k, v, cu_q, cu_k))
+    o = inputs.poison(arrays.empty(library, q.shape, dtype, like=dq_))
+    lse = inputs.poison(arrays.empty(library, (heads, q.shape[0]), "float32", like=dq_))
+    max_q, max_k = max(n for n, _ in LENGTHS), max(n for _, n in LENGTHS)
+    variants.forward_varlen(dq_, dk_, dv_, dcq, dck, max_q, max_k, variant="fa2", out=(o, lse),
+                            **mask, **OPTIONS)
+    o, lse = inputs.to_host(o), inputs.to_host(lse)
+    for b, (n_q, n_k) in enumerate(LENGTHS):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        where = f"sequence {b} (N_q={n_q}, N_k={n_k}) {mask}"
+        if n_q == 0:
+            continue
+        if n_k == 0:   # no key at all: O = 0 and LSE = -inf, as flash_attn
+            assert (o[rows].astype(np.float32) == 0).all() and np.isneginf(lse[:, rows]).all(), where
+            continue
+        ref_o, ref_lse = reference.attention(q[None, rows], k[None, keys], v[None, keys], **mask)
+        got = checks.compare(o[None, rows], lse[None, :, rows], ref_o, ref_lse, dtype)
+        assert got["ok"], f"{where}: " + checks.describe_failure(got)
+        assert np.array_equal(np.isneginf(lse[None, :, rows]), np.isneginf(ref_lse)), where
+
+
+def test_varlen_errors_name_the_problem(rng):
+    library = inputs.default_library()
+    q, k, v, cu_q, cu_k = packed(rng, [(5, 5), (3, 4)], 1, 1, 64, "bfloat16")
+    dq_, dk_, dv_ = (inputs.to_device(x, library) for x in (q, k, v))
+
+    def call(cu_q=cu_q, cu_k=cu_k, max_q=5, max_k=5, variant="fa2", q=dq_, **kw):
+        return variants.forward_varlen(q, dk_, dv_, inputs.to_device(cu_q, library),
+                                       inputs.to_device(cu_k, library), max_q, max_k,
+                                       variant=variant, **kw)
+
+    with pytest.raises(ValueError, match="end at the 8 rows"):
+        call(cu_q=np.array([0, 6, 7], np.int32))
+    with pytest.raises(ValueError, match="start at 0"):
+        call(cu_k=np.array([1, 5, 9], np.int32))
+    with pytest.raises(ValueError, match="never decrease"):
+        call(cu_q=np.array([0, 6, 5, 8], np.int32))
+    with pytest.raises(ValueError, match="max_seqlen_k=3 is below the longest sequence, 5"):
+        call(max_k=3)
+    with pytest.raises(ValueError, match="int32"):
+        call(cu_q=cu_q.astype(np.int64))
+    with pytest.raises(ValueError, match="2 sequences but cu_seqlens_k 1"):
+        call(cu_k=np.array([0, 9], np.int32), max_k=9)
+    with pytest.raises(ValueError, match="3-D"):
+        call(q=inputs.to_device(q[None], library))
+    with pytest.raises(ValueError, match="no variable-length forward; these do: fa2"):
+        call(variant="fa1")
