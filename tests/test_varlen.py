@@ -92,3 +92,25 @@ def test_varlen_errors_name_the_problem(rng):
         call(q=inputs.to_device(q[None], library))
     with pytest.raises(ValueError, match="no variable-length forward; these do: fa2"):
         call(variant="fa1")
+
+
+@pytest.mark.slow
+def test_varlen_experiment_runs(tmp_path):
+    """experiments/varlen.py (the bar: a packed batch within 10% of its sequences one by one)
+    checks and times its three rows; here on a tiny batch."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, str(root / "experiments" / "varlen.py"), "--lengths",
+                          "3,9", "--heads", "1", "--head-dim", "64", "--causal", "1", "--csv",
+                          str(tmp_path / "v.csv")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    with open(tmp_path / "v.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["case"] for r in rows] == ["varlen", "singles (sum)", "padded"]
+    assert all(r["check"] == "ok" for r in rows)
