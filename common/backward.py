@@ -19,7 +19,7 @@ from numba import cuda, float32, int32
 
 from common import arrays, masks, ptx, tiles
 from common.problem import (_BSHD_TO_BHSD, _PER_CALL, AttentionProblem, _check_layout, misaligned,
-                            prepare, remember, torch_call_key)
+                            one_batch, prepare, prepare_varlen, remember, torch_call_key)
 from common.target import KernelView, kernel, launch
 
 WARPS = 4            # rows per thread block of the row kernels (one warp a row)
@@ -70,6 +70,18 @@ def prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, v
     return g
 
 
+def prepare_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, *, causal, softmax_scale, head_dims, variant, grads=None,
+                            window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT):
+    """prepare_backward for a packed batch (common.problem.prepare_varlen): q, o, do (total_q,
+    heads, d), k, v (total_k, heads_kv, d), lse (heads, total_q); dq, dk, dv like q, k, v."""
+    prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal=causal, softmax_scale=softmax_scale, out=(o, lse),
+                          head_dims=head_dims, variant=variant, window_size=window_size,
+                          softcap=softcap, align=align)
+    return _gradient_views(prob, do, q, k, v, grads, one_batch)
+
+
 _TEMPLATES = {}
 
 
@@ -117,13 +129,20 @@ def _prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, 
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=(o, lse),
                    head_dims=head_dims, variant=variant, window_size=window_size,
                    softcap=softcap, align=align)
+    return _gradient_views(prob, do, q, k, v, grads, lambda d: d)
+
+
+def _gradient_views(prob, do, q, k, v, grads, as_batch):
+    """The BackwardProblem of a checked forward problem: dO checked like q, the gradients
+    allocated (or checked) like q, k, v; as_batch gives a described array its batch axis (a
+    packed batch: one)."""
     d_do, d_q = arrays.describe(do, "do"), arrays.describe(q, "q")
     if d_do.shape != d_q.shape or d_do.dtype != d_q.dtype:
         raise ValueError(f"do must be {d_q.dtype} of shape {d_q.shape} (like q and o), got "
                          f"{d_do.dtype} {d_do.shape}")
     if d_do.library != d_q.library:
         raise TypeError(f"do is a {d_do.library} array but q is {d_q.library}")
-    _check_layout(d_do, "do")
+    _check_layout(as_batch(d_do), "do")
     shapes = {"dq": d_q.shape, "dk": arrays.describe(k).shape, "dv": arrays.describe(v).shape}
     if grads is None:
         grads = tuple(arrays.empty(prob.library, shape, prob.dtype, like=q)
@@ -134,8 +153,10 @@ def _prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, 
         if d_g.shape != shape or d_g.dtype != prob.dtype:
             raise ValueError(f"{name} must be {prob.dtype} of shape {shape}, got {d_g.dtype} "
                              f"{d_g.shape}")
+        d_g = as_batch(d_g)
         _check_layout(d_g, name)
         views.append(arrays.bits_view(d_g, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2))
+    d_do = as_batch(d_do)
     return BackwardProblem(
         prob=prob, do=arrays.bits_view(d_do, np.uint16, _BSHD_TO_BHSD),
         do32=arrays.bits_view(d_do, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
@@ -271,16 +292,16 @@ def build_convert_dq_fragments(layout, is_bf16):
 
 
 def _row_grid(prob, rows=None):
-    return (((rows or prob.n_q) + WARPS - 1) // WARPS, prob.batch, prob.heads)
+    return (((rows or prob.n_q) + WARPS - 1) // WARPS, prob.view_batch, prob.heads)
 
 
 def preprocess(g, zero_dq, dq_layout=None):
     """Fill g.d_vec (allocating it) and, when zero_dq, a zeroed g.dq_acc: row-major, or in
     `dq_layout`'s fragment order (rows padded to whole query blocks)."""
     prob = g.prob
-    g.d_vec = prob.scratch_view((prob.batch, prob.heads, prob.n_q))
+    g.d_vec = prob.scratch_view((prob.view_batch, prob.heads, prob.n_q))
     rows = dq_layout.padded_rows(prob.n_q) if dq_layout is not None else prob.n_q
-    shape = (prob.batch, prob.heads, rows, prob.head_dim) if zero_dq else (1, 1, 1, 1)
+    shape = (prob.view_batch, prob.heads, rows, prob.head_dim) if zero_dq else (1, 1, 1, 1)
     g.dq_acc = prob.scratch_view(shape)     # (1, 1, 1, 1): not used, one kernel signature
     g.dq_layout = dq_layout
     launch(build_preprocess(prob.head_dim, prob.is_bf16, bool(zero_dq)), _row_grid(prob, rows),
@@ -297,7 +318,7 @@ def convert_dq(g):
                prob.stream, *args)
     else:
         units = g.dq_layout.padded_rows(prob.n_q) * prob.head_dim // 4
-        grid = ((units + 32 * WARPS - 1) // (32 * WARPS), prob.batch, prob.heads)
+        grid = ((units + 32 * WARPS - 1) // (32 * WARPS), prob.view_batch, prob.heads)
         launch(build_convert_dq_fragments(g.dq_layout, prob.is_bf16), grid, 32 * WARPS, 0,
                prob.stream, *args)
 

@@ -76,6 +76,12 @@ class AttentionProblem:
         return self.dtype in FP8_DTYPES
 
     @property
+    def view_batch(self):
+        """The batch axis of the kernel views: `batch`, or 1 for a packed batch (varlen), whose
+        sequences are rows of one."""
+        return self.batch if self.varlen is None else 1
+
+    @property
     def kv_group(self):
         return self.heads // self.heads_kv
 
@@ -154,7 +160,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         raise ValueError(f"at most 65535 sequences a call, got {batch}")
     # q, k, v as one sequence of a batch of one: every check of prepare's
     _, total_q, h, total_k, h_kv, d = _check_geometry(
-        *(_geometry(_one_batch(x)) for x in (dq, dk, dv)), tuple(head_dims), variant)
+        *(_geometry(one_batch(x)) for x in (dq, dk, dv)), tuple(head_dims), variant)
     for x, name in ((dq, "q"), (dk, "k"), (dv, "v")):
         _check_address(x, name)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -177,21 +183,21 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if dl.shape != (h, total_q) or dl.dtype != "float32" or dl.strides[-1] != 4:
             raise ValueError(f"out[1] must be float32 of shape {(h, total_q)}, contiguous along "
                              f"its last axis, got {dl.dtype} {dl.shape}")
-        _check_layout(_one_batch(do), "out[0] (o)")
+        _check_layout(one_batch(do), "out[0] (o)")
     return AttentionProblem(
         batch=batch, heads=h, heads_kv=h_kv, n_q=total_q, n_k=total_k, head_dim=d,
         dtype=dq.dtype, out_dtype=dq.dtype, causal=bool(causal), softmax_scale=softmax_scale,
         band=band,
-        q=arrays.bits_view(_one_batch(dq), np.uint16, _BSHD_TO_BHSD),
-        k=arrays.bits_view(_one_batch(dk), np.uint16, _BSHD_TO_BHSD),
-        v=arrays.bits_view(_one_batch(dv), np.uint16, _BSHD_TO_BHSD),
-        o32=arrays.bits_view(_one_batch(do), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
-        lse=arrays.bits_view(_one_batch(dl), np.float32),
+        q=arrays.bits_view(one_batch(dq), np.uint16, _BSHD_TO_BHSD),
+        k=arrays.bits_view(one_batch(dk), np.uint16, _BSHD_TO_BHSD),
+        v=arrays.bits_view(one_batch(dv), np.uint16, _BSHD_TO_BHSD),
+        o32=arrays.bits_view(one_batch(do), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
+        lse=arrays.bits_view(one_batch(dl), np.float32),
         o_out=o_out, lse_out=lse_out, library=dq.library, stream=arrays.stream_of(dq), like=q,
         varlen=Varlen(cu_q, cu_k, max_q, max_k, align == masks.BOTTOM_RIGHT))
 
 
-def _one_batch(d):
+def one_batch(d):
     """A described array with a leading axis of one (a batch of one)."""
     import dataclasses
     return dataclasses.replace(d, shape=(1,) + tuple(d.shape),

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 import variants  # noqa: E402
 from common import backward as bwd  # noqa: E402
-from common import flops, timing  # noqa: E402
+from common import arrays, flops, timing  # noqa: E402
 from common.target import launch  # noqa: E402
 from variants import fa2_backward  # noqa: E402
 
@@ -76,18 +76,19 @@ def parts(do, q, k, v, o, lse, causal, path):
                                                            dq_layout=cfg.dq_layout()))}
     prob = g.prob
     scales = (np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
-    sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group))
+    sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group), *prob.mask_args())
+    cu = (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2   # no packed batch
     grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
     out[f"kv_{path}"] = median_ms(lambda: launch(
         fa2_backward.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
-        prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales))
+        prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales, *cu))
     if atomic:
         out[f"convert_{path}"] = median_ms(lambda: bwd.convert_dq(g))
     else:
         grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         out["dqk"] = median_ms(lambda: launch(
             fa2_backward.build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
-            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales))
+            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales, *cu))
     return out
 
 

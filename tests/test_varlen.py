@@ -66,6 +66,67 @@ def test_varlen_forward_matches_each_sequence_alone(rng, mask, heads, heads_kv, 
         assert np.array_equal(np.isneginf(lse[None, :, rows]), np.isneginf(ref_lse)), where
 
 
+# The backward: dQ by vector atomics into a row-major accumulator (the varlen default) and by the
+# separate kernel, each with a bottom-right band (shifted per sequence): causal with grouped-query
+# heads, and a causal window with softcap (top-left bands: the forward's tests).
+BACKWARD_CASES = [(dict(causal=True), 2, 1, {}),
+                  (dict(causal=True, window_size=(24, -1), softcap=2.0), 1, 1, dict(dq="separate"))]
+if ON_GPU:
+    BACKWARD_CASES += [(dict(), 4, 2, {}), (dict(window_size=(256, 0)), 2, 2, dict(dq="separate"))]
+SMALL_BACKWARD = {} if ON_GPU else dict(block_m=64, block_n=32, warps=2, dq_block_m=32, dq_warps=2,
+                                        dq_block_n=32)
+
+
+@pytest.mark.parametrize("mask, heads, heads_kv, options", BACKWARD_CASES,
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_varlen_backward_matches_each_sequence_alone(rng, mask, heads, heads_kv, options):
+    dtype, head_dim = "bfloat16", 64
+    q, k, v, cu_q, cu_k = packed(rng, LENGTHS, heads, heads_kv, head_dim, dtype)
+    do = rng.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
+    library = inputs.default_library()
+    dq_, dk_, dv_, ddo, dcq, dck = (inputs.to_device(x, library) for x in (q, k, v, do, cu_q, cu_k))
+    max_q, max_k = max(n for n, _ in LENGTHS), max(n for _, n in LENGTHS)
+    o, lse = variants.forward_varlen(dq_, dk_, dv_, dcq, dck, max_q, max_k, **mask, **OPTIONS)
+    grads = tuple(inputs.poison(arrays.empty(library, x.shape, dtype, like=dq_)) for x in (q, k, v))
+    variants.backward_varlen(ddo, dq_, dk_, dv_, o, lse, dcq, dck, max_q, max_k, grads=grads,
+                             **mask, **SMALL_BACKWARD, **options)
+    dq, dk, dv = (inputs.to_host(x).astype(np.float32) for x in grads)
+    for b, (n_q, n_k) in enumerate(LENGTHS):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        where = f"sequence {b} (N_q={n_q}, N_k={n_k}) {mask} {options}"
+        if n_q == 0 or n_k == 0:   # nothing flows: zero gradients, not garbage
+            assert not dq[rows].any() and not dk[keys].any() and not dv[keys].any(), where
+            continue
+        ref = reference.attention_backward(q[None, rows], k[None, keys], v[None, keys],
+                                           do[None, rows], **mask)
+        errors = checks.compare_gradients([dq[None, rows], dk[None, keys], dv[None, keys]], ref,
+                                          dtype)
+        assert errors["ok"], f"{where}: " + ", ".join(f"{g} {errors[g]:.2e}"
+                                                      for g in ("dq", "dk", "dv"))
+
+
+@pytest.mark.gpu
+def test_varlen_autograd_matches_the_direct_calls(rng):
+    """variants.attention_varlen (a torch.autograd.Function) gives the output and gradients of
+    forward_varlen and backward_varlen, bit for bit with dq="separate"."""
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = packed(rng, LENGTHS, 4, 2, 128, "bfloat16")
+    dev = [inputs.to_device(x, "torch") for x in (q, k, v)]
+    cu = [inputs.to_device(x, "torch") for x in (cu_q, cu_k)]
+    max_q, max_k = max(n for n, _ in LENGTHS), max(n for _, n in LENGTHS)
+    opts = dict(causal=True, backward_options={"dq": "separate"})
+    leaves = [x.clone().requires_grad_() for x in dev]
+    o = variants.attention_varlen(*leaves, *cu, max_q, max_k, **opts)
+    do = torch.randn_like(o)
+    o.backward(do)
+    o_ref, lse = variants.forward_varlen(*dev, *cu, max_q, max_k, causal=True)
+    grads = variants.backward_varlen(do, *dev, o_ref, lse, *cu, max_q, max_k, causal=True,
+                                     dq="separate")
+    assert torch.equal(o, o_ref)
+    for leaf, g in zip(leaves, grads):
+        assert torch.equal(leaf.grad, g)
+
+
 def test_varlen_errors_name_the_problem(rng):
     library = inputs.default_library()
     q, k, v, cu_q, cu_k = packed(rng, [(5, 5), (3, 4)], 1, 1, 64, "bfloat16")
@@ -92,6 +153,14 @@ def test_varlen_errors_name_the_problem(rng):
         call(q=inputs.to_device(q[None], library))
     with pytest.raises(ValueError, match="no variable-length forward; these do: fa2"):
         call(variant="fa1")
+    o, lse = call()
+    do = inputs.to_device(q, library)
+    with pytest.raises(ValueError, match="dq_reduce='red'"):
+        variants.backward_varlen(do, dq_, dk_, dv_, o, lse, inputs.to_device(cu_q, library),
+                                 inputs.to_device(cu_k, library), 5, 5, dq_reduce="bulk")
+    with pytest.raises(ValueError, match=r"out\[1\] must be float32 of shape \(1, 8\)"):
+        variants.backward_varlen(do, dq_, dk_, dv_, o, lse[:, :4], inputs.to_device(cu_q, library),
+                                 inputs.to_device(cu_k, library), 5, 5)
 
 
 @pytest.mark.slow

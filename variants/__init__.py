@@ -36,6 +36,15 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **opt
                               **options)
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     variant="fa2", causal=False, softmax_scale=None, **options):
+    """Differentiable attention over a packed batch, as flash_attn_varlen_func (autograd.py)."""
+    from variants.autograd import attention_varlen as autograd_attention_varlen
+    return autograd_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, variant=variant, causal=causal,
+                                     softmax_scale=softmax_scale, **options)
+
+
 def get(name):
     """The module of variant `name` (it has forward(q, k, v, *, causal, softmax_scale, **options))."""
     module = _MODULES.get(name)
@@ -66,6 +75,18 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                          f"{', '.join(n for n in REGISTRY if hasattr(get(n), 'forward_varlen'))}")
     return module.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  causal=causal, softmax_scale=softmax_scale, **options)
+
+
+def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    *, variant="fa2", causal=False, softmax_scale=None, **options):
+    """The backward of forward_varlen: (dq, dk, dv) like (q, k, v) of the packed batch."""
+    module = get(variant)
+    if not hasattr(module, "backward_varlen"):
+        raise ValueError(f"variant {variant!r} has no variable-length backward; these do: "
+                         f"{', '.join(n for n in REGISTRY if hasattr(get(n), 'backward_varlen'))}")
+    return module.backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                  **options)
 
 
 def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=None, **options):

@@ -38,19 +38,66 @@ def _function_class():
                                            causal=causal, softmax_scale=softmax_scale, **options)
             return dq, dk, dv, None, None, None, None, None, None
 
-    return FlashAttentionFunction
+    class FlashAttentionVarlenFunction(torch.autograd.Function):
+        """The same over a packed batch (flash_attn_varlen_func): forward_varlen, backward_varlen."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, variant, causal, softmax_scale, mask,
+                    forward_options, backward_options):
+            o, lse = variants.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, variant=variant,
+                                             causal=causal, softmax_scale=softmax_scale,
+                                             **dict(mask), **dict(forward_options))
+            ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+            ctx.settings = (variant, max_q, max_k, causal, softmax_scale,
+                            dict(mask, **dict(backward_options)))
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+            variant, max_q, max_k, causal, softmax_scale, options = ctx.settings
+            dq, dk, dv = variants.backward_varlen(do.contiguous(), q, k, v, o, lse, cu_q, cu_k,
+                                                  max_q, max_k, variant=variant, causal=causal,
+                                                  softmax_scale=softmax_scale, **options)
+            return (dq, dk, dv) + (None,) * 10
+
+    return FlashAttentionFunction, FlashAttentionVarlenFunction
+
+
+def _mask(window_size, softcap, align):
+    if softcap or align != "bottom_right" or tuple(window_size) != (-1, -1):
+        return (("window_size", tuple(window_size)), ("softcap", softcap), ("align", align))
+    return ()
+
+
+def _options(options):
+    return tuple(sorted(options.items())) if options else ()
+
+
+def _check_torch(q, name):
+    if type(q).__module__.split(".")[0] != "torch":
+        raise TypeError(f"{name}() is the torch autograd wrapper; q is a {type(q).__name__}. "
+                        "For CuPy or Numba arrays call variants.forward / variants.backward")
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
+                     softcap=0.0, align="bottom_right", forward_options=None,
+                     backward_options=None):
+    """attention() over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
+    k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v."""
+    _check_torch(q, "attention_varlen")
+    return _function_class()[1].apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                      int(max_seqlen_k), variant, causal, softmax_scale,
+                                      _mask(window_size, softcap, align),
+                                      _options(forward_options), _options(backward_options))
 
 
 def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
               softcap=0.0, align="bottom_right", forward_options=None, backward_options=None):
     """O = softmax(softmax_scale Q K^T) V with the named variant, differentiable in q, k, v; the
     mask (causal, window_size, softcap, align) as flash_attn_func's (common/masks.py)."""
-    if type(q).__module__.split(".")[0] != "torch":
-        raise TypeError(f"attention() is the torch autograd wrapper; q is a {type(q).__name__}. "
-                        "For CuPy or Numba arrays call variants.forward / variants.backward")
-    mask = ()
-    if softcap or align != "bottom_right" or tuple(window_size) != (-1, -1):
-        mask = (("window_size", tuple(window_size)), ("softcap", softcap), ("align", align))
-    return _function_class().apply(q, k, v, variant, causal, softmax_scale, mask,
-                                   tuple(sorted(forward_options.items())) if forward_options else (),
-                                   tuple(sorted(backward_options.items())) if backward_options else ())
+    _check_torch(q, "attention")
+    return _function_class()[0].apply(q, k, v, variant, causal, softmax_scale,
+                                      _mask(window_size, softcap, align),
+                                      _options(forward_options), _options(backward_options))

@@ -33,7 +33,7 @@ from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE,
                             prepare_varlen)
 from common.target import device_function, kernel, launch
 from variants import fa2_backward
-from variants.fa2_backward import backward  # noqa: F401  (Algorithm 2, variants/fa2_backward.py)
+from variants.fa2_backward import backward, backward_varlen  # noqa: F401  (Algorithm 2)
 
 HEAD_DIMS = (64, 128)
 
@@ -163,11 +163,11 @@ def build(cfg):
         row0 = i * BR                       # first query row of Q_i
         if VARLEN:   # sequence b of the packed batch: its rows, and its own band
             first_q, first_k = cu_q[b], cu_k[b]
-            n_q, n_k = cu_q[b + 1] - first_q, cu_k[b + 1] - first_k
+            n_q, n_k = int32(cu_q[b + 1] - first_q), int32(cu_k[b + 1] - first_k)
             if row0 >= n_q:                 # the grid covers the longest sequence
                 return
             if SHIFT:
-                lo, hi = lo + (n_k - n_q), hi + (n_k - n_q)
+                lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
             q_i = q[0, h, first_q:first_q + n_q]
             k_h = k[0, h // kv_group, first_k:first_k + n_k]
             v_h = v[0, h // kv_group, first_k:first_k + n_k]

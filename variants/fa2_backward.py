@@ -10,8 +10,8 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
-from common import configs, masks, ptx, softmax, tiles
-from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE
+from common import arrays, configs, masks, ptx, softmax, tiles
+from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -86,6 +86,8 @@ class BackwardConfig:
     dq_warps: int = 4          # and warps (split-Q, as the forward)
     kv_blocks: str = "parallel"     # "parallel": a thread block per K/V block (FA2) | "sequential":
                                     # one per (batch, K/V head) walking them all (FA1 Alg. 4)
+    varlen: bool = False       # a packed batch of sequences (backward_varlen): bounds per block
+    bottom_right: bool = True  # varlen: the band's diagonal at each sequence's bottom-right
 
     @property
     def threads(self):
@@ -142,6 +144,11 @@ class BackwardConfig:
             raise ValueError(f"dq_reduce must be 'bulk' or 'red', got {self.dq_reduce!r}")
         if self.kv_blocks not in ("parallel", "sequential"):
             raise ValueError(f"kv_blocks must be 'parallel' or 'sequential', got {self.kv_blocks!r}")
+        if self.varlen and (self.bulk or self.kv_blocks == "sequential"):
+            raise ValueError("a packed batch (varlen) adds dQ by dq_reduce='red' or computes it "
+                             "with dq='separate': dq_reduce='bulk' stages it in per-query-block "
+                             "fragment order and kv_blocks='sequential' walks one sequence's "
+                             "blocks, neither of which a packed batch has yet")
         if self.kv_blocks == "sequential" and self.dq != "atomic":
             raise ValueError("kv_blocks='sequential' (FA1's schedule) accumulates dQ in its own "
                              "kernel: it needs dq='atomic'")
@@ -220,6 +227,7 @@ def build_backward(cfg):
     ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
     BULK = cfg.bulk
     SEQUENTIAL = cfg.kv_blocks == "sequential"
+    VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     QW, TWO_D, STAGED_DS = cfg.query_warps, cfg.query_warps > 1, cfg.staged_ds
     QC, DC = BR // QW, D // QW      # a warp's queries of S^T, dP^T and columns of dK_j, dV_j
@@ -244,6 +252,14 @@ def build_backward(cfg):
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
     @device_function
+    def rows_of(x, b, h, first, n):
+        """Head h's rows of sequence b: x[b, h], or (VARLEN) rows first .. first + n - 1 of the
+        packed batch."""
+        if VARLEN:
+            return x[0, h, first:first + n]
+        return x[b, h]
+
+    @device_function
     def next_position(h, i, i0, i1):
         """The inner step after (query head h, query block i): the steps walk every query head of
         the K/V head's group, each over the query blocks i0..i1-1 that block j meets. Heads are
@@ -253,19 +269,23 @@ def build_backward(cfg):
         return uint32(h + 1), int32(i0)
 
     @device_function
-    def load_q_do(smem, stage, q, do, b, h, i, n_q, tid):
+    def load_q_do(smem, stage, q, do, b, h, i, n_q, first_q, tid):
         """Start the cp.async copies of Q_i and dO_i into stage `stage`."""
         base = QO0 + stage * 2 * QO_TILE
-        tiles.load_tile_async(smem[base:base + QO_TILE], q[b, h], i * BR, n_q, 0, BR, D, STRIDE,
+        tiles.load_tile_async(smem[base:base + QO_TILE], rows_of(q, b, h, first_q, n_q), i * BR,
+                              n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(smem[base + QO_TILE:base + 2 * QO_TILE],
+                              rows_of(do, b, h, first_q, n_q), i * BR, n_q, 0, BR, D, STRIDE,
                               SWIZZLE, tid, THREADS)
-        tiles.load_tile_async(smem[base + QO_TILE:base + 2 * QO_TILE], do[b, h], i * BR, n_q, 0,
-                              BR, D, STRIDE, SWIZZLE, tid, THREADS)
 
     @device_function
-    def load_stats(lse, d_vec, b, h, i, n_q, r):
+    def load_stats(lse, d_vec, b, h, i, n_q, first_q, r):
         """L_i * log2(e) and D_i of row r of block i (0 past the block or n_q: masked anyway)."""
         row = int32(i * BR + r)
         if r < BR and row < n_q:
+            if VARLEN:
+                at = uint32(first_q + row)
+                return softmax.lse_log2(lse[0, h, at]), d_vec[0, h, at]
             return softmax.lse_log2(lse[b, h, uint32(row)]), d_vec[b, h, uint32(row)]
         return float32(0), float32(0)
 
@@ -298,8 +318,9 @@ def build_backward(cfg):
 
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
-                 lo, hi, softcap, softmax_scale, scale_log2):
-        """l.6-17 for K/V block j of batch b, K/V head h_kv."""
+                 lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k):
+        """l.6-17 for K/V block j of batch b, K/V head h_kv (VARLEN: of sequence b, whose rows
+        start at first_q and first_k of the packed batch)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         key0 = int32(j * BC)
@@ -325,14 +346,16 @@ def build_backward(cfg):
         n_steps = int32(kv_group * n_i)
 
         # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
-        tiles.load_tile_async(k_s, k[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
-        tiles.load_tile_async(v_s, v[b, h_kv], key0, n_k, 0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(k_s, rows_of(k, b, h_kv, first_k, n_k), key0, n_k, 0, BC, D, STRIDE,
+                              SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(v_s, rows_of(v, b, h_kv, first_k, n_k), key0, n_k, 0, BC, D, STRIDE,
+                              SWIZZLE, tid, THREADS)
         h, i = uint32(h_kv * kv_group), int32(i0)   # the first step's query head and block
         q0 = int32(i * BR)                 # first query of Q_i
-        load_q_do(smem, 0, q, do, b, h, i, n_q, tid)
+        load_q_do(smem, 0, q, do, b, h, i, n_q, first_q, tid)
         ptx.cp_async_commit()
         for r in range(tid, BR, THREADS):
-            lse2_0, d_0 = load_stats(lse, d_vec, b, h, i, n_q, r)
+            lse2_0, d_0 = load_stats(lse, d_vec, b, h, i, n_q, first_q, r)
             stats[STAT0 + r] = lse2_0
             stats[STAT0 + BR + r] = d_0
 
@@ -376,18 +399,18 @@ def build_backward(cfg):
             more = int32(step + 1) < n_steps
             if more:
                 h_next, i_next = next_position(h, i, i0, i1)
-                load_q_do(smem, 1 - stage, q, do, b, h_next, i_next, n_q, tid)
+                load_q_do(smem, 1 - stage, q, do, b, h_next, i_next, n_q, first_q, tid)
                 for r in range(STATS_PER_THREAD):
                     next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h_next, i_next, n_q,
-                                                         tid + r * THREADS)
+                                                         first_q, tid + r * THREADS)
             ptx.cp_async_commit()
             if ATOMIC and step > 0:
                 # l.15 of the previous step, its dS^T now visible to all warps. After the copies
                 # are issued: with dq_reduce="red" its 16 reductions a thread would otherwise
                 # queue ahead of them in the load/store unit (5% of the kernel's time at d=128 on
                 # an H100).
-                update_dq(smem, smem_f32, k_s, dq_acc[b, h_prev], 1 - stage, q0, n_q, dq, dsa,
-                          warp, lane)
+                update_dq(smem, smem_f32, k_s, rows_of(dq_acc, b, h_prev, first_q, n_q),
+                          1 - stage, q0, n_q, dq, dsa, warp, lane)
             q0 = int32(i * BR)
 
             # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i). The warp's keys
@@ -448,8 +471,8 @@ def build_backward(cfg):
 
         cuda.syncthreads()
         if ATOMIC and n_steps > 0:   # l.15 of the last step
-            update_dq(smem, smem_f32, k_s, dq_acc[b, h], (n_steps - 1) & 1, q0, n_q, dq, dsa,
-                      warp, lane)
+            update_dq(smem, smem_f32, k_s, rows_of(dq_acc, b, h, first_q, n_q),
+                      (n_steps - 1) & 1, q0, n_q, dq, dsa, warp, lane)
             cuda.syncthreads()   # every warp is done reading K_j: its tile stages dK_j next
         # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         tiles.scale_accumulator(dk, softmax_scale)
@@ -458,27 +481,37 @@ def build_backward(cfg):
         tiles.stage_accumulator(smem32[V0 // 2:(V0 + KV_TILE) // 2], dv, warp_key, lane, STRIDE,
                                 SWIZZLE, IS_BF16, warp_col)
         cuda.syncthreads()
-        tiles.store_tile(dk32[b, h_kv], smem32[0:KV_TILE // 2], key0, n_k, BC, D, STRIDE, SWIZZLE,
-                         tid, THREADS)
-        tiles.store_tile(dv32[b, h_kv], smem32[V0 // 2:(V0 + KV_TILE) // 2], key0, n_k, BC, D,
-                         STRIDE, SWIZZLE, tid, THREADS)
+        tiles.store_tile(rows_of(dk32, b, h_kv, first_k, n_k), smem32[0:KV_TILE // 2], key0, n_k,
+                         BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.store_tile(rows_of(dv32, b, h_kv, first_k, n_k), smem32[V0 // 2:(V0 + KV_TILE) // 2],
+                         key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS)
         if BULK and lane == 0:
             ptx.bulk_wait(0)    # the warp's reductions are done (and its slice free for FA1's next j)
 
     @kernel
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
-                        softcap, softmax_scale, scale_log2):
+                        softcap, softmax_scale, scale_log2, cu_q, cu_k):
         """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
-        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py)."""
+        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py).
+        VARLEN: B = 1, and batch b of the grid is the sequence of rows cu_q[b] .. cu_q[b+1] - 1
+        (keys: cu_k), lo and hi relative to its top-left corner."""
         b, h_kv = uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)   # unsigned: no index wrap
+        first_q, first_k = int32(0), int32(0)
+        if VARLEN:   # sequence b of the packed batch: its rows, and its own band
+            first_q, first_k = cu_q[b], cu_k[b]
+            n_q, n_k = int32(cu_q[b + 1] - first_q), int32(cu_k[b + 1] - first_k)
+            if int32(cuda.blockIdx.x * BC) >= n_k:     # the grid covers the longest sequence
+                return
+            if SHIFT:
+                lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
         if SEQUENTIAL:   # FA1 Alg. 4: one thread block walks every K/V block j in turn
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
-                         kv_group, lo, hi, softcap, softmax_scale, scale_log2)
+                         kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k)
                 cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
         else:            # l.5: "for 1 <= j <= T_c" is the grid
             kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
-                     n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2)
+                     n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k)
 
     return fa2_backward_kv
 
@@ -498,16 +531,31 @@ def build_backward_dq(cfg):
     A_FRAG, S_ACC, P_FRAG, DQ_ACC = (M, 1, 4), (M, BC // 8, 4), (M, BC // 16, 4), (M, D // 8, 4)
     ROWS = 2 * M
     CAP_GRAD = S_ACC if SOFTCAP else (1, 1, 1)
+    VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
 
     @kernel
     def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, lo, hi, softcap,
-                        softmax_scale, scale_log2):
+                        softmax_scale, scale_log2, cu_q, cu_k):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         i = cuda.gridDim.x - 1 - cuda.blockIdx.x if BANDED else cuda.blockIdx.x
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
-        k_h, v_h = k[b, h // kv_group], v[b, h // kv_group]
         row0 = i * BR
+        first_q, first_k = int32(0), int32(0)
+        if VARLEN:   # sequence b of the packed batch (as the forward, fa2.py)
+            first_q, first_k = cu_q[b], cu_k[b]
+            n_q, n_k = int32(cu_q[b + 1] - first_q), int32(cu_k[b + 1] - first_k)
+            if row0 >= n_q:
+                return
+            if SHIFT:
+                lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
+            k_h = k[0, h // kv_group, first_k:first_k + n_k]
+            v_h = v[0, h // kv_group, first_k:first_k + n_k]
+            q_h, do_h = q[0, h, first_q:first_q + n_q], do[0, h, first_q:first_q + n_q]
+            lse_h, d_h = lse[0, h, first_q:first_q + n_q], d_vec[0, h, first_q:first_q + n_q]
+        else:
+            k_h, v_h = k[b, h // kv_group], v[b, h // kv_group]
+            q_h, do_h, lse_h, d_h = q[b, h], do[b, h], lse[b, h], d_vec[b, h]
         warp_row = warp * 16 * M
         smem = cuda.shared.array(0, uint16)
         q_s = smem[0:Q_TILE]
@@ -515,8 +563,8 @@ def build_backward_dq(cfg):
         j0, j1 = int32(0), int32((n_k + BC - 1) // BC)
         if SKIP:
             j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
-        tiles.load_tile_async(q_s, q[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
-        tiles.load_tile_async(do_s, do[b, h], row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(q_s, q_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(do_s, do_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
         tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, j0 * BC, n_k, 0, BC, D, STRIDE, SWIZZLE,
                               tid, THREADS)
         tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, j0 * BC, n_k, 0, BC, D,
@@ -527,8 +575,8 @@ def build_backward_dq(cfg):
         d_rows = cuda.local.array(ROWS, float32)
         for r in range(ROWS):
             row = row0 + warp_row + 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)
-            lse2[r] = softmax.lse_log2(lse[b, h, row]) if row < n_q else float32(0)
-            d_rows[r] = d_vec[b, h, row] if row < n_q else float32(0)
+            lse2[r] = softmax.lse_log2(lse_h[row]) if row < n_q else float32(0)
+            d_rows[r] = d_h[row] if row < n_q else float32(0)
         a = cuda.local.array(A_FRAG, uint32)
         s = cuda.local.array(S_ACC, float32)
         dp = cuda.local.array(S_ACC, float32)
@@ -574,7 +622,8 @@ def build_backward_dq(cfg):
         tiles.scale_accumulator(dq, softmax_scale)
         tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
         cuda.syncthreads()
-        tiles.store_tile(dq32[b, h], q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        dq_h = dq32[0, h, first_q:first_q + n_q] if VARLEN else dq32[b, h]
+        tiles.store_tile(dq_h, q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
 
     return fa2_backward_dq
 
@@ -592,6 +641,23 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     return run_backward(g, cfg)
 
 
+def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    align=masks.BOTTOM_RIGHT, grads=None, **options):
+    """FA2 backward of a packed batch (fa2.forward_varlen): (dq, dk, dv) shaped like (q, k, v),
+    from the forward's inputs, o (total_q, H, d), lse (H, total_q) and dO like o. dQ is added by
+    vector atomics into a row-major accumulator (dq_reduce="red", the default here) or computed
+    by the separate kernel (dq="separate")."""
+    g = bwd.prepare_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                    grads=grads, head_dims=HEAD_DIMS, variant="fa2",
+                                    window_size=window_size, softcap=softcap, align=align)
+    options.setdefault("dq_reduce", "red")
+    cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
+                                  configs.mask_fields(g.prob), **options)
+    return run_backward(g, cfg)
+
+
 def run_backward(g, cfg):
     """Launch Algorithm 2 (or, with cfg.kv_blocks="sequential", FA1's schedule of it) for the
     checked problem `g` (common.backward.prepare_backward)."""
@@ -601,17 +667,23 @@ def run_backward(g, cfg):
     scale, scale_log2 = np.float32(prob.softmax_scale), \
         np.float32(prob.softmax_scale * math.log2(math.e))
     sizes = (np.int32(prob.n_q), np.int32(prob.n_k), np.int32(prob.kv_group), *prob.mask_args())
-    kv_blocks = 1 if cfg.kv_blocks == "sequential" else (prob.n_k + cfg.block_n - 1) // cfg.block_n
+    seqs = prob.varlen   # a packed batch: the grid covers its longest sequences
+    rows_q, rows_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
+    cu = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
+        (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
+    kv_blocks = 1 if cfg.kv_blocks == "sequential" else (rows_k + cfg.block_n - 1) // cfg.block_n
     grid = (kv_blocks, prob.batch, prob.heads_kv)
-    launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
-           prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
-           scale, scale_log2)
+    if kv_blocks:
+        launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
+               prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
+               scale, scale_log2, *cu)
     if atomic:
         bwd.convert_dq(g)
-    else:
-        grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
+    elif rows_q:
+        grid = ((rows_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         launch(build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
-               prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2)
+               prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2,
+               *cu)
     return g.result()
 
 
@@ -620,7 +692,8 @@ def backward_compile_targets(cfg, tag):
     the kernels `run_backward` launches for cfg (the preprocess and dQ conversion: common/
     backward.py's compile_targets)."""
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
-    sizes = (types.int32, types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32)
+    sizes = (types.int32, types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32,
+                                                                     SEQS_TYPE, SEQS_TYPE)
     # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
     # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
     # atomics dQ's product appears twice (in the loop and for the last step):
