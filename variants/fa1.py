@@ -41,6 +41,7 @@ from numba import cuda, float32, int32, types, uint32, uint16
 from common import configs, masks, ptx, softmax, splitk, target, tiles
 from common import backward as bwd
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
+from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -84,11 +85,18 @@ class Config:
     def partial_o_stride(self):  # floats a row of a warp's partial P~ V tile: 8 mod 32, so the 8
         return self.head_dim + 8  # row groups of an accumulator store land in distinct banks
 
-    def smem_bytes(self):
+    def smem_layout(self):
+        """K_j | V_j | Q tile(s) (16-bit, swizzled) | split-K's exchange area (fp32): each warp's
+        partial P~ V, row maxima and row sums."""
         stride = tiles.tile_row_stride(self.head_dim, True)
-        tiles16 = stride * (2 * self.block_n + self.q_buffers * self.block_m)
-        f32 = self.warps * self.block_m * (self.partial_o_stride + 2)   # partial P~ V, max, sum
-        return 2 * tiles16 + 4 * f32
+        rows = self.warps * self.block_m
+        return SharedLayout(("k", self.block_n * stride, 2), ("v", self.block_n * stride, 2),
+                            ("q", self.q_buffers * self.block_m * stride, 2),
+                            ("o_part", rows * self.partial_o_stride, 4), ("red_max", rows, 4),
+                            ("red_sum", rows, 4))
+
+    def smem_bytes(self):
+        return self.smem_layout().bytes
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
@@ -146,10 +154,11 @@ def build(cfg):
     # live addresses spill inside it (compile report, loop_local).
     ADDRESS_ONCE = D < 128
     KV_TILE, Q_TILE, WARP_KEYS = BC * STRIDE, BR * STRIDE, KW * STRIDE
-    Q_START = 2 * KV_TILE                            # K_j | V_j | Q tile(s) | fp32 exchange area
+    LAYOUT = cfg.smem_layout()                       # K_j | V_j | Q tile(s) | fp32 exchange area
+    K0, V0, Q_START = LAYOUT.start("k"), LAYOUT.start("v"), LAYOUT.start("q")
+    O_PART, RED_MAX, RED_SUM = ((LAYOUT.start(r), LAYOUT.end(r))    # in floats
+                                for r in ("o_part", "red_max", "red_sum"))
     O_STRIDE = cfg.partial_o_stride                  # partial P~ V rows, in floats
-    F32_START = (Q_START + cfg.q_buffers * Q_TILE) // 2
-    O_PART, RED = WARPS * BR * O_STRIDE, WARPS * BR
     CHUNK = D // (THREADS // BR)                     # columns of O a thread owns
     Q_FRAG, S_ACC = (M_TILES, 1, 4), (M_TILES, KW // 8, 4)   # Q_i streamed from its tile
     P_FRAG, O_ACC = (M_TILES, KW // 16, 4), (M_TILES, D // 8, 4)
@@ -229,11 +238,11 @@ def build(cfg):
         q_bh, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
         o_bh, lse_bh, m_bh, l_bh = o[b, h], lse[b, h], m_ws[b, h], l_ws[b, h]
         smem = cuda.shared.array(0, uint16)
-        k_s, v_s = smem[0:KV_TILE], smem[KV_TILE:2 * KV_TILE]
+        k_s, v_s = smem[K0:K0 + KV_TILE], smem[V0:V0 + KV_TILE]
         f32 = cuda.shared.array(0, float32)
-        o_part = f32[F32_START:F32_START + O_PART]
-        red_max = f32[F32_START + O_PART:F32_START + O_PART + RED]
-        red_sum = f32[F32_START + O_PART + RED:F32_START + O_PART + 2 * RED]
+        o_part = f32[O_PART[0]:O_PART[1]]
+        red_max = f32[RED_MAX[0]:RED_MAX[1]]
+        red_sum = f32[RED_SUM[0]:RED_SUM[1]]
         row, c0 = splitk.owner_of(tid, THREADS, BR, D)    # the row and columns of O this thread owns
         q_frag = cuda.local.array(Q_FRAG, uint32)
         s = cuda.local.array(S_ACC, float32)

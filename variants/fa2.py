@@ -31,6 +31,7 @@ from numba import cuda, float32, int32, types, uint32, uint16
 from common import arrays, configs, masks, ptx, softmax, tiles
 from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
                             prepare_varlen)
+from common.smem import SharedLayout
 from common.target import device_function, kernel, launch
 from variants import fa2_backward
 from variants.fa2_backward import backward, backward_varlen  # noqa: F401  (Algorithm 2)
@@ -66,10 +67,15 @@ class Config:
     def m_tiles(self):  # m16 tiles per warp
         return self.block_m // (16 * self.warps)
 
-    def smem_bytes(self):
+    def smem_layout(self):
+        """Q_i | kv_stages x (K_j, V_j) | P~ (p_in_registers=False): 16-bit tiles."""
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
         p = 0 if self.p_in_registers else self.block_m * tiles.tile_row_stride(self.block_n, self.swizzle)
-        return 2 * (d * (self.block_m + 2 * self.kv_stages * self.block_n) + p)
+        return SharedLayout(("q", self.block_m * d, 2),
+                            ("kv", 2 * self.kv_stages * self.block_n * d, 2), ("p", p, 2))
+
+    def smem_bytes(self):
+        return self.smem_layout().bytes
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
@@ -122,7 +128,8 @@ def build(cfg):
     P_STRIDE = tiles.tile_row_stride(BC, SWIZZLE) if not P_IN_REGISTERS else 0
     Q_TILE, KV_TILE, P_TILE = BR * STRIDE, BC * STRIDE, BR * P_STRIDE
     STAGES = cfg.kv_stages
-    P_START = Q_TILE + 2 * STAGES * KV_TILE
+    LAYOUT = cfg.smem_layout()
+    Q_START, KV_START, P_START = LAYOUT.start("q"), LAYOUT.start("kv"), LAYOUT.start("p")
     # Register arrays need literal shapes: A fragments of Q (all k-steps of 16 over d, or one when
     # they are re-read each step), the S and O accumulators (n-tiles of 8), P~ as A fragments
     # (k-steps of 16 over B_c), 2 rows a lane per m-tile.
@@ -176,7 +183,7 @@ def build(cfg):
         warp_row = warp * 16 * M            # first row of this warp's part of Q_i (split-Q)
 
         smem = cuda.shared.array(0, uint16)   # Q_i | STAGES x (K, V) | P~ (p_in_registers=False)
-        q_s = smem[0:Q_TILE]
+        q_s = smem[Q_START:Q_START + Q_TILE]
         p_s = smem[P_START:P_START + P_TILE]
         p_s32 = cuda.shared.array(0, uint32)[P_START // 2:(P_START + P_TILE) // 2]
 
@@ -189,9 +196,9 @@ def build(cfg):
         # Alg.1 l.4: load Q_i (and, ahead of the loop, the first K_j and V_j) from HBM to SRAM.
         tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
                               tid, THREADS, ADDRESS_ONCE)
-        load_kv_tile(smem[Q_TILE:Q_TILE + KV_TILE], k_h, j0 * BC, n_k, tid)
+        load_kv_tile(smem[KV_START:KV_START + KV_TILE], k_h, j0 * BC, n_k, tid)
         ptx.cp_async_commit()
-        load_kv_tile(smem[Q_TILE + KV_TILE:Q_TILE + 2 * KV_TILE], v_h, j0 * BC, n_k, tid)
+        load_kv_tile(smem[KV_START + KV_TILE:KV_START + 2 * KV_TILE], v_h, j0 * BC, n_k, tid)
         ptx.cp_async_commit()
         ptx.cp_async_wait(1)
         cuda.syncthreads()
@@ -211,7 +218,7 @@ def build(cfg):
 
         for j in range(j0, j1):  # Alg.1 l.6
             col0 = j * BC
-            kv0 = Q_TILE + ((j - j0) & (STAGES - 1)) * 2 * KV_TILE   # this step's K/V buffers
+            kv0 = KV_START + ((j - j0) & (STAGES - 1)) * 2 * KV_TILE   # this step's K/V buffers
             k_s = smem[kv0:kv0 + KV_TILE]
             v_s = smem[kv0 + KV_TILE:kv0 + 2 * KV_TILE]
             # l.7: K_j (two stages: and V_j) in SRAM; their copies were issued one step earlier.
@@ -219,7 +226,7 @@ def build(cfg):
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()  # ... and every warp is done with step j-1's buffers: refill
                 if j + 1 < j1:      # them with K_{j+1} and V_{j+1} while this step computes
-                    nxt = Q_TILE + ((j + 1 - j0) & 1) * 2 * KV_TILE
+                    nxt = KV_START + ((j + 1 - j0) & 1) * 2 * KV_TILE
                     load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, tid)
                     load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k, tid)
                 ptx.cp_async_commit()
@@ -262,7 +269,7 @@ def build(cfg):
         softmax.finalize(m_i, l_i, inv_l, lse_rows, softmax_scale)
         # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores.
         cuda.syncthreads()
-        q_s32 = cuda.shared.array(0, uint32)[0:Q_TILE // 2]
+        q_s32 = cuda.shared.array(0, uint32)[Q_START // 2:(Q_START + Q_TILE) // 2]
         tiles.scale_rows(o_acc, inv_l)
         tiles.stage_accumulator(q_s32, o_acc, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
         cuda.syncthreads()

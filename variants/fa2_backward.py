@@ -12,6 +12,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 from common import backward as bwd
 from common import arrays, configs, masks, ptx, softmax, tiles
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
+from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
 HEAD_DIMS = (64, 128)
@@ -115,13 +116,21 @@ class BackwardConfig:
     def bulk(self):
         return self.dq == "atomic" and self.dq_reduce == "bulk"
 
+    def smem_layout(self):
+        """The K/V kernel's shared memory: K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | P^T (2-D warp
+        tiles) in 16-bit tiles, then fp32: 2 x (L_i log2 e, D_i) | dQ_i's terms (bulk
+        reductions: B_r x d, a slice a warp, in fragment order)."""
+        kv = self.block_n * tiles.tile_row_stride(self.head_dim, self.swizzle)
+        qo = self.block_m * tiles.tile_row_stride(self.head_dim, self.swizzle)
+        ds = self.block_n * tiles.tile_row_stride(self.block_m, self.swizzle) \
+            if self.staged_ds else 0
+        return SharedLayout(("k", kv, 2), ("v", kv, 2), ("q_do", 4 * qo, 2), ("ds", 2 * ds, 2),
+                            ("p", ds if self.query_warps > 1 else 0, 2),
+                            ("stats", 4 * self.block_m, 4),
+                            ("dq", self.block_m * self.head_dim if self.bulk else 0, 4))
+
     def smem_bytes(self):
-        d = tiles.tile_row_stride(self.head_dim, self.swizzle)
-        # dS^T: two buffers; P^T: one, with 2-D warp tiles
-        ds = (2 + (self.query_warps > 1)) * self.block_n * \
-            tiles.tile_row_stride(self.block_m, self.swizzle) if self.staged_ds else 0
-        dq = self.block_m * self.head_dim if self.bulk else 0     # fp32: dQ_i's terms
-        return 2 * (d * (2 * self.block_n + 4 * self.block_m) + ds) + 4 * (4 * self.block_m + dq)
+        return self.smem_layout().bytes
 
     def dq_layout(self):
         """Where the fused dQ product's terms go in dQ's accumulator: fragment order when added
@@ -131,9 +140,14 @@ class BackwardConfig:
         return bwd.DqLayout(rows=self.block_m, cols=self.head_dim, threads=self.threads,
                             warps_across=self.dq_split[1])
 
-    def dq_smem_bytes(self):
+    def dq_smem_layout(self):
+        """The separate dQ kernel's: Q_i | dO_i | 2 x (K_j, V_j), 16-bit tiles."""
         d = tiles.tile_row_stride(self.head_dim, self.swizzle)
-        return 2 * d * (2 * self.dq_block_m + 4 * self.dq_block_n)
+        return SharedLayout(("q", self.dq_block_m * d, 2), ("do", self.dq_block_m * d, 2),
+                            ("kv", 4 * self.dq_block_n * d, 2))
+
+    def dq_smem_bytes(self):
+        return self.dq_smem_layout().bytes
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
@@ -234,14 +248,9 @@ def build_backward(cfg):
     QW_SHIFT = QW.bit_length() - 1
     DS_STRIDE = tiles.tile_row_stride(BR, SWIZZLE) if STAGED_DS else 0
     KV_TILE, QO_TILE, DS_TILE = BC * STRIDE, BR * STRIDE, BC * DS_STRIDE
-    # Shared memory (16-bit units): K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | with 2-D warp tiles,
-    # P^T | fp32: 2 x (L2, D) | with bulk reductions, dQ_i's terms (B_r x d, a slice a warp,
-    # fragment order).
-    V0, QO0 = KV_TILE, 2 * KV_TILE
-    DS0 = QO0 + 4 * QO_TILE
-    P0 = DS0 + 2 * DS_TILE
-    STAT0 = (P0 + (DS_TILE if TWO_D else 0)) // 2
-    DQF0 = STAT0 + 4 * BR
+    LAYOUT = cfg.smem_layout()   # region starts: 16-bit elements, the fp32 ones in floats
+    K0, V0, QO0, DS0, P0 = (LAYOUT.start(r) for r in ("k", "v", "q_do", "ds", "p"))
+    STAT0, DQF0 = LAYOUT.start("stats"), LAYOUT.start("dq")
     DQF_WARP = BR * D // cfg.warps          # floats of dQ_i's terms a warp stages and reduces
     WQ, WD = cfg.dq_split if ATOMIC else (1, 1)
     MQ, DQ_COLS = BR // WQ // 16, D // WD
@@ -334,7 +343,7 @@ def build_backward(cfg):
         smem32 = cuda.shared.array(0, uint32)
         smem_f32 = cuda.shared.array(0, float32)
         stats = smem_f32
-        k_s = smem[0:KV_TILE]
+        k_s = smem[K0:K0 + KV_TILE]
         v_s = smem[V0:V0 + KV_TILE]
 
         # The query blocks block j meets: causal or a window skips those outside the band. (Step
@@ -476,13 +485,13 @@ def build_backward(cfg):
             cuda.syncthreads()   # every warp is done reading K_j: its tile stages dK_j next
         # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         tiles.scale_accumulator(dk, softmax_scale)
-        tiles.stage_accumulator(smem32[0:KV_TILE // 2], dk, warp_key, lane, STRIDE, SWIZZLE, IS_BF16,
-                                warp_col)
+        tiles.stage_accumulator(smem32[K0 // 2:(K0 + KV_TILE) // 2], dk, warp_key, lane, STRIDE,
+                                SWIZZLE, IS_BF16, warp_col)
         tiles.stage_accumulator(smem32[V0 // 2:(V0 + KV_TILE) // 2], dv, warp_key, lane, STRIDE,
                                 SWIZZLE, IS_BF16, warp_col)
         cuda.syncthreads()
-        tiles.store_tile(rows_of(dk32, b, h_kv, first_k, n_k), smem32[0:KV_TILE // 2], key0, n_k,
-                         BC, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.store_tile(rows_of(dk32, b, h_kv, first_k, n_k), smem32[K0 // 2:(K0 + KV_TILE) // 2],
+                         key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS)
         tiles.store_tile(rows_of(dv32, b, h_kv, first_k, n_k), smem32[V0 // 2:(V0 + KV_TILE) // 2],
                          key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS)
         if BULK and lane == 0:
@@ -527,7 +536,8 @@ def build_backward_dq(cfg):
     SKIP, WINDOW = cfg.causal and cfg.causal_skip, cfg.window
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     Q_TILE, KV_TILE = BR * STRIDE, BC * STRIDE
-    DO0, KV0 = Q_TILE, 2 * Q_TILE
+    LAYOUT = cfg.dq_smem_layout()
+    Q0, DO0, KV0 = LAYOUT.start("q"), LAYOUT.start("do"), LAYOUT.start("kv")
     A_FRAG, S_ACC, P_FRAG, DQ_ACC = (M, 1, 4), (M, BC // 8, 4), (M, BC // 16, 4), (M, D // 8, 4)
     ROWS = 2 * M
     CAP_GRAD = S_ACC if SOFTCAP else (1, 1, 1)
@@ -558,7 +568,7 @@ def build_backward_dq(cfg):
             q_h, do_h, lse_h, d_h = q[b, h], do[b, h], lse[b, h], d_vec[b, h]
         warp_row = warp * 16 * M
         smem = cuda.shared.array(0, uint16)
-        q_s = smem[0:Q_TILE]
+        q_s = smem[Q0:Q0 + Q_TILE]
         do_s = smem[DO0:DO0 + Q_TILE]
         j0, j1 = int32(0), int32((n_k + BC - 1) // BC)
         if SKIP:
@@ -618,7 +628,7 @@ def build_backward_dq(cfg):
             tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
         # dQ_i = softmax_scale * dQ_i to HBM, staged through the Q tile.
         cuda.syncthreads()
-        q_s32 = cuda.shared.array(0, uint32)[0:Q_TILE // 2]
+        q_s32 = cuda.shared.array(0, uint32)[Q0 // 2:(Q0 + Q_TILE) // 2]
         tiles.scale_accumulator(dq, softmax_scale)
         tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
         cuda.syncthreads()
