@@ -14,6 +14,8 @@
 #   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
 #   fa3      the sm90 instruction tests and every fa3 test (tests/test_sm90.py, test_variants -k fa3)
 #   fa3_quick  fa3 and fa2 with the SDPA peers, d 64/128, causal and not (FA3_SEQLENS, default 4k,16k)
+#   memcheck compute-sanitizer memcheck (--report-api-errors no) over one call of every variant's
+#            forward and backward, masks and fa2's packed batch (experiments/every_kernel.py)
 #   compile  registers / spills / mma counts of every kernel (python -m common.compile_report), and
 #            tests/test_compile.py's assertions on all of them (FA_COMPILE_ALL=1)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
@@ -78,6 +80,10 @@ for step in $steps; do
         python3 experiments/backward_profile.py ${BWD_NCU:-128 4096 0} \
         > "$OUT/bwd_ncu.csv" 2> "$OUT/bwd_ncu.log" || status=1
       tail -3 "$OUT/bwd_ncu.log"; wc -l "$OUT/bwd_ncu.csv" ;;
+    memcheck)
+      timeout "${TESTS_TIMEOUT:-900}" compute-sanitizer --tool memcheck --report-api-errors no \
+        python3 experiments/every_kernel.py > "$OUT/memcheck.log" 2>&1 || status=1
+      tail -3 "$OUT/memcheck.log" ;;
     compile)
       # every target (the CPU suite compiles one of each pair of twins), in parallel, then the
       # suite's assertions on all of them
