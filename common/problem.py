@@ -5,6 +5,7 @@ and returns the zero-copy views the kernels take:
   q, k, v  (B, H, N, d) uint16 (uint8 for FP8 inputs)     o32  (B, H, N_q, d/2) uint32 over the output
   lse      (B, H, N_q) float32
 """
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -199,7 +200,6 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def one_batch(d):
     """A described array with a leading axis of one (a batch of one)."""
-    import dataclasses
     return dataclasses.replace(d, shape=(1,) + tuple(d.shape),
                                strides=(d.shape[0] * d.strides[0],) + tuple(d.strides))
 

@@ -683,13 +683,12 @@ def run_backward(g, cfg):
         (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
     kv_blocks = 1 if cfg.kv_blocks == "sequential" else (rows_k + cfg.block_n - 1) // cfg.block_n
     grid = (kv_blocks, prob.batch, prob.heads_kv)
-    if kv_blocks:
-        launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
-               prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
-               scale, scale_log2, *cu)
+    launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
+           prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
+           scale, scale_log2, *cu)
     if atomic:
         bwd.convert_dq(g)
-    elif rows_q:
+    else:
         grid = ((rows_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         launch(build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
                prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2,
