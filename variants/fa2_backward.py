@@ -478,6 +478,9 @@ def build_backward(cfg):
                         stats[nst + tid + r * THREADS] = next_lse2[r]
                         stats[nst + BR + tid + r * THREADS] = next_d[r]
 
+        # A block no query sees (n_steps = 0: keys past a top-left band, a sequence with no
+        # queries) still has K_j, V_j in flight: they land before dK_j = dV_j = 0 is staged there.
+        ptx.cp_async_wait(0)
         cuda.syncthreads()
         if ATOMIC and n_steps > 0:   # l.15 of the last step
             update_dq(smem, smem_f32, k_s, rows_of(dq_acc, b, h, first_q, n_q),
@@ -626,7 +629,9 @@ def build_backward_dq(cfg):
             # l.15: dQ_i += dS K_j, dS straight from its accumulator into A fragments.
             tiles.accumulator_to_a(pa, dp, IS_BF16)
             tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
-        # dQ_i = softmax_scale * dQ_i to HBM, staged through the Q tile.
+        # dQ_i = softmax_scale * dQ_i to HBM, staged through the Q tile (for rows that see no key,
+        # j1 <= j0, once their own Q_i copy has landed there).
+        ptx.cp_async_wait(0)
         cuda.syncthreads()
         q_s32 = cuda.shared.array(0, uint32)[Q0 // 2:(Q0 + Q_TILE) // 2]
         tiles.scale_accumulator(dq, softmax_scale)
