@@ -57,6 +57,7 @@ def test_every_kernel_is_covered(listing):
     assert sum(n.startswith("standard") for n in names) == 16
     assert sum(n.startswith("backward ") for n in names) == 6   # D = rowsum(dO o O), dQ's casts
     assert sum(n.startswith("fa3 d=") for n in names) == 6    # and FP8 (e4m3) at d=128
+    assert sum(n.startswith("decode") for n in names) == 3    # split and not, and the combine
     compiled = {r["kernel"] for r in listing if not r.get("skipped")}
     for r in listing:   # only twins are skipped, each for a target that was compiled
         if r.get("skipped"):
@@ -126,6 +127,11 @@ def test_no_spills_in_the_kv_loop(report):
                 gmma = r["sass_HGMMA"] + r["sass_QGMMA"]
                 assert gmma == r["expected_mma"] and r["loop_local"] == 0, r
                 assert r["sass_USETMAXREG"] == 2 and r["sass_UTMALDG"] > 0, r
+        elif r["kernel"].startswith("decode"):
+            # bandwidth-bound: nothing may spill; every MMA of a K/V tile inside the loop
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+            if "loop_local" in r:
+                assert r["loop_local"] == 0 and r["loop_HMMA"] == r["expected_loop_mma"], r
         elif r["kernel"].startswith(("standard", "backward ")):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 

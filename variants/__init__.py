@@ -18,6 +18,11 @@ runs a packed batch of sequences of different lengths (flash_attn_varlen_func; f
 is the backward pass (recomputing P from lse, nothing N x N stored except by `standard`), and
 `attention(q, k, v, variant=..., causal=...)` (variants/autograd.py) the same two as a
 torch.autograd.Function for torch CUDA tensors.
+
+    o, lse = decode(q, k_cache, v_cache, cache_seqlens, block_table=..., k=..., v=...)
+
+attends a few new tokens to a (paged) KV cache, split over the keys (Flash-Decoding,
+variants/decoding.py; flash_attn_with_kvcache's conventions).
 """
 from importlib import import_module
 
@@ -43,6 +48,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return autograd_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, variant=variant, causal=causal,
                                      softmax_scale=softmax_scale, **options)
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
+           softmax_scale=None, num_splits=0, split_kv=True, **options):
+    """Attention of a few new tokens (q: (B, N_q, H, d)) against each sequence's KV cache, as
+    flash_attn_with_kvcache: caches (B, N_max, H_kv, d), or paged (num_pages, page_size, H_kv, d)
+    with block_table (B, max_blocks) int32; cache_seqlens (B,) int32; k, v (B, N_new, H_kv, d)
+    appended first. Split-KV (Flash-Decoding; variants/decoding.py). Returns (o like q, lse)."""
+    from variants.decoding import decode as split_kv_decode
+    return split_kv_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                           causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                           split_kv=split_kv, **options)
 
 
 def get(name):

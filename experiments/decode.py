@@ -1,0 +1,166 @@
+"""Decoding against a KV cache at the memory-bandwidth limit (issue: Flash-Decoding), one GPU, one run.
+
+    python experiments/decode.py [--batches 1,4,8] [--lengths 16384,65536,131072] [--heads 32]
+                                 [--heads-kv 8] [--head-dim 128] [--page-size 256] [--csv PATH]
+
+One new token a sequence (q: (B, 1, H, d), bf16) against caches of L tokens a sequence, paged
+(pages of --page-size tokens, a shuffled block table). Each row is checked against float64 on one
+sequence, then timed (CUDA events, median; two input sets when the caches fit in L2 twice):
+- decode: variants.decode, split-KV with the heuristic's num_splits (the column says how many);
+- no split: the same kernel with split_kv=False (one thread block a sequence and K/V head);
+- contiguous: decode on a (B, L, H_kv, d) cache, no block table;
+- fa2: variants.forward with seqlen_q = 1 (FA2's grid: one query block a sequence and head);
+- sdpa_flash, sdpa_cudnn: torch SDPA on the contiguous cache (enable_gqa), when they take it.
+GB/s = bytes of K and V read / time; the bar is >= 70% (goal 85%) of the copy bandwidth measured
+in the same run (a device-to-device copy of 2 GiB: bytes read + written / time).
+"""
+import argparse
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def copy_bandwidth(torch):
+    """GB/s of a device-to-device copy of 2 GiB (read + write), median of CUDA-event timings."""
+    from common import timing
+    x = torch.empty(2 ** 30, dtype=torch.int16, device="cuda").fill_(1)
+    y = torch.empty_like(x)
+    ms = timing.benchmark(lambda i: y.copy_(x), warmup=3, min_reps=10, max_reps=50).median_ms
+    return 2 * x.numel() * x.element_size() / ms / 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--lengths", default="16384,65536,131072")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--heads-kv", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--splits", default="", help="extra fixed num_splits to time, e.g. 8,16,32")
+    ap.add_argument("--peers", type=int, default=1)
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+
+    import common
+    common.select_backend()
+    import numpy as np
+
+    import variants
+    from common import checks, inputs, reference, target, timing
+    from variants import decoding
+
+    library = inputs.default_library()
+    torch = None
+    if library == "torch":
+        import torch
+    h, h_kv, d, ps = args.heads, args.heads_kv, args.head_dim, args.page_size
+    dtype = "bfloat16"
+    rng = np.random.default_rng(0)
+    copy_gbs = copy_bandwidth(torch) if torch is not None else float("nan")
+    print(f"{target.describe()} | H={h} H_kv={h_kv} d={d} bf16, one new token, pages of {ps} | "
+          f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    out = []
+    bench = dict(warmup=3, min_reps=10, max_reps=200, target_ms=200)
+    for batch in (int(x) for x in args.batches.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            kv_bytes = 2 * batch * length * h_kv * d * 2
+            n_sets = 2 if 2 * kv_bytes < 200e6 else 1
+            pages_per_seq = length // ps
+            sets = []
+            for _ in range(n_sets):
+                # caches made on the device (host copies of 8 GiB are slow): random bits of bf16
+                # values in [-2, 2), the same memory seen paged and contiguous
+                if torch is not None:
+                    kc = torch.randn(batch * pages_per_seq, ps, h_kv, d, device="cuda",
+                                     dtype=torch.bfloat16)
+                    vc = torch.randn_like(kc)
+                    q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16)
+                    perm = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32)
+                    table = perm.reshape(batch, pages_per_seq).contiguous()
+                    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+                    # the contiguous cache: each sequence's pages gathered in order
+                    kcont = kc[table.long()].reshape(batch, length, h_kv, d)
+                    vcont = vc[table.long()].reshape(batch, length, h_kv, d)
+                else:
+                    hq, hk, hv = inputs.random_qkv(rng, batch, 1, h, d, dtype, seqlen_k=length,
+                                                   heads_kv=h_kv)
+                    perm = rng.permutation(batch * pages_per_seq).astype(np.int32)
+                    table_h = perm.reshape(batch, pages_per_seq)
+                    kc_h = np.empty((batch * pages_per_seq, ps, h_kv, d), hk.dtype)
+                    vc_h = np.empty_like(kc_h)
+                    for b in range(batch):
+                        for j in range(pages_per_seq):
+                            kc_h[table_h[b, j]] = hk[b, j * ps:(j + 1) * ps]
+                            vc_h[table_h[b, j]] = hv[b, j * ps:(j + 1) * ps]
+                    q, kc, vc, table, kcont, vcont = (inputs.to_device(x, library) for x in
+                                                      (hq, kc_h, vc_h, table_h, hk, hv))
+                    lens = inputs.to_device(np.full(batch, length, np.int32), library)
+                sets.append((q, kc, vc, table, lens, kcont, vcont))
+
+            # check one sequence of set 0 against float64
+            q, kc, vc, table, lens, kcont, vcont = sets[0]
+            o, lse = variants.decode(q, kc, vc, lens, block_table=table)
+            b = batch - 1
+            ref = reference.attention(inputs.to_host(q)[b:b + 1], inputs.to_host(kcont)[b:b + 1],
+                                      inputs.to_host(vcont)[b:b + 1])
+            got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
+                                 dtype)
+            ok = "ok" if got["ok"] else "FAIL"
+            splits = decoding.num_splits_heuristic(batch, h_kv, length,
+                                                   target.multiprocessor_count(),
+                                                   decoding.Config.block_n)
+
+            def timed(fn):
+                return timing.benchmark(lambda i: fn(*sets[i % n_sets]), **bench).median_ms
+
+            rows = {
+                f"decode (splits={splits})": timed(lambda q, kc, vc, t, n, *_:
+                                                   variants.decode(q, kc, vc, n, block_table=t,
+                                                                   check=False,
+                                                                   num_splits=splits)),
+                "decode, no split": timed(lambda q, kc, vc, t, n, *_:
+                                          variants.decode(q, kc, vc, n, block_table=t,
+                                                          check=False, split_kv=False)),
+                "decode, contiguous": timed(lambda q, kc, vc, t, n, kk, vv:
+                                            variants.decode(q, kk, vv, n, check=False,
+                                                            num_splits=splits)),
+            }
+            for s in (int(x) for x in args.splits.split(",") if x):
+                rows[f"decode (splits={s})"] = timed(
+                    lambda q, kc, vc, t, n, *_, s=s: variants.decode(q, kc, vc, n, block_table=t,
+                                                                     check=False, num_splits=s))
+            rows["fa2"] = timed(lambda q, kc, vc, t, n, kk, vv: variants.forward(q, kk, vv))
+            if args.peers and torch is not None:
+                from experiments import peers
+                for name in ("sdpa_flash", "sdpa_cudnn"):
+                    fn = peers.forward_fn(name, False, None, h != h_kv)
+                    try:
+                        rows[name] = timed(lambda q, kc, vc, t, n, kk, vv, fn=fn: fn(q, kk, vv))
+                    except RuntimeError as exc:   # a backend that does not take this shape
+                        print(f"  {name}: {str(exc).splitlines()[0][:100]}", flush=True)
+                        rows[name] = float("nan")
+            base = rows["fa2"]
+            for name, ms in rows.items():
+                gbs = kv_bytes / ms / 1e6
+                out.append(dict(kernel=name, batch=batch, seqlen_k=length, heads=h, heads_kv=h_kv,
+                                head_dim=d, page_size=ps, ms=round(ms, 4), gbs=round(gbs, 1),
+                                of_copy=round(gbs / copy_gbs, 3), vs_fa2=round(base / ms, 2),
+                                check=ok, gpu=target.describe()))
+                print(f"B={batch:<2} L={length:<7} {name:22} {ms:8.3f} ms {gbs:7.0f} GB/s "
+                      f"{gbs / copy_gbs:6.1%} of copy  {base / ms:5.2f}x fa2  {ok}", flush=True)
+            sets.clear()   # free the caches before the next size
+            if torch is not None:
+                torch.cuda.empty_cache()
+    if args.csv and out:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(out[0]))
+            writer.writeheader()
+            writer.writerows(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Decoding against a KV cache (variants/decoding.py, common/kvcache.py): each sequence's output and
+LSE against the float64 reference over the keys its cache holds (after the append), for ragged
+lengths, paged caches with random block tables, grouped-query heads, several new tokens with the
+causal diagonal, and any number of splits; and the errors for bad calls.
+
+In the simulator the tiles are small (2 warps, 32-key tiles) and the lengths short, so that splits
+with no tile, tiles past a sequence's end, pages that cut a tile and a sequence of one key all
+occur; on a GPU the default tiles run at the issue's lengths (1, 17, 4097, 16k)."""
+import numpy as np
+import pytest
+
+import variants
+from common import arrays, checks, inputs, reference
+from tests.conftest import ON_GPU
+
+SMALL = {} if ON_GPU else dict(block_n=32, warps=2, stages=2)
+LENGTHS = [1, 17, 4097, 16384, 300] if ON_GPU else [1, 17, 70]
+
+
+def make_cache(rng, lengths, heads_kv, head_dim, dtype, page_size, capacity, extra_pages=3):
+    """Host caches holding random tokens: contiguous (B, capacity, H_kv, d) when page_size is
+    None, else paged (pages, page_size, H_kv, d) with a random block table (B, capacity /
+    page_size) over shuffled pages (some never used)."""
+    b = len(lengths)
+    if page_size is None:
+        shape = (b, capacity, heads_kv, head_dim)
+        table = None
+    else:
+        per_seq = capacity // page_size
+        pages = b * per_seq + extra_pages
+        shape = (pages, page_size, heads_kv, head_dim)
+        table = rng.permutation(pages)[:b * per_seq].reshape(b, per_seq).astype(np.int32)
+    k = rng.standard_normal(shape, dtype=np.float32).astype(inputs.DTYPES[dtype])
+    v = rng.standard_normal(shape, dtype=np.float32).astype(inputs.DTYPES[dtype])
+    return k, v, table
+
+
+def sequence_keys(cache, table, b, n, page_size):
+    """Host (1, n, H_kv, d): sequence b's first n keys of a cache."""
+    if table is None:
+        return cache[b:b + 1, :n]
+    rows = [cache[table[b, t // page_size], t % page_size] for t in range(n)]
+    return np.stack(rows)[None]
+
+
+def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, dtype="bfloat16",
+             page_size=16, causal=False, n_new=0, num_splits=0, split_kv=True, options=SMALL):
+    capacity = max(lengths) + n_new
+    if page_size is not None:
+        capacity = -(-capacity // page_size) * page_size + page_size   # a spare page a sequence
+    k_cache, v_cache, table = make_cache(rng, lengths, heads_kv, head_dim, dtype, page_size,
+                                         capacity)
+    q = rng.standard_normal((len(lengths), n_q, heads, head_dim),
+                            dtype=np.float32).astype(inputs.DTYPES[dtype])
+    lens = np.array(lengths, dtype=np.int32)
+    lib = inputs.default_library()
+    dev = {name: inputs.to_device(x, lib) for name, x in
+           dict(q=q, k_cache=k_cache, v_cache=v_cache, lens=lens).items()}
+    kw = {}
+    if table is not None:
+        kw["block_table"] = inputs.to_device(table, lib)
+    new = None
+    if n_new:
+        new = [rng.standard_normal((len(lengths), n_new, heads_kv, head_dim),
+                                   dtype=np.float32).astype(inputs.DTYPES[dtype]) for _ in "kv"]
+        kw["k"], kw["v"] = (inputs.to_device(x, lib) for x in new)
+    o, lse = variants.decode(dev["q"], dev["k_cache"], dev["v_cache"], dev["lens"], causal=causal,
+                             num_splits=num_splits, split_kv=split_kv, **kw, **options)
+    o, lse = inputs.to_host(o), inputs.to_host(lse)
+    if n_new:   # the append went into the caches: read them back
+        k_after, v_after = inputs.to_host(dev["k_cache"]), inputs.to_host(dev["v_cache"])
+    for b, n in enumerate(lengths):
+        n_k = n + n_new
+        if n_new:
+            ks = sequence_keys(k_after, table, b, n_k, page_size)
+            vs = sequence_keys(v_after, table, b, n_k, page_size)
+            assert np.array_equal(ks[0, n:], new[0][b]), f"sequence {b}: appended keys"
+            assert np.array_equal(vs[0, n:], new[1][b]), f"sequence {b}: appended values"
+            ks = np.concatenate([sequence_keys(k_cache, table, b, n, page_size), new[0][b:b + 1]], 1)
+            vs = np.concatenate([sequence_keys(v_cache, table, b, n, page_size), new[1][b:b + 1]], 1)
+        else:
+            ks = sequence_keys(k_cache, table, b, n_k, page_size)
+            vs = sequence_keys(v_cache, table, b, n_k, page_size)
+        ref_o, ref_lse = reference.attention(q[b:b + 1], ks, vs, causal=causal)
+        got = checks.compare(o[b:b + 1], lse[b:b + 1], ref_o, ref_lse, dtype)
+        where = f"sequence {b} (N_k={n_k}, N_q={n_q}, causal={causal}, splits={num_splits})"
+        assert got["ok"], where + ": " + checks.describe_failure(got)
+
+
+@pytest.mark.parametrize("page_size", [16, None] + ([256] if ON_GPU else []))
+@pytest.mark.parametrize("num_splits", [1, 3] + ([0, 64] if ON_GPU else []))
+def test_decode_matches_reference(rng, page_size, num_splits):
+    run_case(rng, page_size=page_size, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("n_q, heads, heads_kv, causal", [(3, 4, 2, True), (2, 4, 4, False)] +
+                         ([(4, 32, 8, True), (1, 32, 8, False)] if ON_GPU else []))
+def test_decode_new_tokens_and_groups(rng, n_q, heads, heads_kv, causal):
+    run_case(rng, n_q=n_q, heads=heads, heads_kv=heads_kv, causal=causal, num_splits=2)
+
+
+@pytest.mark.parametrize("split_kv", [True, False])
+def test_decode_appends_new_tokens(rng, split_kv):
+    run_case(rng, n_q=2, n_new=2, causal=True, num_splits=2, split_kv=split_kv,
+             dtype="float16")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="d=128 and the default tiles: GPU sizes")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_head_dim_128(rng, dtype):
+    run_case(rng, head_dim=128, heads=32, heads_kv=8, dtype=dtype, page_size=256)
+
+
+def test_decode_errors_name_the_problem(rng):
+    lib = inputs.default_library()
+    k_cache, v_cache, table = make_cache(rng, [5, 9], 1, 64, "bfloat16", 16, 32)
+    q = inputs.to_device(rng.standard_normal((2, 1, 2, 64)).astype(inputs.DTYPES["bfloat16"]), lib)
+    kc, vc = inputs.to_device(k_cache, lib), inputs.to_device(v_cache, lib)
+
+    def call(lens=(5, 9), table=table, **kw):
+        return variants.decode(q, kc, vc, inputs.to_device(np.array(lens, np.int32), lib),
+                               block_table=None if table is None else inputs.to_device(table, lib),
+                               num_splits=1, **kw, **SMALL)
+
+    bad = table.copy()
+    bad[1, 0] = table.size + 7
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = .* is not a page of the cache"):
+        call(table=bad)
+    bad[1, 0] = -1
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -1"):
+        call(table=bad)
+    with pytest.raises(ValueError, match="exceeds the cache's capacity of 32 tokens"):
+        call(lens=(5, 40))
+    with pytest.raises(ValueError, match="is negative"):
+        call(lens=(-1, 3))
+    with pytest.raises(ValueError, match="one row per sequence"):
+        call(table=None)
+    with pytest.raises(ValueError, match="must be int32"):
+        variants.decode(q, kc, vc, inputs.to_device(np.array([5, 9], np.int64), lib),
+                        block_table=inputs.to_device(table, lib))
+    with pytest.raises(ValueError, match="pass both k and v"):
+        call(k=q)
+    with pytest.raises(ValueError, match="power of two"):
+        odd = inputs.to_device(k_cache[:, :12].copy(), lib)
+        variants.decode(q, odd, odd, inputs.to_device(np.array([5, 9], np.int32), lib),
+                        block_table=inputs.to_device(table, lib))
+    with pytest.raises(ValueError, match="decode has no option"):
+        call(block_m=64)
+    # check=False reads nothing back: a bad entry is clamped into the cache, never read past it
+    bad[1, 0] = table.size + 7
+    o, lse = call(table=bad, check=False)
+    assert np.isfinite(inputs.to_host(lse)).all()
+    assert arrays.to_host(o).shape == (2, 1, 2, 64)
+
+
+def test_num_splits_heuristic():
+    from variants.decoding import num_splits_heuristic
+    # one sequence, 8 K/V heads, 132 SMs: enough blocks for two a SM
+    assert num_splits_heuristic(1, 8, 16384, 132, 64) == 33
+    # a short cache: no split under two tiles
+    assert num_splits_heuristic(1, 8, 256, 132, 64) == 2
+    # a batch that already fills the GPU twice over: no split
+    assert num_splits_heuristic(64, 8, 16384, 132, 64) == 1
+
+
+@pytest.mark.slow
+def test_decode_experiment_runs(tmp_path):
+    """experiments/decode.py checks each size against float64 and times every row (here one tiny
+    size: in the simulator the times mean nothing)."""
+    from experiments import decode as experiment
+    rows = experiment.main(["--batches", "1", "--lengths", "128", "--page-size", "64", "--heads",
+                            "2", "--heads-kv", "1", "--head-dim", "64", "--peers", "0",
+                            "--csv", str(tmp_path / "d.csv")])
+    assert {r["kernel"] for r in rows} >= {"decode, no split", "decode, contiguous", "fa2"}
+    assert all(r["check"] == "ok" for r in rows)
+    assert (tmp_path / "d.csv").read_text().count("\n") == len(rows) + 1

@@ -1,0 +1,466 @@
+"""Decoding: attention of a few new tokens against a long KV cache, split over the keys
+(Flash-Decoding: Dao, Haziza, Massa, Sizov 2023), on the tile layer of `common/`.
+
+    o, lse = variants.decode(q, k_cache, v_cache, cache_seqlens, block_table=..., k=..., v=...)
+
+With one query token a sequence, FA2's grid (one thread block per query block, batch and head) has
+batch x heads blocks and leaves most SMs idle, while the work is reading the cache: it is bound by
+HBM bandwidth, not by the tensor cores. Flash-Decoding's three steps:
+1. split the keys and values of each sequence into `num_splits` contiguous chunks;
+2. attend to each chunk in parallel, one thread block each, writing the chunk's O (normalised by
+   its own l) and its log-sum-exp L;
+3. combine: L = log sum_s e^(L_s), O = sum_s e^(L_s - L) O_s (a second, small kernel).
+`split_kv=False` (the ablation) runs step 2 over the whole sequence and writes O, L directly.
+
+What the thread block does (decode_split): grouped-query heads share their K/V head, so the G
+query heads of one K/V head and the N_q new tokens are packed into the rows of one query tile
+(row r = i * G + g: token i, head g of the group), and each K/V byte is read once per group, not
+once per query head. The tile is tiny (G * N_q rows, padded to 16), so instead of splitting the
+rows the warps split the keys: each K/V tile of `block_n` keys (cp.async, `stages` tiles in flight,
+from the pages of a paged cache) is cut into one slice per warp, each warp runs FA2's inner loop
+(S = Q K^T, online softmax, O += P~ V: mma.m16n8k16) over its slices with its own m, l, O, and the
+warps' states are merged once at the end, as the splits' are: the same LSE algebra one level down.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda, float32, int32, types, uint16, uint32
+
+from common import arrays, kvcache, ptx, softmax, target, tiles
+from common.smem import SharedLayout
+from common.target import device_function, kernel, launch
+
+HEAD_DIMS = (64, 128)
+MAX_ROWS = 64          # query rows of a tile: kv_group * N_q (4 m16 tiles)
+MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class Config:
+    """Compile-time shape of the split kernel."""
+    head_dim: int
+    is_bf16: bool
+    kv_group: int          # G: query heads per K/V head, packed into the tile's rows
+    m_tiles: int           # m16 tiles of query rows: ceil(G * N_q / 16)
+    causal: bool           # token i of N_q sees the keys up to its own position (bottom-right)
+    paged: bool            # K/V pages looked up in a block table
+    split: bool            # write per-split O, L for the combine kernel (False: O, L directly)
+    block_n: int = 64      # keys a K/V tile holds (block_n / warps a warp)
+    warps: int = 4
+    stages: int = 3        # K/V tiles in flight (cp.async groups)
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    @property
+    def rows(self):
+        return 16 * self.m_tiles
+
+    @property
+    def keys_per_warp(self):
+        return self.block_n // self.warps
+
+    @property
+    def out_stride(self):
+        """Floats a row of the fp32 O buffer that merges the warps (8 mod 32: no bank conflicts
+        between the 8 row groups of a lane's stores)."""
+        return self.head_dim + 8
+
+    def smem_layout(self):
+        """Q | stages x (K, V) | the warps' row statistics (m, l). After the loop the K/V region
+        holds the fp32 O buffer the warps add into."""
+        d = tiles.tile_row_stride(self.head_dim, True)
+        return SharedLayout(("q", self.rows * d, 2), ("kv", 2 * self.stages * self.block_n * d, 2),
+                            ("stats", 2 * self.warps * self.rows, 4))
+
+    def validate(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"decode supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        if self.keys_per_warp % 16 or self.keys_per_warp < 16:
+            raise ValueError(f"block_n={self.block_n} must give each of the {self.warps} warps "
+                             "a multiple of 16 keys")
+        if self.stages < 2:
+            raise ValueError(f"stages must be at least 2, got {self.stages}")
+        if not 1 <= self.m_tiles <= MAX_ROWS // 16:
+            raise ValueError(f"kv_group x seqlen_q must be at most {MAX_ROWS} rows")
+        tiles.check_tile_copy(self.block_n, self.head_dim, self.threads)
+        layout = self.smem_layout()
+        if self.rows * self.out_stride * 4 > layout.regions["kv"].bytes:
+            raise ValueError("the K/V tiles are too small to hold the merged O: raise block_n")
+        if layout.bytes > target.MAX_SHARED_BYTES:
+            raise ValueError(f"{layout.bytes} bytes of shared memory: lower stages or block_n")
+        return self
+
+
+OPTIONS = ("block_n", "warps", "stages")
+
+
+def make_config(head_dim, is_bf16, kv_group, n_q, causal, paged, split, **options):
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"decode has no option {', '.join(sorted(unknown))}; its options: "
+                         f"{', '.join(OPTIONS)}")
+    rows = kv_group * n_q
+    if rows > MAX_ROWS:
+        raise ValueError(f"decode packs heads / heads_kv x seqlen_q = {kv_group} x {n_q} query "
+                         f"rows into one tile: at most {MAX_ROWS}; use variants.forward for long "
+                         "queries")
+    chosen = {k: v for k, v in options.items() if v is not None}
+    return _config(head_dim, is_bf16, kv_group, (rows + 15) // 16, causal, paged, split,
+                   tuple(sorted(chosen.items())))
+
+
+@lru_cache(maxsize=None)
+def _config(head_dim, is_bf16, kv_group, m_tiles, causal, paged, split, chosen):
+    return Config(head_dim, is_bf16, kv_group, m_tiles, causal, paged, split,
+                  **dict(chosen)).validate()
+
+
+def num_splits_heuristic(batch, heads_kv, max_seqlen_k, sm_count, block_n):
+    """Splits a sequence's keys are cut into: enough thread blocks for two a SM (one block's
+    prologue and merge overlap another's loads), but no split shorter than two K/V tiles."""
+    blocks = batch * heads_kv
+    tiles_k = max(1, -(-max_seqlen_k // block_n))
+    want = -(-2 * sm_count // blocks)
+    return int(max(1, min(want, tiles_k // 2, MAX_SPLITS)))
+
+
+@device_function
+def checked_page(block_table, b, key, page_shift, last_page):
+    """The page holding key `key` of sequence b, its table entry and the entry clamped into
+    range: with check=False a bad table gives wrong numbers, never an access outside the cache."""
+    j = min(int32(key >> page_shift), int32(block_table.shape[1] - 1))
+    return min(max(block_table[b, j], int32(0)), last_page)
+
+
+@lru_cache(maxsize=None)
+def build(cfg):
+    """The split kernel of one configuration (steps 1-2)."""
+    D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
+    M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
+    IS_BF16, CAUSAL, PAGED, SPLIT, STAGES = cfg.is_bf16, cfg.causal, cfg.paged, cfg.split, cfg.stages
+    STRIDE = tiles.tile_row_stride(D, True)
+    Q_TILE, KV_TILE = RT * STRIDE, BN * STRIDE
+    LAYOUT = cfg.smem_layout()
+    Q0, KV0, STATS0 = LAYOUT.start("q"), LAYOUT.start("kv"), LAYOUT.start("stats")
+    O0, OSTRIDE = LAYOUT.start("kv", 4), cfg.out_stride
+    Q_FRAG, S_ACC, P_FRAG, O_ACC = (M, D // 16, 4), (M, KPW // 8, 4), (M, KPW // 16, 4), (M, D // 8, 4)
+    ROWS = 2 * M
+    HALF = D // 2
+    # cp.async groups left in flight (literals, as the wait instruction wants): Q's group is the
+    # oldest after the prologue; in the loop, tile t's once `stages - 2` newer ones are pending
+    Q_LANDED, TILE_LANDED = STAGES - 1, STAGES - 2
+
+    @device_function
+    def load_q(q_s, q, b, h_kv, n_q, tid):
+        """Row r = i * G + g of the tile: token i of query head h_kv * G + g (zeros past N_q)."""
+        r, col, row_step = tiles.copy_split(tid, D, THREADS)
+        for it in range(RT // row_step if RT >= row_step else 1):
+            row = r + it * row_step
+            if row < RT:
+                i = row // G
+                inside = i < n_q
+                src = q[b, :, h_kv * G + row - i * G]       # (N_q, d): the head's tokens
+                ptx.cp_async_16(q_s, tiles.smem_offset(row, col, STRIDE, True), src,
+                                i if inside else 0, col, 16 if inside else 0)
+
+    @device_function
+    def load_kv(tile, cache, block_table, b, h_kv, key0, n_k, page_shift, tid):
+        """Keys key0 .. key0 + B_n - 1 of sequence b (zeros past n_k) from its pages: key t is
+        slot t mod page_size of page block_table[b, t / page_size] (a contiguous cache: of
+        page b), clamped into the cache so that no table entry can send a read outside it."""
+        r, col, row_step = tiles.copy_split(tid, D, THREADS)
+        last_page = int32(cache.shape[0] - 1)
+        for it in range(BN // row_step):
+            row = r + it * row_step
+            key = int32(key0 + row)
+            inside = key < n_k
+            page, slot = int32(b), key
+            if PAGED:
+                page = checked_page(block_table, b, key, page_shift, last_page) \
+                    if inside else int32(0)
+                slot = key & int32((1 << page_shift) - 1)
+            ptx.cp_async_16(tile, tiles.smem_offset(row, col, STRIDE, True), cache[page, :, h_kv],
+                            slot if inside else 0, col, 16 if inside else 0)
+
+    @device_function
+    def mask_keys(s, key0, n_k, n_q, lane):
+        """-inf where key >= n_k or (CAUSAL) key is after row r's token: token i = r / G of N_q
+        sits at key position n_k - N_q + i (bottom-right)."""
+        for m in range(M):
+            for n in range(KPW // 8):
+                for j in range(4):
+                    r, c = tiles.accumulator_position(m, n, j, lane)
+                    limit = n_k
+                    if CAUSAL:
+                        limit = min(n_k, int32(n_k - n_q + 1 + r // G))
+                    if int32(key0 + c) >= limit:
+                        s[m, n, j] = float32(-math.inf)
+
+    @device_function
+    def row_totals(stats, row, scale_log2):
+        """The merged (max, sum of e^(s - max)) of a row over the warps' statistics."""
+        mx = float32(-math.inf)
+        for w in range(W):
+            mx = max(mx, stats[STATS0 + w * RT + row])
+        base = softmax.exp2_base(mx, scale_log2)
+        total = float32(0)
+        for w in range(W):
+            total += stats[STATS0 + (W + w) * RT + row] * \
+                ptx.ex2_approx(stats[STATS0 + w * RT + row] * scale_log2 - base)
+        return mx, base, total
+
+    @kernel
+    def decode_split(q, k_cache, v_cache, block_table, cache_seqlens, o32, lse, o_part, lse_part,
+                     n_q, n_new, page_shift, softmax_scale, scale_log2):
+        """q: (B, N_q, H, d) uint16; k_cache, v_cache: (pages, page_size, H_kv, d) uint16;
+        block_table (B, max_blocks) int32 (PAGED); cache_seqlens (B,) int32. Writes o32 (B, N_q,
+        H, d/2) uint32 pairs and lse (B, H, N_q), or (SPLIT) o_part (S, B, H, N_q, d) fp32 and
+        lse_part (S, B, H, N_q) for split s = blockIdx.x of the keys."""
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        split, b, h_kv = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
+        n_k = int32(cache_seqlens[b] + n_new)
+        # Step 1: this split's K/V tiles t0 .. t1 - 1 (every sequence cut into gridDim.x chunks).
+        n_tiles = int32((n_k + BN - 1) // BN)
+        per_split = int32((n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x)
+        t0 = int32(split * per_split)
+        t1 = min(int32(t0 + per_split), n_tiles)
+
+        smem = cuda.shared.array(0, uint16)
+        stats = cuda.shared.array(0, float32)
+        q_s = smem[Q0:Q0 + Q_TILE]
+        load_q(q_s, q, b, h_kv, n_q, tid)
+        ptx.cp_async_commit()
+        for st in range(STAGES - 1):    # the first stages - 1 tiles in flight
+            if int32(t0 + st) < t1:
+                kv = KV0 + st * 2 * KV_TILE
+                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, b, h_kv,
+                        int32((t0 + st) * BN), n_k, page_shift, tid)
+                load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, b, h_kv,
+                        int32((t0 + st) * BN), n_k, page_shift, tid)
+            ptx.cp_async_commit()
+        ptx.cp_async_wait(Q_LANDED)      # Q (the oldest group) has landed
+        cuda.syncthreads()
+        q_frag = cuda.local.array(Q_FRAG, uint32)
+        for m in range(M):
+            tiles.load_a_fragments(q_frag, m, q_s, 16 * m, lane, STRIDE, True)
+
+        # Step 2: FA2's inner loop (Alg.1 l.6-10), each warp over its slice of every tile.
+        o_acc = cuda.local.array(O_ACC, float32)
+        tiles.fill(o_acc, float32(0))
+        m_i = cuda.local.array(ROWS, float32)
+        l_i = cuda.local.array(ROWS, float32)
+        softmax.init_rows(m_i, l_i)
+        s = cuda.local.array(S_ACC, float32)
+        p = cuda.local.array(P_FRAG, uint32)
+        key_w = warp * KPW                     # the warp's first key in a tile
+        for t in range(t0, t1):
+            ptx.cp_async_wait(TILE_LANDED)     # tile t has landed ...
+            cuda.syncthreads()                 # ... and every warp is done with tile t - 1
+            nxt = int32(t + STAGES - 1)        # refill tile t - 1's buffers with tile t + S - 1
+            if nxt < t1:
+                kv = KV0 + ((nxt - t0) % STAGES) * 2 * KV_TILE
+                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, b, h_kv, int32(nxt * BN),
+                        n_k, page_shift, tid)
+                load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, b, h_kv,
+                        int32(nxt * BN), n_k, page_shift, tid)
+            ptx.cp_async_commit()
+            kv = KV0 + ((t - t0) % STAGES) * 2 * KV_TILE + key_w * STRIDE
+            k_w = smem[kv:kv + KPW * STRIDE]
+            v_w = smem[kv + KV_TILE:kv + KV_TILE + KPW * STRIDE]
+            key0 = int32(t * BN + key_w)
+            # l.8: S = Q K^T over the warp's keys; l.9-10: online softmax, O += P~ V.
+            tiles.fill(s, float32(0))
+            tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, True, IS_BF16)
+            if int32(t * BN + BN) > (int32(n_k - n_q + 1) if CAUSAL else n_k):
+                mask_keys(s, key0, n_k, n_q, lane)
+            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
+            tiles.accumulator_to_a(p, s, IS_BF16)
+            tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, True, IS_BF16)
+
+        # Merge the warps (as step 3 merges the splits): every copy has landed and every warp is
+        # done with the tiles, whose memory now holds the fp32 O buffer.
+        ptx.cp_async_wait(0)
+        cuda.syncthreads()
+        if lane & 3 == 0:
+            for r in range(ROWS):
+                row = 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)
+                stats[STATS0 + warp * RT + row] = m_i[r]
+        for r in range(ROWS):
+            total = softmax.quad_sum(l_i[r])
+            if lane & 3 == 0:
+                stats[STATS0 + (W + warp) * RT + 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)] = total
+        cuda.syncthreads()
+        scale = cuda.local.array(ROWS, float32)   # e^(m_w - m) / l: the warp's share of a row
+        for r in range(ROWS):
+            mx, base, total = row_totals(stats, 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1),
+                                         scale_log2)
+            scale[r] = ptx.ex2_approx(m_i[r] * scale_log2 - base) / total \
+                if total > float32(0) else float32(0)
+        tiles.scale_rows(o_acc, scale)
+        o_buf = stats[O0:O0 + RT * OSTRIDE]
+        for w in range(W):                     # one warp at a time: a fixed order of sums
+            if warp == w:
+                for m in range(M):
+                    for n in range(D // 8):
+                        for j in range(4):
+                            r, c = tiles.accumulator_position(m, n, j, lane)
+                            at = r * OSTRIDE + c
+                            o_buf[at] = o_acc[m, n, j] if w == 0 else o_buf[at] + o_acc[m, n, j]
+            cuda.syncthreads()
+
+        # Out: the real rows (token i < N_q) of the tile, in q's layout (SPLIT: this split's).
+        for at in range(tid, RT * HALF, THREADS):
+            row = at // HALF
+            c2 = at - row * HALF
+            i = row // G
+            if i < n_q:
+                h = h_kv * G + row - i * G
+                x0, x1 = o_buf[row * OSTRIDE + 2 * c2], o_buf[row * OSTRIDE + 2 * c2 + 1]
+                if SPLIT:
+                    o_part[split, b, h, i, 2 * c2] = x0
+                    o_part[split, b, h, i, 2 * c2 + 1] = x1
+                else:
+                    o32[b, i, h, c2] = tiles.pack_pair(x0, x1, IS_BF16)
+        if tid < RT:
+            i = tid // G
+            if i < n_q:
+                h = h_kv * G + tid - i * G
+                mx, base, total = row_totals(stats, tid, scale_log2)
+                value = mx * softmax_scale + math.log(total) if total > float32(0) \
+                    else float32(-math.inf)
+                if SPLIT:
+                    lse_part[split, b, h, i] = value
+                else:
+                    lse[b, h, i] = value
+
+    return decode_split
+
+
+@lru_cache(maxsize=None)
+def build_combine(head_dim, is_bf16):
+    """Step 3: O = sum_s e^(L_s - L) O_s, L = log sum_s e^(L_s); one thread a column pair."""
+
+    @kernel
+    def decode_combine(o_part, lse_part, o32, lse, n_splits):
+        i, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        c2 = cuda.threadIdx.x
+        mx = float32(-math.inf)
+        for s in range(n_splits):
+            mx = max(mx, lse_part[s, b, h, i])
+        total, x0, x1 = float32(0), float32(0), float32(0)
+        if mx != float32(-math.inf):
+            for s in range(n_splits):
+                w = math.exp(lse_part[s, b, h, i] - mx)
+                total += w
+                x0 += w * o_part[s, b, h, i, 2 * c2]
+                x1 += w * o_part[s, b, h, i, 2 * c2 + 1]
+        inv = float32(1) / total if total > float32(0) else float32(0)
+        o32[b, i, h, c2] = tiles.pack_pair(x0 * inv, x1 * inv, is_bf16)
+        if c2 == 0:
+            lse[b, h, i] = mx + math.log(total) if total > float32(0) else float32(-math.inf)
+
+    return decode_combine
+
+
+@lru_cache(maxsize=None)
+def build_append(paged):
+    """k, v (B, N_new, H_kv, d) into the caches at positions cache_seqlens[b] .. + N_new - 1:
+    one thread block a (token, sequence), 16 bytes a thread."""
+
+    @kernel
+    def decode_append(k_new, v_new, k_cache, v_cache, block_table, cache_seqlens, page_shift):
+        t, b = cuda.blockIdx.x, cuda.blockIdx.y
+        pos = int32(cache_seqlens[b] + t)
+        page, slot = int32(b), pos
+        if paged:
+            page = checked_page(block_table, b, pos, page_shift, int32(k_cache.shape[0] - 1))
+            slot = pos & int32((1 << page_shift) - 1)
+        chunks = k_new.shape[2] * (k_new.shape[3] // 8)
+        for c in range(cuda.threadIdx.x, chunks, cuda.blockDim.x):
+            h = c // (k_new.shape[3] // 8)
+            col = 8 * (c - h * (k_new.shape[3] // 8))
+            for e in range(8):
+                k_cache[page, slot, h, col + e] = k_new[b, t, h, col + e]
+                v_cache[page, slot, h, col + e] = v_new[b, t, h, col + e]
+
+    return decode_append
+
+
+def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
+           softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None, **options):
+    """Attention of q's N_q new tokens against each sequence's cache (common/kvcache.py has the
+    shapes, as flash_attn_with_kvcache). k, v: appended to the cache first. causal: token i sees
+    the keys up to its own position (the last N_q keys are the new tokens'). num_splits: 0 picks
+    by `num_splits_heuristic`; split_kv=False runs one thread block a (sequence, K/V head) over
+    all its keys. check: read the lengths and block table back and refuse bad ones (False: no
+    host read, e.g. inside a CUDA graph; then pass num_splits). Returns (o like q, lse (B, H, N_q)
+    float32). options: Config's block_n, warps, stages."""
+    prob = kvcache.prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v,
+                                  block_table=block_table, causal=causal,
+                                  softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check)
+    if prob.n_new:   # append the new tokens first (same stream: the split kernel sees them)
+        launch(build_append(prob.paged), (prob.n_new, prob.batch), 128, 0, prob.stream,
+               prob.k_new, prob.v_new, prob.k_cache, prob.v_cache, prob.block_table,
+               prob.cache_seqlens, np.int32(prob.page_shift))
+    splits = 1
+    if split_kv:
+        block_n = options.get("block_n") or Config.block_n
+        splits = int(num_splits) if num_splits else num_splits_heuristic(
+            prob.batch, prob.heads_kv, prob.max_seqlen_k, target.multiprocessor_count(), block_n)
+        if not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be 1 .. {MAX_SPLITS}, got {num_splits}")
+    cfg = make_config(prob.head_dim, prob.is_bf16, prob.kv_group, prob.n_q, prob.causal,
+                      prob.paged, splits > 1, **options)
+    lib, like = prob.library, prob.like
+    dtype = prob.dtype
+    if out is None:
+        o = arrays.empty(lib, (prob.batch, prob.n_q, prob.heads, prob.head_dim), dtype, like=like)
+        lse = arrays.empty(lib, (prob.batch, prob.heads, prob.n_q), "float32", like=like)
+    else:
+        o, lse = out
+    o32 = arrays.bits_view(arrays.describe(o, "out[0]"), np.uint32, None, 2)
+    lse_v = arrays.bits_view(arrays.describe(lse, "out[1]"), np.float32)
+    scale = np.float32(prob.softmax_scale)
+    scale_log2 = np.float32(prob.softmax_scale * math.log2(math.e))
+    grid = (splits, prob.batch, prob.heads_kv)
+    args = (prob.q, prob.k_cache, prob.v_cache, prob.block_table, prob.cache_seqlens)
+    scalars = (np.int32(prob.n_q), np.int32(prob.n_new), np.int32(prob.page_shift), scale,
+               scale_log2)
+    if splits == 1:
+        part = arrays.placeholder(lib, 5, like)
+        launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
+               lse_v, part, arrays.placeholder(lib, 4, like), *scalars)
+    else:
+        part = arrays.empty_view(lib, (splits, prob.batch, prob.heads, prob.n_q, prob.head_dim),
+                                 "float32", np.float32, like=like)[1]
+        lse_part = arrays.empty_view(lib, (splits, prob.batch, prob.heads, prob.n_q), "float32",
+                                     np.float32, like=like)[1]
+        launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
+               lse_v, part, lse_part, *scalars)
+        launch(build_combine(prob.head_dim, prob.is_bf16), (prob.n_q, prob.heads, prob.batch),
+               prob.head_dim // 2, 0, prob.stream, part, lse_part, o32, lse_v, np.int32(splits))
+    return o, lse
+
+
+def compile_targets():
+    """(name, kernel, argument types, mma count a K/V tile) of the split kernel as decoding
+    Llama-3-8B's shapes runs it (32 query heads on 8 K/V heads, one token, d=128, bf16, paged),
+    with and without the split, and the combine kernel."""
+    u16_4 = types.Array(types.uint16, 4, "A")
+    i32_2, i32_1 = types.Array(types.int32, 2, "A"), types.Array(types.int32, 1, "A")
+    o32 = types.Array(types.uint32, 4, "A")
+    f32 = {n: types.Array(types.float32, n, "A") for n in (3, 4, 5)}
+    scalars = (types.int32, types.int32, types.int32, types.float32, types.float32)
+    for split in (True, False):
+        cfg = make_config(128, True, 4, 1, False, True, split)
+        # a warp's S = Q K^T and O += P~ V over its keys of a tile: m_tiles * d * keys / 64
+        mma = cfg.m_tiles * 128 * cfg.keys_per_warp // 64
+        yield f"decode d=128 bf16 G=4 paged split={split}", build(cfg), \
+            (u16_4, u16_4, u16_4, i32_2, i32_1, o32, f32[3], f32[5], f32[4]) + scalars, mma
+    yield "decode combine d=128 bf16", build_combine(128, True), \
+        (f32[5], f32[4], o32, f32[3], types.int32), 0
