@@ -104,8 +104,8 @@ def main(argv=None):
             q, kc, vc, table, lens, kcont, vcont = sets[0]
             o, lse = variants.decode(q, kc, vc, lens, block_table=table)
             b = batch - 1
-            ref = reference.attention(inputs.to_host(q)[b:b + 1], inputs.to_host(kcont)[b:b + 1],
-                                      inputs.to_host(vcont)[b:b + 1])
+            ref = reference.attention(inputs.to_host(q[b:b + 1]), inputs.to_host(kcont[b:b + 1]),
+                                      inputs.to_host(vcont[b:b + 1]))
             got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
                                  dtype)
             ok = "ok" if got["ok"] else "FAIL"
