@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import variants
-from common import arrays, checks, inputs, reference
+from common import checks, inputs, reference
 from tests.conftest import ON_GPU
 
 SMALL = {} if ON_GPU else dict(block_n=32, warps=2, stages=2)
@@ -150,16 +150,18 @@ def test_decode_errors_name_the_problem(rng):
     bad[1, 0] = table.size + 7
     o, lse = call(table=bad, check=False)
     assert np.isfinite(inputs.to_host(lse)).all()
-    assert arrays.to_host(o).shape == (2, 1, 2, 64)
+    assert inputs.to_host(o).shape == (2, 1, 2, 64)
 
 
 def test_num_splits_heuristic():
     from variants.decoding import num_splits_heuristic
-    # one sequence, 8 K/V heads, 132 SMs: enough blocks for two a SM
-    assert num_splits_heuristic(1, 8, 16384, 132, 64) == 33
+    # 132 SMs, two blocks each: 264 slots. One sequence, 8 K/V heads: 32 splits (256 blocks)
+    assert num_splits_heuristic(1, 8, 131072, 132, 64) == 32
+    # batch 8: 64 blocks; 4 splits fill 256 of the 264 slots (5 would need 1.2 waves)
+    assert num_splits_heuristic(8, 8, 131072, 132, 64) == 4
     # a short cache: no split under two tiles
     assert num_splits_heuristic(1, 8, 256, 132, 64) == 2
-    # a batch that already fills the GPU twice over: no split
+    # a batch that already fills the GPU: no split
     assert num_splits_heuristic(64, 8, 16384, 132, 64) == 1
 
 

@@ -119,13 +119,25 @@ def _config(head_dim, is_bf16, kv_group, m_tiles, causal, paged, split, chosen):
                   **dict(chosen)).validate()
 
 
-def num_splits_heuristic(batch, heads_kv, max_seqlen_k, sm_count, block_n):
-    """Splits a sequence's keys are cut into: enough thread blocks for two a SM (one block's
-    prologue and merge overlap another's loads), but no split shorter than two K/V tiles."""
+def num_splits_heuristic(batch, heads_kv, max_seqlen_k, sm_count, block_n, blocks_per_sm=2):
+    """Splits a sequence's keys are cut into: the fewest whose thread blocks fill the GPU's slots
+    (sm_count x blocks_per_sm: two of the default configuration's fit a SM, by its 204 registers
+    a thread and ~100 KB of shared memory) in whole waves, >= 95% of the last wave busy, as
+    FA2's heuristic weighs waves; no split shorter than two K/V tiles. Measured on an H100
+    (docs/results/decode_h100.txt): 5 splits of 64 blocks (1.2 waves) ran at 60% of the copy
+    bandwidth where 8 (1.9 waves) ran at 94%."""
     blocks = batch * heads_kv
-    tiles_k = max(1, -(-max_seqlen_k // block_n))
-    want = -(-2 * sm_count // blocks)
-    return int(max(1, min(want, tiles_k // 2, MAX_SPLITS)))
+    slots = sm_count * blocks_per_sm
+    most = max(1, min(MAX_SPLITS, max(1, -(-max_seqlen_k // block_n)) // 2))
+    if blocks >= slots or most == 1:
+        return 1
+
+    def busy(splits):   # the fraction of the slots busy over the waves
+        waves = blocks * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(busy(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if busy(s) >= 0.95 * best)
 
 
 @device_function
