@@ -372,14 +372,31 @@ def bar_arrive(barrier, nthreads):
     bar.reach(int(barrier), wait=False)
 
 
+# cp.async: a copy lands only at the cp_async_wait that covers it. Each simulated thread keeps the
+# copies it has issued (destination, offset, the 8 source values read at issue, or zeros) in its
+# open group; cp_async_commit closes that group, cp_async_wait(n) writes out every committed group
+# but the newest n, oldest first (cp.async.wait_group n; the open group is not waited for). On a GPU
+# a copy lands at some time up to that wait; landing it at the latest makes a read that misses a
+# wait see stale data, and a store into the tile before the wait be overwritten, deterministically.
+# A thread whose kernel returns with copies still in flight is an error (check_cp_async_landed,
+# called by target.kernel after the body): they would land at an unknown time.
+
+def _cp_async_groups(t=None):
+    """This thread's cp.async state: [open group, committed groups (oldest first)]."""
+    t = t or threading.current_thread()
+    state = t.__dict__.get("_cp_async")
+    if state is None:
+        state = t.__dict__["_cp_async"] = [[], []]
+    return state
+
+
 def cp_async_16(dst, dst_offset, src, row, col, src_bytes):
     dst = _unwrap(dst)
-    n = 8 if int(src_bytes) == 16 else 0
-    o = int(dst_offset)
-    if n:
-        dst[o:o + 8] = _unwrap(src)[int(row), int(col):int(col) + 8]
+    if int(src_bytes) == 16:
+        values = _unwrap(src)[int(row), int(col):int(col) + 8].copy()
     else:
-        dst[o:o + 8] = 0
+        values = np.zeros(8, dtype=dst.dtype)
+    _cp_async_groups()[0].append((dst, int(dst_offset), values))
 
 
 class _Address:
@@ -408,11 +425,30 @@ def cp_async_16_from(dst, dst_offset, address, src_bytes):
 
 
 def cp_async_commit():
-    pass
+    state = _cp_async_groups()
+    state[1].append(state[0])
+    state[0] = []
 
 
 def cp_async_wait(pending):
-    pass
+    committed = _cp_async_groups()[1]
+    while len(committed) > int(pending):
+        for dst, o, values in committed.pop(0):
+            dst[o:o + 8] = values
+
+
+def check_cp_async_landed():
+    """Raise if this thread has cp.async copies that no cp_async_wait has covered (its kernel is
+    returning: on a GPU they would land at an unknown time, maybe over what it stored since)."""
+    open_group, committed = _cp_async_groups()
+    waiting = sum(len(g) for g in committed)
+    if open_group or waiting:
+        t = threading.current_thread()
+        offsets = [o for g in committed + [open_group] for _, o, _ in g][:4]
+        raise RuntimeError(
+            "cp.async copies issued but never waited for (cp_async_wait) before the kernel "
+            f"returned: thread {getattr(t, 'thread_id', '?')} has {waiting} in committed groups "
+            f"and {len(open_group)} uncommitted (destination offsets {offsets}...)")
 
 
 def ld_shared_v4_u32(smem, offset):

@@ -22,7 +22,28 @@ device_function = cuda.jit(device=True, inline="always")
 
 
 # Kernels: lazily compiled, one specialisation per argument types (tile sizes are closed over).
-kernel = cuda.jit
+if SIMULATOR:
+    def kernel(fn):
+        """cuda.jit of `fn`, whose every simulated thread checks, once the body returns, that it
+        left no cp.async copy in flight (_ptx_sim.check_cp_async_landed). The simulator swaps the
+        `cuda` name in the kernel function's globals for its fake module, so the wrapper gets
+        `fn`'s globals (the kernel module's)."""
+        import functools
+        import types
+
+        from common import _ptx_sim
+
+        check = _ptx_sim.check_cp_async_landed
+
+        def body(*args):
+            fn(*args)
+            check()
+
+        checked = types.FunctionType(body.__code__, fn.__globals__, fn.__name__, None,
+                                     body.__closure__)
+        return cuda.jit(functools.wraps(fn)(checked))
+else:
+    kernel = cuda.jit
 
 
 def kernel_for_one_block_per_sm(threads):
@@ -31,7 +52,7 @@ def kernel_for_one_block_per_sm(threads):
     specialised kernels of 288 threads, whose consumers want ~200). The simulator has no launch
     bounds."""
     if SIMULATOR:
-        return cuda.jit
+        return kernel
     return cuda.jit(launch_bounds=(threads, 1))
 
 

@@ -86,6 +86,20 @@ def test_mask_forward_backward(rng, variant, n_q, n_k, mask, heads, heads_kv):
     check_forward_backward(rng, variant, n_q, n_k, mask, heads=heads, heads_kv=heads_kv)
 
 
+def test_fa1_query_blocks_that_see_no_key_in_fa2_order(rng):
+    """fa1 in FA2's loop order with block skipping: the query blocks above a bottom-right diagonal
+    (rows 0-29 of 70 see none of 40 keys; B_r = 16) visit no K/V block, write O = 0 and
+    LSE = -inf, and wait for the copies they issued before returning."""
+    q, k, v = inputs.random_qkv(rng, 1, 70, 2, 64, "bfloat16", seqlen_k=40, heads_kv=1)
+    dev = [inputs.to_device(x, inputs.default_library()) for x in (q, k, v)]
+    o, lse = variants.forward(*dev, variant="fa1", causal=True, outer_loop="q", causal_skip=True,
+                              **({} if ON_GPU else dict(block_n=32, warps=2)))
+    ref_o, ref_lse = reference.attention(q, k, v, causal=True)
+    got = checks.compare(inputs.to_host(o), inputs.to_host(lse), ref_o, ref_lse, "bfloat16")
+    assert got["ok"], checks.describe_failure(got)
+    assert np.array_equal(np.isneginf(inputs.to_host(lse)), np.isneginf(ref_lse))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", MASKED_VARIANTS)
 @pytest.mark.parametrize("head_dim, dtype", [(128, "bfloat16"), (64, "float16")])

@@ -9,7 +9,7 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
 from common import _ptx_sim as sem
-from common import inputs, ptx
+from common import inputs, ptx, target
 from tests.conftest import ON_GPU
 
 DTYPES = ["bfloat16", "float16"]
@@ -289,3 +289,85 @@ def test_named_barrier_orders_a_pair_of_warps():
     pair_barrier_kernel[1, 128](out, np.array([20000 if ON_GPU else 1], np.int32))
     partner = np.arange(128) ^ 32
     np.testing.assert_array_equal(out[:128], 1000 * (partner // 32) + partner % 32)
+
+
+# ----------------------------------------------------------------- the simulator's cp.async model
+# In the simulator a cp.async copy lands at the cp_async_wait that covers it, not before (on a GPU:
+# at some time up to it), and a kernel (common.target.kernel) whose thread returns with copies in
+# flight is refused. Each thread copies row `tid` of src into its own 8 halves of shared memory,
+# which start as MARK.
+
+MARK = 0xABCD
+
+
+@cuda.jit
+def async_groups_kernel(src, seen):
+    """seen[s, tid]: the first half of each of this thread's three slots at stage s. Copy A is
+    committed alone, B after it, C is issued but not committed until stage 3; stages: 0 before
+    any wait, 1 after wait(1) (A lands), 2 after wait(0) (B lands; C is in no group), 3 after
+    commit and wait(0) (C lands, zero-filled)."""
+    tid = int32(cuda.threadIdx.x)
+    smem = cuda.shared.array(3 * 256, uint16)
+    for slot in range(3):
+        for e in range(8):
+            smem[slot * 256 + tid * 8 + e] = MARK
+    ptx.cp_async_16(smem, tid * 8, src, tid, 0, 16)           # A
+    ptx.cp_async_commit()
+    ptx.cp_async_16(smem, 256 + tid * 8, src, tid, 8, 16)     # B
+    ptx.cp_async_commit()
+    ptx.cp_async_16(smem, 512 + tid * 8, src, tid, 0, 0)      # C: zero-fill
+    for slot in range(3):
+        seen[0, slot, tid] = smem[slot * 256 + tid * 8]
+    ptx.cp_async_wait(1)
+    for slot in range(3):
+        seen[1, slot, tid] = smem[slot * 256 + tid * 8]
+    ptx.cp_async_wait(0)
+    for slot in range(3):
+        seen[2, slot, tid] = smem[slot * 256 + tid * 8]
+    ptx.cp_async_commit()
+    ptx.cp_async_wait(0)
+    for slot in range(3):
+        seen[3, slot, tid] = smem[slot * 256 + tid * 8]
+
+
+@pytest.mark.sim
+def test_async_copies_land_only_at_the_wait_that_covers_them(rng):
+    src = rng.integers(0, MARK, (32, 16), dtype=np.uint16)
+    seen = np.zeros((4, 3, 32), np.uint16)
+    async_groups_kernel[1, 32](src, seen)
+    a, b, mark, zero = src[:, 0], src[:, 8], np.full(32, MARK), np.zeros(32)
+    expect = [[mark, mark, mark], [a, mark, mark], [a, b, mark], [a, b, zero]]
+    np.testing.assert_array_equal(seen, np.array(expect, np.uint16))
+
+
+@target.kernel
+def unwaited_copy_kernel(src, commit):
+    """Issues a copy and returns without waiting for it (committed or not)."""
+    tid = int32(cuda.threadIdx.x)
+    smem = cuda.shared.array(256, uint16)
+    ptx.cp_async_16(smem, tid * 8, src, tid, 0, 16)
+    if commit:
+        ptx.cp_async_commit()
+
+
+@target.kernel
+def waited_copy_kernel(src, out):
+    tid = int32(cuda.threadIdx.x)
+    smem = cuda.shared.array(256, uint16)
+    ptx.cp_async_16(smem, tid * 8, src, tid, 0, 16)
+    ptx.cp_async_commit()
+    ptx.cp_async_wait(0)
+    out[tid] = smem[tid * 8]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("commit", [True, False])
+def test_a_kernel_returning_with_copies_in_flight_is_refused(commit):
+    src = np.arange(32 * 8, dtype=np.uint16).reshape(32, 8)
+    with pytest.raises(RuntimeError, match=r"cp\.async copies issued but never waited for "
+                                           r"\(cp_async_wait\) before the kernel returned"):
+        unwaited_copy_kernel[1, 32](src, commit)
+    out = np.zeros(32, np.uint16)
+    waited_copy_kernel[1, 32](src, out)     # the same copy, waited for: accepted
+    np.testing.assert_array_equal(out, src[:, 0])
+    assert waited_copy_kernel.py_func.__wrapped__.__name__ == "waited_copy_kernel"

@@ -367,6 +367,7 @@ def build(cfg):
                 ptx.cp_async_commit()
                 m_row, l_row = update_rows(o_own, m_row, l_row, o_part, red_max, red_sum, row, c0,
                                            scale_log2)
+            ptx.cp_async_wait(0)   # a block that visits no K/V block (j1 <= j0): Q, K, V in flight
             grow = row0 + row
             if grow < n_q:
                 write_output(o_bh, lse_bh, m_bh, l_bh, o_own, grow, c0, m_row, l_row, softmax_scale)
