@@ -32,21 +32,10 @@ def copy_bandwidth(torch):
     return 2 * x.numel() * x.element_size() / ms / 1e6
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--lengths", default="16384,65536,131072")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--heads-kv", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=256)
-    ap.add_argument("--splits", default="", help="extra fixed num_splits to time, e.g. 8,16,32")
-    ap.add_argument("--peers", type=int, default=1)
-    ap.add_argument("--csv", default=None)
-    args = ap.parse_args(argv)
-
-    import common
-    common.select_backend()
+def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size=256,
+                 extra_splits=(), peers_on=True, copy_gbs=float("nan"), rng=None):
+    """The rows of one (batch, cache length): each kernel checked on one sequence against float64
+    (decode's), then timed. Returns dicts with kernel, ms, gbs, of_copy, vs_fa2, splits, host_us."""
     import numpy as np
     from numba import cuda
 
@@ -58,115 +47,181 @@ def main(argv=None):
     torch = None
     if library == "torch":
         import torch
-    h, h_kv, d, ps = args.heads, args.heads_kv, args.head_dim, args.page_size
+    h, h_kv, d, ps = heads, heads_kv, head_dim, page_size
     dtype = "bfloat16"
+    rng = np.random.default_rng(0) if rng is None else rng
+    out = []
+    bench = dict(warmup=3, min_reps=10, max_reps=200, target_ms=200)
+    kv_bytes = 2 * batch * length * h_kv * d * 2
+    n_sets = 2 if 2 * kv_bytes < 200e6 else 1
+    pages_per_seq = length // ps
+    sets = []
+    for _ in range(n_sets):
+        # caches made on the device (host copies of 8 GiB are slow): random bits of bf16
+        # values in [-2, 2), the same memory seen paged and contiguous
+        if torch is not None:
+            kc = torch.randn(batch * pages_per_seq, ps, h_kv, d, device="cuda",
+                             dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16)
+            perm = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32)
+            table = perm.reshape(batch, pages_per_seq).contiguous()
+            lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+            # the contiguous cache: each sequence's pages gathered in order
+            kcont = kc[table.long()].reshape(batch, length, h_kv, d)
+            vcont = vc[table.long()].reshape(batch, length, h_kv, d)
+        else:
+            hq, hk, hv = inputs.random_qkv(rng, batch, 1, h, d, dtype, seqlen_k=length,
+                                           heads_kv=h_kv)
+            perm = rng.permutation(batch * pages_per_seq).astype(np.int32)
+            table_h = perm.reshape(batch, pages_per_seq)
+            kc_h = np.empty((batch * pages_per_seq, ps, h_kv, d), hk.dtype)
+            vc_h = np.empty_like(kc_h)
+            for b in range(batch):
+                for j in range(pages_per_seq):
+                    kc_h[table_h[b, j]] = hk[b, j * ps:(j + 1) * ps]
+                    vc_h[table_h[b, j]] = hv[b, j * ps:(j + 1) * ps]
+            q, kc, vc, table, kcont, vcont = (inputs.to_device(x, library) for x in
+                                              (hq, kc_h, vc_h, table_h, hk, hv))
+            lens = inputs.to_device(np.full(batch, length, np.int32), library)
+        sets.append((q, kc, vc, table, lens, kcont, vcont))
+
+    # check one sequence of set 0 against float64
+    q, kc, vc, table, lens, kcont, vcont = sets[0]
+    o, lse = variants.decode(q, kc, vc, lens, block_table=table)
+    b = batch - 1
+    ref = reference.attention(inputs.to_host(q[b:b + 1]), inputs.to_host(kcont[b:b + 1]),
+                              inputs.to_host(vcont[b:b + 1]))
+    got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
+                         dtype)
+    ok = "ok" if got["ok"] else "FAIL"
+    splits = decoding.num_splits_heuristic(batch, h_kv, length,
+                                           target.multiprocessor_count(),
+                                           decoding.Config.block_n)
+
+    def timed(fn):
+        return timing.benchmark(lambda i: fn(*sets[i % n_sets]), **bench).median_ms
+
+    rows = {
+        f"decode (splits={splits})": timed(lambda q, kc, vc, t, n, *_:
+                                           variants.decode(q, kc, vc, n, block_table=t,
+                                                           check=False,
+                                                           num_splits=splits)),
+        "decode, no split": timed(lambda q, kc, vc, t, n, *_:
+                                  variants.decode(q, kc, vc, n, block_table=t,
+                                                  check=False, split_kv=False)),
+        "decode, contiguous": timed(lambda q, kc, vc, t, n, kk, vv:
+                                    variants.decode(q, kk, vv, n, check=False,
+                                                    num_splits=splits)),
+    }
+    for s in (int(x) for x in extra_splits if x):
+        rows[f"decode (splits={s})"] = timed(
+            lambda q, kc, vc, t, n, *_, s=s: variants.decode(q, kc, vc, n, block_table=t,
+                                                             check=False, num_splits=s))
+    # the host's time a call (launches queue ahead: 50 calls enqueued, then one wait)
+    call = (lambda q, kc, vc, t, n, *_: variants.decode(q, kc, vc, n, block_table=t,
+                                                        check=False, num_splits=splits))
+    calls = 1 if target.SIMULATOR else 50
+    start = time.perf_counter()
+    for _ in range(calls):
+        call(*sets[0])
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    cuda.synchronize()
+    rows["fa2"] = timed(lambda q, kc, vc, t, n, kk, vv: variants.forward(q, kk, vv))
+    if peers_on and torch is not None:
+        from experiments import peers
+        for name in ("sdpa_flash", "sdpa_cudnn"):
+            fn = peers.forward_fn(name, False, None, h != h_kv)
+            try:
+                rows[name] = timed(lambda q, kc, vc, t, n, kk, vv, fn=fn: fn(q, kk, vv))
+            except RuntimeError as exc:   # a backend that does not take this shape
+                print(f"  {name}: {str(exc).splitlines()[0][:100]}", flush=True)
+                rows[name] = float("nan")
+    base = rows["fa2"]
+    print(f"B={batch:<2} L={length:<7} host: {host_us:.0f} us a decode call", flush=True)
+    for name, ms in rows.items():
+        gbs = kv_bytes / ms / 1e6
+        out.append(dict(kernel=name, batch=batch, seqlen_k=length, heads=h, heads_kv=h_kv,
+                        head_dim=d, page_size=ps, ms=round(ms, 4), gbs=round(gbs, 1),
+                        of_copy=round(gbs / copy_gbs, 3), vs_fa2=round(base / ms, 2),
+                        host_us=round(host_us, 1) if name.startswith("decode (") else "",
+                        check=ok, gpu=target.describe()))
+        print(f"B={batch:<2} L={length:<7} {name:22} {ms:8.3f} ms {gbs:7.0f} GB/s "
+              f"{gbs / copy_gbs:6.1%} of copy  {base / ms:5.2f}x fa2  {ok}", flush=True)
+    sets.clear()   # free the caches before the next size
+    if torch is not None:
+        torch.cuda.empty_cache()
+    return out
+
+
+def plot(rows, path):
+    """GB/s of K/V read against cache length, one panel a batch size: decode with and without the
+    split, fa2, the SDPA peers, and the copy bandwidth of the run as the ceiling."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        mine = [r for r in rows if r["batch"] == batch]
+        for name, style in (("decode", "o-"), ("decode, no split", "s--"), ("fa2", "^:"),
+                            ("sdpa_flash", "x-"), ("sdpa_cudnn", "+-")):
+            pts = sorted((r["seqlen_k"], r["gbs"]) for r in mine
+                         if r["kernel"] == name or (name == "decode" and r["kernel"].startswith(
+                             "decode (") and r["host_us"] != ""))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
+        copy = mine[0]["gbs"] / mine[0]["of_copy"] if mine[0]["of_copy"] else None
+        if copy and copy == copy:
+            ax.axhline(copy, color="gray", lw=0.8, label="copy bandwidth")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache length (tokens)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("GB/s of K, V read")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"decoding, one new token: {rows[0]['gpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--lengths", default="16384,65536,131072")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--heads-kv", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--splits", default="", help="extra fixed num_splits to time, e.g. 8,16,32")
+    ap.add_argument("--peers", type=int, default=1)
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--plot", default=None, help="a PNG: GB/s against cache length, per batch")
+    args = ap.parse_args(argv)
+
+    import common
+    common.select_backend()
+    import numpy as np
+
+    from common import inputs, target
+
+    torch = None
+    if inputs.default_library() == "torch":
+        import torch
+    h, h_kv, d, ps = args.heads, args.heads_kv, args.head_dim, args.page_size
     rng = np.random.default_rng(0)
     copy_gbs = copy_bandwidth(torch) if torch is not None else float("nan")
     print(f"{target.describe()} | H={h} H_kv={h_kv} d={d} bf16, one new token, pages of {ps} | "
           f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
     out = []
-    bench = dict(warmup=3, min_reps=10, max_reps=200, target_ms=200)
     for batch in (int(x) for x in args.batches.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
-            kv_bytes = 2 * batch * length * h_kv * d * 2
-            n_sets = 2 if 2 * kv_bytes < 200e6 else 1
-            pages_per_seq = length // ps
-            sets = []
-            for _ in range(n_sets):
-                # caches made on the device (host copies of 8 GiB are slow): random bits of bf16
-                # values in [-2, 2), the same memory seen paged and contiguous
-                if torch is not None:
-                    kc = torch.randn(batch * pages_per_seq, ps, h_kv, d, device="cuda",
-                                     dtype=torch.bfloat16)
-                    vc = torch.randn_like(kc)
-                    q = torch.randn(batch, 1, h, d, device="cuda", dtype=torch.bfloat16)
-                    perm = torch.randperm(batch * pages_per_seq, device="cuda").to(torch.int32)
-                    table = perm.reshape(batch, pages_per_seq).contiguous()
-                    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-                    # the contiguous cache: each sequence's pages gathered in order
-                    kcont = kc[table.long()].reshape(batch, length, h_kv, d)
-                    vcont = vc[table.long()].reshape(batch, length, h_kv, d)
-                else:
-                    hq, hk, hv = inputs.random_qkv(rng, batch, 1, h, d, dtype, seqlen_k=length,
-                                                   heads_kv=h_kv)
-                    perm = rng.permutation(batch * pages_per_seq).astype(np.int32)
-                    table_h = perm.reshape(batch, pages_per_seq)
-                    kc_h = np.empty((batch * pages_per_seq, ps, h_kv, d), hk.dtype)
-                    vc_h = np.empty_like(kc_h)
-                    for b in range(batch):
-                        for j in range(pages_per_seq):
-                            kc_h[table_h[b, j]] = hk[b, j * ps:(j + 1) * ps]
-                            vc_h[table_h[b, j]] = hv[b, j * ps:(j + 1) * ps]
-                    q, kc, vc, table, kcont, vcont = (inputs.to_device(x, library) for x in
-                                                      (hq, kc_h, vc_h, table_h, hk, hv))
-                    lens = inputs.to_device(np.full(batch, length, np.int32), library)
-                sets.append((q, kc, vc, table, lens, kcont, vcont))
-
-            # check one sequence of set 0 against float64
-            q, kc, vc, table, lens, kcont, vcont = sets[0]
-            o, lse = variants.decode(q, kc, vc, lens, block_table=table)
-            b = batch - 1
-            ref = reference.attention(inputs.to_host(q[b:b + 1]), inputs.to_host(kcont[b:b + 1]),
-                                      inputs.to_host(vcont[b:b + 1]))
-            got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
-                                 dtype)
-            ok = "ok" if got["ok"] else "FAIL"
-            splits = decoding.num_splits_heuristic(batch, h_kv, length,
-                                                   target.multiprocessor_count(),
-                                                   decoding.Config.block_n)
-
-            def timed(fn):
-                return timing.benchmark(lambda i: fn(*sets[i % n_sets]), **bench).median_ms
-
-            rows = {
-                f"decode (splits={splits})": timed(lambda q, kc, vc, t, n, *_:
-                                                   variants.decode(q, kc, vc, n, block_table=t,
-                                                                   check=False,
-                                                                   num_splits=splits)),
-                "decode, no split": timed(lambda q, kc, vc, t, n, *_:
-                                          variants.decode(q, kc, vc, n, block_table=t,
-                                                          check=False, split_kv=False)),
-                "decode, contiguous": timed(lambda q, kc, vc, t, n, kk, vv:
-                                            variants.decode(q, kk, vv, n, check=False,
-                                                            num_splits=splits)),
-            }
-            for s in (int(x) for x in args.splits.split(",") if x):
-                rows[f"decode (splits={s})"] = timed(
-                    lambda q, kc, vc, t, n, *_, s=s: variants.decode(q, kc, vc, n, block_table=t,
-                                                                     check=False, num_splits=s))
-            # the host's time a call (launches queue ahead: 50 calls enqueued, then one wait)
-            call = (lambda q, kc, vc, t, n, *_: variants.decode(q, kc, vc, n, block_table=t,
-                                                                check=False, num_splits=splits))
-            calls = 1 if target.SIMULATOR else 50
-            start = time.perf_counter()
-            for _ in range(calls):
-                call(*sets[0])
-            host_us = (time.perf_counter() - start) / calls * 1e6
-            cuda.synchronize()
-            rows["fa2"] = timed(lambda q, kc, vc, t, n, kk, vv: variants.forward(q, kk, vv))
-            if args.peers and torch is not None:
-                from experiments import peers
-                for name in ("sdpa_flash", "sdpa_cudnn"):
-                    fn = peers.forward_fn(name, False, None, h != h_kv)
-                    try:
-                        rows[name] = timed(lambda q, kc, vc, t, n, kk, vv, fn=fn: fn(q, kk, vv))
-                    except RuntimeError as exc:   # a backend that does not take this shape
-                        print(f"  {name}: {str(exc).splitlines()[0][:100]}", flush=True)
-                        rows[name] = float("nan")
-            base = rows["fa2"]
-            print(f"B={batch:<2} L={length:<7} host: {host_us:.0f} us a decode call", flush=True)
-            for name, ms in rows.items():
-                gbs = kv_bytes / ms / 1e6
-                out.append(dict(kernel=name, batch=batch, seqlen_k=length, heads=h, heads_kv=h_kv,
-                                head_dim=d, page_size=ps, ms=round(ms, 4), gbs=round(gbs, 1),
-                                of_copy=round(gbs / copy_gbs, 3), vs_fa2=round(base / ms, 2),
-                                host_us=round(host_us, 1) if name.startswith("decode (") else "",
-                                check=ok, gpu=target.describe()))
-                print(f"B={batch:<2} L={length:<7} {name:22} {ms:8.3f} ms {gbs:7.0f} GB/s "
-                      f"{gbs / copy_gbs:6.1%} of copy  {base / ms:5.2f}x fa2  {ok}", flush=True)
-            sets.clear()   # free the caches before the next size
-            if torch is not None:
-                torch.cuda.empty_cache()
+            out += measure_size(batch, length, heads=h, heads_kv=h_kv, head_dim=d, page_size=ps,
+                                extra_splits=[x for x in args.splits.split(",") if x],
+                                peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng)
+    if args.plot and out:
+        plot(out, args.plot)
     if args.csv and out:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(out[0]))
