@@ -56,7 +56,10 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            "rmse",
            # the mask beyond `causal` (common/masks.py): window_size "left,right", softcap, align
            "window", "softcap", "align"]
-PASSES = ("fwd", "bwd", "fwd_bwd")
+PASSES = ("fwd", "bwd", "fwd_bwd", "decode")
+# pass=decode (experiments/decode.py): GB/s of K and V read, and their fraction of the run's copy
+# bandwidth; the paged cache's page size
+COLUMNS += ["gbs", "of_copy", "page_size"]
 
 SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a small problem, and "
               "are checked against float64 exactly as on a GPU.\nThe times printed are the "
@@ -152,6 +155,8 @@ def run_job(cfg, mode):
     pass_ = cfg.get("pass") or "fwd"
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {', '.join(PASSES)}, got {pass_!r}")
+    if pass_ == "decode":
+        return decode_job(cfg, mode, prob)
     backward = pass_ != "fwd"
     fp8_run = dtype == FP8   # fp16 inputs, quantised to e4m3 before the timed call
     if fp8_run and (cfg.variant.name != "fa3" or backward):
@@ -260,6 +265,37 @@ def run_job(cfg, mode):
 
 
 FP8 = "float8_e4m3fn"
+
+
+def decode_job(cfg, mode, prob):
+    """pass=decode: one new token a sequence against caches of problem.seqlen_k tokens (paged,
+    decode.page_size), through variants.decode with and without the split, fa2's forward and the
+    SDPA peers (experiments/decode.py measures; each row is checked against float64 there)."""
+    from common import inputs
+    from experiments import decode as decode_experiment
+
+    if cfg.dtype.name != "bfloat16" or prob["causal"] or mask_of(prob):
+        raise ValueError("pass=decode runs bf16 with no mask (one new token sees its whole cache)")
+    torch = None
+    if inputs.default_library() == "torch":
+        import torch
+    copy_gbs = decode_experiment.copy_bandwidth(torch) if torch is not None else float("nan")
+    length, heads_kv = prob["seqlen_k"], prob["heads_kv"]
+    if mode == "sim" and not cfg.sim.full_problem:   # the simulator's small problem: a short
+        length = min(length, int(cfg.sim.problem.seqlen))   # cache, one K/V head
+        heads_kv = 1
+    found = decode_experiment.measure_size(
+        prob["batch"], length, heads=prob["heads"], heads_kv=heads_kv,
+        head_dim=prob["head_dim"], page_size=min(int(cfg.decode.page_size), length),
+        peers_on=bool(cfg.bench.peers), copy_gbs=copy_gbs)
+    rows = [dict(variant=r["kernel"], dtype="bfloat16", head_dim=r["head_dim"], causal=False,
+                 seqlen=1, batch=r["batch"], heads=r["heads"], gpu=r["gpu"], seqlen_k=length,
+                 heads_kv=r["heads_kv"], check=r["check"], status="ok", mode=mode,
+                 library=inputs.default_library(), label=cfg.label or "", job=_job_name(),
+                 options="", config="", seed="", rmse="", window="", softcap="", align="",
+                 **{"pass": "decode"}, ms=r["ms"], gbs=r["gbs"], of_copy=r["of_copy"],
+                 page_size=r["page_size"]) for r in found]
+    return rows
 
 
 def _quantise_fp8(set_, fp8_cfg, head_dim):

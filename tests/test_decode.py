@@ -176,3 +176,27 @@ def test_decode_experiment_runs(tmp_path):
     assert {r["kernel"] for r in rows} >= {"decode, no split", "decode, contiguous", "fa2"}
     assert all(r["check"] == "ok" for r in rows)
     assert (tmp_path / "d.csv").read_text().count("\n") == len(rows) + 1
+
+
+@pytest.mark.slow
+def test_decode_grid_experiment_writes_its_rows(tmp_path):
+    """`python experiments/run.py experiment=decode_grid` (pass=decode): one job, its rows in the
+    job's results.csv with GB/s and the page size (in the simulator: a short cache)."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not ON_GPU:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    out = subprocess.run([sys.executable, str(root / "experiments" / "run.py"),
+                          "experiment=decode_grid", "bench.peers=[]"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    [path] = list(tmp_path.glob("outputs/*/*/results.csv"))
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["variant"] for r in rows} >= {"decode, no split", "decode, contiguous", "fa2"}
+    assert all(r["pass"] == "decode" and r["check"] == "ok" and r["gbs"] for r in rows)
