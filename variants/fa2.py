@@ -267,9 +267,8 @@ def build(cfg):
         inv_l = cuda.local.array(ROWS, float32)
         lse_rows = cuda.local.array(ROWS, float32)
         softmax.finalize(m_i, l_i, inv_l, lse_rows, softmax_scale)
-        # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores. (A block
-        # that visits no K/V block, j1 <= j0, still has V_j0 in flight: wait before returning.)
-        ptx.cp_async_wait(0)
+        ptx.cp_async_wait(0)   # a block that visits no K/V block (j1 <= j0): V_j0 in flight
+        # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores.
         cuda.syncthreads()
         q_s32 = cuda.shared.array(0, uint32)[Q_START // 2:(Q_START + Q_TILE) // 2]
         tiles.scale_rows(o_acc, inv_l)
