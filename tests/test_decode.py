@@ -146,6 +146,8 @@ def test_decode_errors_name_the_problem(rng):
                         block_table=inputs.to_device(table, lib))
     with pytest.raises(ValueError, match="decode has no option"):
         call(block_m=64)
+    with pytest.raises(ValueError, match=r"out must be \(o: bfloat16 \(2, 1, 2, 64\)"):
+        call(out=(kc, inputs.to_device(np.zeros((2, 2, 1), np.float32), lib)))
     # check=False reads nothing back: a bad entry is clamped into the cache, never read past it
     bad[1, 0] = table.size + 7
     o, lse = call(table=bad, check=False)

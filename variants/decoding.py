@@ -435,8 +435,15 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
         lse = arrays.empty(lib, (prob.batch, prob.heads, prob.n_q), "float32", like=like)
     else:
         o, lse = out
-    o32 = arrays.bits_view(arrays.describe(o, "out[0]"), np.uint32, None, 2)
-    lse_v = arrays.bits_view(arrays.describe(lse, "out[1]"), np.float32)
+    do, dl = arrays.describe(o, "out[0]"), arrays.describe(lse, "out[1]")
+    want = (prob.batch, prob.n_q, prob.heads, prob.head_dim)
+    if do.shape != want or do.dtype != dtype or dl.shape != want[:1] + (prob.heads, prob.n_q) \
+            or dl.dtype != "float32":
+        raise ValueError(f"out must be (o: {dtype} {want}, lse: float32 "
+                         f"{(prob.batch, prob.heads, prob.n_q)}), got {do.dtype} {do.shape} and "
+                         f"{dl.dtype} {dl.shape}")
+    o32 = arrays.bits_view(do, np.uint32, None, 2)
+    lse_v = arrays.bits_view(dl, np.float32)
     scale = np.float32(prob.softmax_scale)
     scale_log2 = np.float32(prob.softmax_scale * math.log2(math.e))
     grid = (splits, prob.batch, prob.heads_kv)
