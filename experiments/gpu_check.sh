@@ -16,7 +16,7 @@
 #   fa3_quick  fa3 and fa2 with the SDPA peers, d 64/128, causal and not (FA3_SEQLENS, default 4k,16k)
 #   memcheck compute-sanitizer memcheck (--report-api-errors no) over one call of every variant's
 #            forward and backward, masks and fa2's packed batch (experiments/every_kernel.py)
-#   compile  registers / spills / mma counts of every kernel (python -m common.compile_report), and
+#   compile  registers / spills / mma counts of every kernel (python -m experiments.compile_report), and
 #            tests/test_compile.py's assertions on all of them (FA_COMPILE_ALL=1)
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
 #   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
@@ -87,7 +87,7 @@ for step in $steps; do
     compile)
       # every target (the CPU suite compiles one of each pair of twins), in parallel, then the
       # suite's assertions on all of them
-      python3 -m common.compile_report --jobs "$(nproc)" > "$OUT/compile_report.txt" 2>&1 || status=1
+      python3 -m experiments.compile_report --jobs "$(nproc)" > "$OUT/compile_report.txt" 2>&1 || status=1
       cat "$OUT/compile_report.txt"
       FA_COMPILE_ALL=1 python3 -m pytest -q -p no:cacheprovider tests/test_compile.py \
         > "$OUT/tests_compile.log" 2>&1 || status=1

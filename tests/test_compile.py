@@ -35,7 +35,7 @@ def listing():
     args = ["--jobs", str(os.cpu_count() or 1)]   # the targets compile in parallel
     if os.environ.get("FA_COMPILE_ALL") != "1":
         args += ["--skip", TWINS]
-    out = subprocess.run([sys.executable, "-m", "common.compile_report", "--json", *args], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "experiments.compile_report", "--json", *args], cwd=ROOT,
                          env=env, capture_output=True, text=True)   # no time limit: a slow machine is no defect
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -157,7 +157,8 @@ def test_unroll_pass_marks_exactly_the_back_edges():
 def test_kernel_cache_keys_tell_every_kernel_apart():
     """FA_KERNEL_CACHE (common.kernel_cache): every compile target gets its own key, from the constants
     its closure holds; a kernel closing over something the key cannot describe is not cached."""
-    code = ("from importlib import import_module\nfrom common import compile_report, kernel_cache\n"
+    code = ("from importlib import import_module\nfrom common import kernel_cache\n"
+            "from experiments import compile_report\n"
             "keys, n = set(), 0\n"
             "for mod in compile_report.variant_modules():\n"
             "    for name, kern, argtypes, mma in import_module(mod).compile_targets():\n"

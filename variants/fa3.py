@@ -65,7 +65,7 @@ WG_THREADS = 128
 BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (17 at 4 stages)
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
 SCALES_TYPE = types.Array(types.float32, 3, "C")
-COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (common/compile_report.py)
+COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (experiments/compile_report.py)
 
 
 @dataclass(frozen=True)

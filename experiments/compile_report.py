@@ -1,11 +1,11 @@
 """Compile every kernel configuration for sm_90 without a GPU and report what the compiler made.
 
-    python -m common.compile_report            # a table
-    python -m common.compile_report --json     # one JSON object a kernel (used by the tests)
-    python -m common.compile_report --sass     # also SASS instruction counts (needs cuobjdump)
-    python -m common.compile_report --skip REGEX   # targets whose name matches are listed, not compiled
-    python -m common.compile_report --jobs N       # compiled in N processes
-    python -m common.compile_report --ptx DIR      # only the PTX, one file a kernel, into DIR
+    python -m experiments.compile_report            # a table
+    python -m experiments.compile_report --json     # one JSON object a kernel (used by the tests)
+    python -m experiments.compile_report --sass     # also SASS instruction counts (needs cuobjdump)
+    python -m experiments.compile_report --skip REGEX   # targets whose name matches are listed, not compiled
+    python -m experiments.compile_report --jobs N       # compiled in N processes
+    python -m experiments.compile_report --ptx DIR      # only the PTX, one file a kernel, into DIR
                                                    # (a refactor's check: diff -r two such DIRs)
 
 For each kernel: the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
