@@ -154,38 +154,6 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     return out
 
 
-def plot(rows, path):
-    """GB/s of K/V read against cache length, one panel a batch size: decode with and without the
-    split, fa2, the SDPA peers, and the copy bandwidth of the run as the ceiling."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
-        mine = [r for r in rows if r["batch"] == batch]
-        for name, style in (("decode", "o-"), ("decode, no split", "s--"), ("fa2", "^:"),
-                            ("sdpa_flash", "x-"), ("sdpa_cudnn", "+-")):
-            pts = sorted((r["seqlen_k"], r["gbs"]) for r in mine
-                         if r["kernel"] == name or (name == "decode" and r["kernel"].startswith(
-                             "decode (") and r["host_us"] != ""))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
-        copy = mine[0]["gbs"] / mine[0]["of_copy"] if mine[0]["of_copy"] else None
-        if copy and copy == copy:
-            ax.axhline(copy, color="gray", lw=0.8, label="copy bandwidth")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("cache length (tokens)")
-        ax.set_title(f"batch {batch}")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("GB/s of K, V read")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"decoding, one new token: {rows[0]['gpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,4,8")
@@ -221,7 +189,8 @@ def main(argv=None):
                                 extra_splits=[x for x in args.splits.split(",") if x],
                                 peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng)
     if args.plot and out:
-        plot(out, args.plot)
+        from experiments import plot
+        plot.decode(out, args.plot)
     if args.csv and out:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(out[0]))

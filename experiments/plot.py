@@ -1,0 +1,182 @@
+"""Figures redrawn from the CSVs the experiments write (no re-running to re-plot).
+
+    python experiments/plot.py <results.csv> --figure speed [--out speed.png] [--ceiling 790]
+    python experiments/plot.py <results.csv> --figure ablation
+    python experiments/plot.py <decode.csv> --figure decode
+
+speed     TFLOP/s against sequence length, grouped bars a seqlen, one panel a (head_dim, causal):
+          the FA2 paper's Fig. 4-6 from `run.py -m experiment=fa2_grid` (pass=fwd) or a fwd_bwd grid
+          (`experiment=bwd_grid`); this codebase's variants in colour, the SDPA peers in grey; a
+          dashed line at --ceiling (the tensor cores' dense bf16 rate measured on the GPU, if given)
+ablation  TFLOP/s of one variant with each of its levers switched off (`experiment=fa2_ablations`:
+          the job's `ablation=<name>`), one panel a (head_dim, causal), the default first
+decode    GB/s of K and V read against cache length, one panel a batch (experiments/decode.py's
+          CSV), the copy bandwidth of the run as the dashed ceiling
+
+The title names the GPU from the CSV; docs/figures/README.md lists each committed figure with its
+command, GPU and commit.
+"""
+import argparse
+import csv
+import os
+import re
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+OURS = {"standard": "#1f77b4", "fa1": "#ff7f0e", "fa2": "#2ca02c", "fa3": "#d62728"}
+PEERS = {"sdpa_flash": "#7f7f7f", "sdpa_cudnn": "#b0b0b0", "sdpa_math": "#d8d8d8",
+         "sdpa_efficient": "#c8c8c8"}
+
+
+def read(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _tflops(row):
+    """The timed pass's TFLOP/s (pass=fwd rows keep theirs in fwd_tflops)."""
+    value = row.get("tflops") or row.get("fwd_tflops") or ""
+    return float(value) if value not in ("", "nan") else float("nan")
+
+
+def _panels(rows):
+    return sorted({(int(r["head_dim"]), r["causal"] == "True") for r in rows})
+
+
+def _title(rows, what):
+    gpus = sorted({r.get("gpu", "") for r in rows if r.get("gpu")})
+    return f"{what}: {', '.join(gpus)}"
+
+
+def speed(rows, out, ceiling=None):
+    """Grouped bars: per seqlen, one bar a kernel (ours in colour, peers in grey)."""
+    plt = _pyplot()
+    rows = [r for r in rows if r.get("check", "ok") == "ok" and r.get("status", "ok") == "ok"]
+    kernels = [k for k in list(OURS) + list(PEERS) if any(r["variant"] == k for r in rows)]
+    panels = _panels(rows)
+    passes = sorted({r.get("pass") or "fwd" for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], panels):
+        mine = [r for r in rows if int(r["head_dim"]) == d and (r["causal"] == "True") == causal]
+        seqlens = sorted({int(r["seqlen"]) for r in mine})
+        width = 0.8 / max(1, len(kernels))
+        for i, kernel in enumerate(kernels):
+            by_n = {int(r["seqlen"]): _tflops(r) for r in mine if r["variant"] == kernel}
+            xs = [j + (i - (len(kernels) - 1) / 2) * width for j in range(len(seqlens))]
+            ax.bar(xs, [by_n.get(n, float("nan")) for n in seqlens], width, label=kernel,
+                   color=OURS.get(kernel) or PEERS.get(kernel), edgecolor="black", linewidth=0.3)
+        if ceiling:
+            ax.axhline(ceiling, ls="--", color="black", lw=0.8, label=f"{ceiling:g} TFLOP/s")
+        ax.set_xticks(range(len(seqlens)))
+        ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 else str(n) for n in seqlens])
+        ax.set_xlabel("sequence length")
+        ax.set_title(f"head_dim {d}, {'causal' if causal else 'not causal'}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel(f"TFLOP/s ({'+'.join(passes)})")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(_title(rows, "speed against sequence length"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _ablation(row):
+    m = re.search(r"ablation=([\w-]+)", row.get("job", ""))
+    return m.group(1) if m else (row.get("label") or "none")
+
+
+def ablation(rows, out):
+    """One bar a lever switched off, beside the default ('none'), per (head_dim, causal)."""
+    plt = _pyplot()
+    rows = [r for r in rows if r.get("check", "ok") == "ok" and r["variant"] in OURS]
+    panels = _panels(rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], panels):
+        got = defaultdict(list)
+        for r in rows:
+            if int(r["head_dim"]) == d and (r["causal"] == "True") == causal:
+                got[_ablation(r)].append(_tflops(r))
+        names = ["none"] + sorted(n for n in got if n != "none")
+        names = [n for n in names if n in got]
+        values = [max(got[n]) for n in names]
+        colors = [OURS.get(rows[0]["variant"], "#2ca02c") if n == "none" else "#9ecae1"
+                  for n in names]
+        ax.barh(range(len(names)), values, color=colors, edgecolor="black", linewidth=0.3)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels(["defaults" if n == "none" else f"ablation={n}" for n in names],
+                           fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("TFLOP/s")
+        ax.set_title(f"head_dim {d}, {'causal' if causal else 'not causal'}", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(_title(rows, f"{rows[0]['variant']}: each lever switched off"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def decode(rows, out):
+    """GB/s of K and V read against cache length, a panel a batch (experiments/decode.py)."""
+    plt = _pyplot()
+    batches = sorted({int(r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        mine = [r for r in rows if int(r["batch"]) == batch]
+        for name, style, color in (("decode", "o-", OURS["fa2"]),
+                                   ("decode, no split", "s--", "#98df8a"),
+                                   ("fa2", "^:", OURS["fa1"]), ("sdpa_flash", "x-", PEERS["sdpa_flash"]),
+                                   ("sdpa_cudnn", "+-", PEERS["sdpa_cudnn"])):
+            pts = sorted((int(r["seqlen_k"]), float(r["gbs"])) for r in mine
+                         if r["kernel"] == name or (name == "decode" and r["kernel"].startswith(
+                             "decode (") and r.get("host_us", "") != ""))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=name)
+        ref = next((r for r in mine if float(r.get("of_copy") or 0) > 0), None)
+        if ref:
+            ax.axhline(float(ref["gbs"]) / float(ref["of_copy"]), ls="--", color="black", lw=0.8,
+                       label="copy bandwidth")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache length (tokens)")
+        ax.set_title(f"batch {batch}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("GB/s of K, V read")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(_title(rows, "decoding, one new token"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+FIGURES = {"speed": speed, "ablation": ablation, "decode": decode}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv")
+    ap.add_argument("--figure", choices=sorted(FIGURES), required=True)
+    ap.add_argument("--out", default=None, help="the PNG (default: beside the CSV)")
+    ap.add_argument("--ceiling", type=float, default=None, help="speed: a dashed TFLOP/s line")
+    args = ap.parse_args(argv)
+    rows = read(args.csv)
+    if not rows:
+        raise SystemExit(f"{args.csv} has no rows")
+    out = args.out or os.path.splitext(args.csv)[0] + f"_{args.figure}.png"
+    if args.figure == "speed":
+        speed(rows, out, args.ceiling)
+    else:
+        FIGURES[args.figure](rows, out)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""experiments/plot.py draws each figure from a small CSV in the experiments' own format (no GPU,
+no re-run): a PNG that matplotlib wrote, for every figure the command offers."""
+import csv
+
+import pytest
+
+from experiments import plot
+
+RUN_COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "fwd_tflops", "gpu", "check",
+               "status", "job", "pass", "tflops"]
+
+
+def write(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def grid_rows():
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in (512, 4096):
+                for i, v in enumerate(("fa2", "sdpa_flash", "sdpa_cudnn")):
+                    rows.append(dict(variant=v, dtype="bfloat16", head_dim=d, causal=causal,
+                                     seqlen=n, fwd_tflops=100 + 50 * i + n / 100, gpu="GPU X",
+                                     check="ok", status="ok", job="", **{"pass": "fwd"},
+                                     tflops=""))
+    return rows
+
+
+def ablation_rows():
+    return [dict(variant="fa2", dtype="bfloat16", head_dim=d, causal=c, seqlen=4096,
+                 fwd_tflops=300 - 10 * i, gpu="GPU X", check="ok", status="ok",
+                 job=f"ablation={a},problem.causal={c},problem.head_dim={d}", **{"pass": "fwd"},
+                 tflops="")
+            for d in (64, 128) for c in (False, True)
+            for i, a in enumerate(("none", "no_pipeline", "padded"))]
+
+
+def decode_rows():
+    rows = []
+    for b in (1, 8):
+        for n in (4096, 131072):
+            for k, gbs in (("decode (splits=8)", 2500), ("decode, no split", 800), ("fa2", 600),
+                           ("sdpa_flash", 2900)):
+                rows.append(dict(kernel=k, batch=b, seqlen_k=n, gbs=gbs, of_copy=gbs / 3000,
+                                 host_us=100 if k.startswith("decode (") else "", gpu="GPU X"))
+    return rows
+
+
+@pytest.mark.parametrize("figure, rows", [("speed", grid_rows()), ("ablation", ablation_rows()),
+                                          ("decode", decode_rows())])
+def test_each_figure_is_drawn_from_its_csv(tmp_path, figure, rows):
+    path = write(tmp_path / "results.csv", rows)
+    out = plot.main([str(path), "--figure", figure, "--out", str(tmp_path / "f.png")] +
+                    (["--ceiling", "790"] if figure == "speed" else []))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_empty_csv_is_refused(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("variant,seqlen\n")
+    with pytest.raises(SystemExit, match="has no rows"):
+        plot.main([str(path), "--figure", "speed"])
