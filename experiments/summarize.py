@@ -10,6 +10,9 @@ import csv
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
 
 ORDER = ["fa3", "fa2", "standard", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"]
 
@@ -34,8 +37,9 @@ def table(rows):
         key = (r.get("pass") or "fwd", r["dtype"], int(r["head_dim"]), r["causal"], int(r["seqlen"]))
         if tflops(r):
             cells[key, r["variant"]].append(float(tflops(r)))
-        elif r["status"] != "ok":
-            status[key, r["variant"]] = r["status"].split(":")[0]
+        else:   # no time (an error, or the simulator's rows, whose times mean nothing)
+            status[key, r["variant"]] = (r["status"].split(":")[0] if r["status"] != "ok"
+                                         else r.get("check") or "ok")
         if r.get("check") == "FAIL":
             status[key, r["variant"]] = "FAIL"
     kernels = [k for k in ORDER if any(v == k for _, v in list(cells) + list(status))]
@@ -76,6 +80,20 @@ def options_table(rows):
                       r["check"] or "-"])
     widths = [max(len(l[i]) for l in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines)
+
+
+class SweepSummary(Callback):
+    """Hydra callback (conf/config.yaml): once every job of a multirun has run, the sweep's
+    results.csv as one table, after the jobs' own lines."""
+
+    def on_multirun_end(self, config, **kwargs):
+        path = Path(config.hydra.sweep.dir) / "results.csv"
+        if not path.exists():
+            return
+        rows = load([path])
+        if rows:   # (TFLOP/s cells stay empty for the simulator's rows: its times mean nothing)
+            print(f"== the sweep's results ({path}; python experiments/summarize.py {path})")
+            print(table(rows))
 
 
 if __name__ == "__main__":

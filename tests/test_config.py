@@ -107,6 +107,8 @@ def test_parallel_sweep_writes_one_table(tmp_path):
                f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "Joblib.Parallel(n_jobs=2" in out.stdout + out.stderr
+    summary = out.stdout[out.stdout.index("== the sweep's results"):]   # the end-of-sweep table
+    assert "seqlen" in summary and "standard" in summary and "fa2" in summary
     rows = read_rows(tmp_path / "sweep" / "results.csv")
     assert sorted(r["variant"] for r in rows) == ["fa2", "standard"]
     assert all(r["check"] == "ok" for r in rows)
