@@ -28,7 +28,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, kvcache, ptx, softmax, target, tiles
+from common import arrays, kvcache, ptx, softmax, splitk, target, tiles
 from common.smem import SharedLayout
 from common.target import device_function, kernel, launch
 
@@ -300,17 +300,15 @@ def build(cfg):
         cuda.syncthreads()
         if lane & 3 == 0:
             for r in range(ROWS):
-                row = 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)
-                stats[STATS0 + warp * RT + row] = m_i[r]
+                stats[STATS0 + warp * RT + splitk.block_row(r, lane)] = m_i[r]
         for r in range(ROWS):
             total = softmax.quad_sum(l_i[r])
             if lane & 3 == 0:
-                stats[STATS0 + (W + warp) * RT + 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1)] = total
+                stats[STATS0 + (W + warp) * RT + splitk.block_row(r, lane)] = total
         cuda.syncthreads()
         scale = cuda.local.array(ROWS, float32)   # e^(m_w - m) / l: the warp's share of a row
         for r in range(ROWS):
-            mx, base, total = row_totals(stats, 16 * (r >> 1) + (lane >> 2) + 8 * (r & 1),
-                                         scale_log2)
+            mx, base, total = row_totals(stats, splitk.block_row(r, lane), scale_log2)
             scale[r] = ptx.ex2_approx(m_i[r] * scale_log2 - base) / total \
                 if total > float32(0) else float32(0)
         tiles.scale_rows(o_acc, scale)
