@@ -132,9 +132,10 @@ def prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, cau
 
     max_k = capacity
     if check:
-        max_k = _check_lengths(arrays.to_host(cache_seqlens), n_new, capacity)
+        lens_host = arrays.to_host(cache_seqlens)   # one read back, for both checks
+        max_k = _check_lengths(lens_host, n_new, capacity)
         if paged:
-            _check_table(arrays.to_host(block_table), arrays.to_host(cache_seqlens) + n_new,
+            _check_table(arrays.to_host(block_table), lens_host + n_new,
                          page_size, pages)
 
     u16 = np.uint16
