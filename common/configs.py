@@ -5,6 +5,8 @@ distinct configuration is built and validated once (it keys the kernel caches)."
 from dataclasses import fields, replace
 from functools import lru_cache
 
+from common import tiles
+
 # What every Config starts with, and what a variant's Config may add after them (fa3: its FP8
 # inputs; softcap): set from the problem, never options. `causal` is the band mask of
 # common/masks.py (causal or a sliding window): its bounds are kernel arguments.
@@ -41,8 +43,7 @@ def default_config_function(variant, config_class, defaults, option_names, head_
         if unknown:
             raise ValueError(f"{variant} has no option {', '.join(sorted(unknown))}; its options: "
                              f"{', '.join(option_names)}")
-        if head_dim not in head_dims:
-            raise ValueError(f"{variant} supports head_dim in {head_dims}, got {head_dim}")
+        tiles.check_head_dim(head_dim, variant, head_dims)
         chosen = {k: v for k, v in options.items() if v is not None}
         return build(head_dim, is_bf16, causal, tuple(sorted(chosen.items())), tuple(problem))
 

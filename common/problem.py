@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 from numba import types
 
-from common import arrays, masks
+from common import arrays, masks, tiles
 from common.target import KernelView
 
 _BSHD_TO_BHSD = (0, 2, 1, 3)
@@ -382,8 +382,7 @@ def _check_geometry(gq, gk, gv, head_dims, variant, dtypes=HALF_DTYPES):
         raise ValueError(f"empty problem: q {gq[1]}, k {gk[1]}")
     if h % h_kv:
         raise ValueError(f"q has {h} heads, not a multiple of the {h_kv} heads of k, v")
-    if d not in head_dims:
-        raise ValueError(f"{variant} supports head_dim in {tuple(head_dims)}, got {d}")
+    tiles.check_head_dim(d, variant, head_dims)
     if max(b, h) > 65535:
         raise ValueError(f"batch and heads must each be at most 65535, got {b} and {h}")
     for g, name in ((gq, "q"), (gk, "k"), (gv, "v")):

@@ -26,18 +26,45 @@ NEG_INF = np.float32(-np.inf)
 
 # --------------------------------------------------------------------------- layouts
 
+# The head dims the tile layer takes: whole k16 steps of the mma (multiples of 16), 32 to 256.
+# 64, 128 and 256 get the swizzled layout; any other takes padded rows: a row of d + 8 elements is
+# an odd number of 16-byte chunks when d is a multiple of 16, so the 8 rows of one ldmatrix still
+# fall in 8 distinct bank groups.
+HEAD_DIMS = tuple(range(32, 257, 16))
+
+
+def swizzle_fits(cols):
+    """Whether a tile of `cols` 16-bit columns can take the swizzled layout: whole 128-byte groups
+    of 8 chunks (XOR-ed with row % 8), and a power-of-two row, so that the column steps of
+    `column_step` are XORs that leave the row's bits alone (192 is not). Otherwise its rows are
+    padded (tile_row_stride(cols, False))."""
+    return cols >= 64 and cols & (cols - 1) == 0
+
+
+def check_head_dim(head_dim, variant, head_dims=HEAD_DIMS):
+    """Refuse a head_dim the kernels cannot take, naming what they can."""
+    if head_dim not in head_dims:
+        raise ValueError(f"{variant} supports head_dim in {describe_head_dims(head_dims)}, got "
+                         f"{head_dim}")
+
+
+def describe_head_dims(head_dims):
+    """(64, 128), or "multiples of 16 from 32 to 256" for the tile layer's whole range."""
+    if tuple(head_dims) == HEAD_DIMS:
+        return "multiples of 16 from 32 to 256"
+    return str(tuple(head_dims))
+
+
 def tile_row_stride(cols, swizzle):
     """Elements between consecutive rows of a tile (host side: sizes shared memory)."""
-    if swizzle and cols % 64:
-        raise ValueError(f"a swizzled tile needs a multiple of 64 columns, got {cols}")
+    if swizzle and not swizzle_fits(cols):
+        raise ValueError(f"a swizzled tile needs a power-of-two multiple of 64 columns, got {cols}")
     return cols if swizzle else cols + 8
 
 
 def check_tile_copy(rows, cols, nthreads):
-    """Host-side check of `load_tile_async`/`store_tile`'s work split: whole 16-byte chunks, every
-    thread in one column of chunks, the same number of rows for every thread."""
-    chunks_per_row = cols // 8
-    if cols % 8 or nthreads % chunks_per_row or rows % (nthreads // chunks_per_row):
+    """Host-side check of `load_tile_async`/`store_tile`'s work split: whole 16-byte chunks."""
+    if cols % 8 or rows < 1:
         raise ValueError(f"a {rows}x{cols} tile does not split into 16-byte copies over "
                          f"{nthreads} threads")
 
@@ -78,12 +105,28 @@ def chunk_step(base, n, swizzle):
 
 @device_function
 def copy_split(tid, cols, nthreads):
-    """How a tile of `cols` 16-bit columns is split into 16-byte copies over `nthreads` threads:
-    thread `tid` copies the chunk at column `col` of rows r, r + row_step, r + 2 row_step, ...
-    (see check_tile_copy). Returns (r, col, row_step)."""
+    """How a tile of `cols` 16-bit columns is split into 16-byte copies over `nthreads` threads
+    when `split_by_columns`: thread `tid` copies the chunk at column `col` of rows r, r + row_step,
+    r + 2 row_step, ... Returns (r, col, row_step)."""
     chunks_per_row = cols >> 3
     r = tid // chunks_per_row
     return r, (tid - r * chunks_per_row) << 3, nthreads // chunks_per_row
+
+
+@device_function
+def split_by_columns(rows, cols, nthreads):
+    """Whether every thread of a tile copy keeps one column of chunks (copy_split): the chunks a
+    row divide the threads, and the row step the rows. Otherwise (head dims such as 96 or 192: 12
+    or 24 chunks a row) the tile's chunks are dealt out in row-major order, `chunk_position`. The
+    arguments are compile-time constants, so one of the two paths is compiled."""
+    return nthreads % (cols >> 3) == 0 and rows % (nthreads // (cols >> 3)) == 0
+
+
+@device_function
+def chunk_position(c, cols):
+    """(row, column) of the c-th 16-byte chunk of a row-major tile of `cols` 16-bit columns."""
+    r = int32(c // (cols >> 3))
+    return r, int32((c - r * (cols >> 3)) << 3)
 
 
 @device_function
@@ -91,7 +134,8 @@ def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzl
                     address_once=True):
     """Start copying src[row0:row0+rows, col0:col0+cols] into tile `dst` with 16-byte cp.async
     copies spread over `nthreads` threads; rows at or past n_rows are zero-filled. Each thread copies
-    one 16-byte column chunk of every (nthreads / (cols/8))-th row (see check_tile_copy); when that
+    one 16-byte column chunk of every (nthreads / (cols/8))-th row (split_by_columns; else the
+    chunks are dealt out in row-major order); when that
     row step is a multiple of 8 the swizzle repeats and the offsets fold into immediates.
     Commit and wait with ptx.cp_async_commit / cp_async_wait.
 
@@ -101,6 +145,16 @@ def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzl
     clamped to the last row, so that every address handed to cp.async lies inside src. The saved
     instructions cost live registers: a kernel already at 255 (the forward at d=128) spills in its
     loop with it, so it is a switch (compile report: loop_local)."""
+    if not split_by_columns(rows, cols, nthreads):   # chunks dealt out in row-major order
+        for i in range((rows * (cols >> 3) + nthreads - 1) // nthreads):
+            c = int32(tid + i * nthreads)
+            if c < rows * (cols >> 3):
+                r, col = chunk_position(c, cols)
+                row = int32(row0 + r)
+                inside = row < n_rows
+                ptx.cp_async_16(dst, smem_offset(r, col, row_stride, swizzle), src,
+                                row if inside else 0, col0 + col, 16 if inside else 0)
+        return
     r, col, row_step = copy_split(tid, cols, nthreads)
     if address_once:
         # Row arithmetic in 32 bits: Numba types int32 + int32 as int64, so every sum is cast
@@ -235,15 +289,23 @@ def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_col0=0):
     """acc += A B with A in registers and B the columns b_col0.. of a [k][n] row-major tile (V in
     O += P V); b_col0 a multiple of 8 * 2^k >= 8 * acc.shape[1] (so that the steps right of it are
     XORs: `column_step`). ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8),
-    (k0+8, n0+8)."""
+    (k0+8, n0+8). An odd number of n8 tiles (a warp's d/2 columns at d = 144: padded rows only)
+    takes its last one from an ldmatrix.x4 whose upper two matrices repeat the lower two."""
     base = smem_offset((((lane >> 3) & 1) << 3) + (lane & 7), b_col0 + ((lane >> 4) << 3),
                        row_stride, swizzle)
+    last = acc.shape[1] - 1
+    tail = smem_offset((((lane >> 3) & 1) << 3) + (lane & 7), b_col0 + 8 * last, row_stride,
+                       swizzle)
     for kk in range(a.shape[1]):
         for n2 in range(acc.shape[1] >> 1):
             b = ptx.ldmatrix_x4_trans(tile_b, column_step(base, n2, swizzle) + kk * 16 * row_stride)
             for m in range(acc.shape[0]):
                 mma(acc, m, 2 * n2, a, kk, b[0], b[1], is_bf16)
                 mma(acc, m, 2 * n2 + 1, a, kk, b[2], b[3], is_bf16)
+        if acc.shape[1] & 1:
+            b = ptx.ldmatrix_x4_trans(tile_b, tail + kk * 16 * row_stride)
+            for m in range(acc.shape[0]):
+                mma(acc, m, last, a, kk, b[0], b[1], is_bf16)
 
 
 @device_function
@@ -437,6 +499,15 @@ def stage_accumulator_fragments_f32(tile, acc, lane):
 def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid, nthreads):
     """dst32[row0:row0+rows, :cols/2] <- a staged tile of 16-bit values (both seen as uint32
     words), 16 bytes a thread per step, rows at or past n_rows skipped (split as load_tile_async)."""
+    if not split_by_columns(rows, cols, nthreads):
+        for i in range((rows * (cols >> 3) + nthreads - 1) // nthreads):
+            c = int32(tid + i * nthreads)
+            if c < rows * (cols >> 3):
+                r, col = chunk_position(c, cols)
+                if int32(row0 + r) < n_rows:
+                    x = ptx.ld_shared_v4_u32(tile32, smem_offset(r, col, row_stride, swizzle) >> 1)
+                    ptx.st_global_v4_u32(dst32, row0 + r, col >> 1, x[0], x[1], x[2], x[3])
+        return
     r, col, row_step = copy_split(tid, cols, nthreads)
     for i in range(rows // row_step):
         row = row0 + r + i * row_step

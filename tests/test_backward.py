@@ -35,14 +35,14 @@ def random_problem(rng, batch, seqlen, heads, head_dim, dtype, seqlen_k=None, he
 
 def backward_and_check(rng, variant, *, batch=1, seqlen, heads=1, head_dim=64, dtype="bfloat16",
                        causal, heads_kv=None, seqlen_k=None, softmax_scale=None,
-                       forward_variant="fa2", **options):
+                       forward_variant="fa2", small=True, **options):
     (q, k, v, do), dev, library = random_problem(rng, batch, seqlen, heads, head_dim, dtype,
                                                  seqlen_k, heads_kv)
     o, lse = variants.forward(*dev[:3], variant=forward_variant, causal=causal,
                               softmax_scale=softmax_scale)
     grads = tuple(inputs.poison(arrays.empty(library, x.shape, dtype, like=dev[0]))
                   for x in (q, k, v))
-    options = dict(SMALL[variant], **options)
+    options = dict(SMALL[variant] if small else {}, **options)   # small: the simulator's tiles
     got = variants.backward(dev[3], *dev[:3], o, lse, variant=variant, causal=causal,
                             softmax_scale=softmax_scale, grads=grads, **options)
     assert all(a is b for a, b in zip(got, grads))

@@ -121,10 +121,13 @@ def chain_kernel(d, n, swizzle, is_bf16):
     return kernel, 2 * (M + 2 * n) * S
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("swizzle", [True, False])
-def test_accumulator_as_next_operand_and_staged_store(rng, dtype, swizzle):
-    d, n = 64, 32
+@pytest.mark.parametrize("dtype, swizzle, d", [
+    ("bfloat16", True, 64), ("bfloat16", False, 64), ("float16", True, 64), ("float16", False, 64),
+    # head dims whose 12 and 6 chunks a row do not divide the 64 threads: copies and stores dealt
+    # out in row-major order (tiles.split_by_columns), padded rows
+    ("bfloat16", False, 96), ("float16", False, 48)])
+def test_accumulator_as_next_operand_and_staged_store(rng, dtype, swizzle, d):
+    n = 32
     q = inputs.random_qkv(rng, 1, M, 1, d, dtype)[0].reshape(M, d)
     k = (inputs.random_qkv(rng, 1, n, 1, d, dtype)[0].reshape(n, d).astype(np.float32) / 8).astype(q.dtype)
     v = inputs.random_qkv(rng, 1, n, 1, d, dtype)[0].reshape(n, d)
@@ -154,7 +157,8 @@ def sem_eps(dtype):
 
 def test_tile_copy_split_is_checked():
     tiles.check_tile_copy(64, 128, 128)
+    tiles.check_tile_copy(64, 96, 128)      # 12 chunks a row: dealt out in row-major order
     with pytest.raises(ValueError, match="does not split"):
-        tiles.check_tile_copy(64, 128, 96)
+        tiles.check_tile_copy(64, 100, 128)
     with pytest.raises(ValueError, match="multiple of 64"):
         tiles.tile_row_stride(96, swizzle=True)

@@ -32,11 +32,11 @@ from common import arrays, configs, masks, ptx, softmax, tiles
 from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
                             prepare_varlen)
 from common.smem import SharedLayout
-from common.target import device_function, kernel, launch
+from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 from variants import fa2_backward
 from variants.fa2_backward import backward, backward_varlen  # noqa: F401  (Algorithm 2)
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = tiles.HEAD_DIMS
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,7 @@ class Config:
         return self.smem_layout().bytes
 
     def validate(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        tiles.check_head_dim(self.head_dim, "fa2")
         if self.block_m % (16 * self.warps):
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 * warps={16 * self.warps}")
         if self.kv_stages not in (1, 2):
@@ -88,8 +87,14 @@ class Config:
             raise ValueError(f"block_n={self.block_n} must be a multiple of 16")
         for rows in (self.block_m, self.block_n):
             tiles.check_tile_copy(rows, self.head_dim, self.threads)
+        tiles.tile_row_stride(self.head_dim, self.swizzle)     # a swizzled tile: 64k columns
         if not self.p_in_registers:
-            tiles.tile_row_stride(self.block_n, self.swizzle)  # a swizzled P tile: 64k columns
+            tiles.tile_row_stride(self.block_n, self.swizzle)
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            raise ValueError(f"fa2 with block_m={self.block_m}, block_n={self.block_n}, "
+                             f"kv_stages={self.kv_stages} at head_dim {self.head_dim} needs "
+                             f"{self.smem_bytes()} bytes of shared memory, over the "
+                             f"{MAX_SHARED_BYTES} a thread block may have")
         return self
 
 
@@ -103,9 +108,17 @@ OPTIONS = configs.options_of(Config)
 # FA2's kernels) instead of held in 64 more registers. Except at d=128 non-causal, where one K/V
 # buffer (FA2's own: K_{j+1} copied while P V runs) measured 2-4% faster (H100 2k-8k,
 # docs/results/fwd_kv_stages_h100.csv; +3% on the H200) and two buffers 4-5% faster causal.
+# The other head dims take the nearer of the two up to 128; past it, where two m16 tiles of O would
+# be 2 * d / 2 registers a thread, a warp owns one m16 tile and B_r = 128 takes 8 warps (FA2's
+# tiles at d = 160-256). Head dims that are not multiples of 64 take padded rows
+# (tiles.swizzle_fits).
 DEFAULTS = {64: dict(block_m=128, block_n=64, kv_stages=2),
             128: dict(block_m=128, block_n=64, kv_stages=2, q_in_registers=False),
             (128, False): dict(kv_stages=1)}
+for _d in HEAD_DIMS:
+    DEFAULTS[_d] = dict(DEFAULTS[64] if _d <= 64 else DEFAULTS[128] if _d <= 128 else
+                        dict(block_m=128, block_n=64, warps=8, kv_stages=2, q_in_registers=False),
+                        **({} if tiles.swizzle_fits(_d) else dict(swizzle=False)))
 
 
 default_config = configs.default_config_function("fa2", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
@@ -331,14 +344,21 @@ def _run(prob, options):
     return prob.result()
 
 
+# The head dims the compile report covers: FA2's two, and one of each other layout (padded rows
+# with row-major copies, 96; eight warps of one m16 tile, swizzled, 256).
+REPORTED_HEAD_DIMS = (64, 128, 96, 256)
+
+
 def compile_targets():
     """(name, kernel, argument types, mma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
                 types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE)
-    for head_dim in HEAD_DIMS:
+    for head_dim in REPORTED_HEAD_DIMS:
         for is_bf16 in (True, False):
             for causal in (False, True):
+                if head_dim not in (64, 128) and (causal or not is_bf16):
+                    continue   # the other head dims' layouts and warp counts: non-causal bf16
                 if not is_bf16 and (causal or head_dim != 64):
                     continue   # fp16 changes only the mma and cvt opcodes: one configuration
                 cfg = default_config(head_dim, is_bf16, causal)

@@ -15,7 +15,7 @@ from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = tiles.HEAD_DIMS
 
 # FA2 Algorithm 2: given Q, K, V, O, L and dO, return dQ, dK, dV without ever storing an N x N
 # matrix; P is recomputed from Q, K and L (recomputation, FlashAttention's fourth technique).
@@ -150,8 +150,7 @@ class BackwardConfig:
         return self.dq_smem_layout().bytes
 
     def validate(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"fa2 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        tiles.check_head_dim(self.head_dim, "fa2")
         if self.dq not in ("atomic", "separate"):
             raise ValueError(f"dq must be 'atomic' or 'separate', got {self.dq!r}")
         if self.dq_reduce not in ("bulk", "red"):
@@ -176,12 +175,16 @@ class BackwardConfig:
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 * query_warps="
                              f"{16 * self.query_warps}")
         if self.query_warps > 1:
-            # A warp's slices of B_r (its S^T columns) and of d (its dK_j, dV_j columns) start at
-            # multiples of their own width, so their n8 tiles are XOR steps in a swizzled tile.
+            # A warp's slices of B_r (its S^T columns) and of d (its dK_j, dV_j columns): whole
+            # pairs of n8 tiles; in a swizzled tile they start at multiples of their own width, so
+            # that their n8 tiles are XOR steps.
             slices = (self.block_m // self.query_warps, self.head_dim // self.query_warps)
-            if any(w < 16 or w & (w - 1) for w in slices):
+            if self.block_m % self.query_warps or self.head_dim % self.query_warps or \
+                    not _column_slice(slices[0], self.swizzle, 16) or \
+                    not _column_slice(slices[1], self.swizzle):
                 raise ValueError(f"query_warps={self.query_warps} needs block_m / query_warps and "
-                                 f"head_dim / query_warps to be powers of two >= 16, got {slices}")
+                                 f"head_dim / query_warps to be {_SLICES[self.swizzle]}, got "
+                                 f"{slices}")
         if self.staged_ds:
             tiles.tile_row_stride(self.block_m, self.swizzle)   # the dS^T (and P^T) tiles
         for rows in (self.block_m, self.block_n):
@@ -196,11 +199,11 @@ class BackwardConfig:
         if self.dq == "atomic":
             wq, wd = self.dq_split
             cols = self.head_dim // max(wd, 1)
-            if wq < 1 or wq * wd != self.warps or (self.block_m // 16) % wq or cols < 16 or \
-                    cols & (cols - 1):
+            if wq < 1 or wq * wd != self.warps or (self.block_m // 16) % wq or \
+                    self.head_dim % wd or not _column_slice(cols, self.swizzle):
                 raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.head_dim} "
                                  f"dQ block ({wq} across its rows) into whole m16 tiles and column "
-                                 "slices of a power of two >= 16")
+                                 f"slices of {_SLICES[self.swizzle]}")
         else:
             if self.dq_block_m % (16 * self.dq_warps) or self.dq_block_n % 16:
                 raise ValueError(f"dq_block_m={self.dq_block_m} must be a multiple of 16 * "
@@ -208,6 +211,19 @@ class BackwardConfig:
             for rows in (self.dq_block_m, self.dq_block_n):
                 tiles.check_tile_copy(rows, self.head_dim, 32 * self.dq_warps)
         return self
+
+
+_SLICES = {True: "powers of two >= 16", False: "multiples of 16 (of d: of 8)"}
+
+
+def _column_slice(width, swizzle, unit=8):
+    """Whether a warp's slice of `width` tile columns is whole n8 tiles of the products it takes
+    part in (`unit`: 16 for S^T's queries, taken in pairs by tiles.gemm_abt; 8 for d's columns,
+    where tiles.gemm_ab takes an odd last one), and, in a swizzled tile, a power of two >= 16 (its
+    n8 steps are XORs: tiles.column_step)."""
+    if swizzle:
+        return width >= 16 and width & (width - 1) == 0
+    return width >= unit and width % unit == 0
 
 
 BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
@@ -226,6 +242,35 @@ BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
 # each K and V fragment feeds two MMAs: 64 ldmatrix for 192 MMAs a step instead of 56 for 96.
 BACKWARD_DEFAULTS = {64: dict(block_m=128, query_warps=2, dq="atomic", dq_block_m=128),
                      128: dict(dq="atomic", query_warps=2)}
+
+
+
+def _backward_defaults(d):
+    """Defaults at head dims other than 64 and 128: not yet tuned by measurement, but FA2's
+    arrangement where it fits. The tiles of the nearer of 64 and 128 (past 128: B_c = B_r = 64, so
+    that a warp's dK_j, dV_j slices stay at d / 2 registers a thread, as FA2's kernels at d = 256);
+    padded rows where the swizzle does not fit; one warp a key row where d / 2 is not whole pairs
+    of n8 tiles; then the first dQ split over the warps, and the first dQ path, that fits (bulk
+    reduction, then red.global.add, then the separate kernel)."""
+    base = dict(BACKWARD_DEFAULTS[64] if d < 64 else BACKWARD_DEFAULTS[128] if d <= 128 else
+                dict(block_m=64, block_n=64, query_warps=2, dq="atomic"))
+    if not tiles.swizzle_fits(d):
+        base["swizzle"] = False
+    if not _column_slice(d // 2, base.get("swizzle", True)):
+        base["query_warps"] = 1
+    for path in (dict(), dict(dq_reduce="red"), dict(dq="separate")):
+        for wq in (0, 1, 2, 4, 8):
+            candidate = dict(base, dq_query_warps=wq, **path)
+            try:
+                BackwardConfig(d, True, False, **candidate).validate()
+                return candidate
+            except ValueError:
+                continue
+    raise ValueError(f"fa2 backward: no default configuration fits head_dim {d}")
+
+
+BACKWARD_DEFAULTS.update({d: _backward_defaults(d) for d in HEAD_DIMS
+                          if d not in BACKWARD_DEFAULTS})
 
 default_backward_config = configs.default_config_function(
     "fa2 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
@@ -726,22 +771,31 @@ def backward_compile_targets(cfg, tag):
             (QKV_TYPE,) * 4 + (LSE_TYPE, f32_3, OUT_TYPE) + sizes, 3 * m * cfg.dq_block_n * cfg.head_dim // 128
 
 
+# The head dims the compile report covers (as the forward's, variants/fa2.py): at 96, padded 2-D
+# warp tiles; at 256, B_c = B_r = 64, dQ by red.global.add.
+REPORTED_HEAD_DIMS = (64, 128, 96, 256)
+
+
 def compile_targets():
     """(name, kernel, argument types, mma count) of the backward's kernels at the defaults, bf16
     (the dtype changes only the mma and cvt opcodes), and of the default dQ path's other setting
     (fa1's backward runs the atomic one's code on FA1's schedule); the dQ conversion of the default
     (bulk-reduced) fragment order."""
-    for head_dim in HEAD_DIMS:
+    for head_dim in REPORTED_HEAD_DIMS:
         for causal in (False, True):
+            if head_dim not in (64, 128) and causal:
+                continue   # the other head dims' layouts and tiles: non-causal
             yield from backward_compile_targets(default_backward_config(head_dim, True, causal),
                                                 f"fa2 backward d={head_dim} bf16 causal={causal}")
+        if head_dim not in (64, 128):
+            continue
         other = "separate" if BACKWARD_DEFAULTS[head_dim]["dq"] == "atomic" else "atomic"
         yield from backward_compile_targets(
             default_backward_config(head_dim, True, False, dq=other),
             f"fa2 backward d={head_dim} bf16 causal=False dq={other}")
     # the conversion of the default (bulk-reduced) dQ terms, in this backward's fragment order
     f32_4 = types.Array(types.float32, 4, "C")
-    for head_dim in HEAD_DIMS:
+    for head_dim in (64, 128):
         layout = default_backward_config(head_dim, True, False).dq_layout()
         yield f"backward convert_dq fragments d={head_dim} bf16", \
             bwd.build_convert_dq_fragments(layout, True), (f32_4, OUT_TYPE, types.int32, types.float32), 0

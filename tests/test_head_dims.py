@@ -1,0 +1,70 @@
+"""fa2 at every head_dim the tile layer takes (multiples of 16 from 32 to 256), forward and
+backward, against float64 (issue 19).
+
+The head dims take three layouts (common/tiles.py): 64, 128 and 256 swizzled; the others padded
+rows, with tile copies dealt out in row-major order where a row's 16-byte chunks do not divide the
+threads (96: 12 chunks, 192: 24), and, in the backward's 2-D warp tiles, an odd number of n8 tiles
+a warp at d = 144, 176, 208, 240 (tiles.gemm_ab's tail). Past 128 the forward takes 8 warps of one
+m16 tile each and the backward B_c = B_r = 64. In the simulator a few cases cover each of those
+paths at small lengths (30-60 s each); on a GPU every head dim's forward runs, and the backward
+at one head dim of each arrangement, causal and not, with GQA, at ragged and real lengths.
+"""
+import itertools
+
+import pytest
+
+import variants
+from common import tiles
+from tests.conftest import ON_GPU
+from tests.test_backward import backward_and_check
+from tests.test_variants import run_and_check
+from variants import fa2, fa2_backward
+
+if ON_GPU:
+    # bf16 at every head dim (fp16 changes only the mma and cvt opcodes: at 96 and 256); the
+    # backward at one head dim of each of its arrangements (cold backward compiles take minutes)
+    FORWARD = list(itertools.product(tiles.HEAD_DIMS, [17, 1000], [False, True], ["bfloat16"])) \
+        + [(d, 1000, c, "float16") for d in (96, 256) for c in (False, True)]
+    BACKWARD = list(itertools.product([32, 80, 96, 144, 192, 256], [130, 1000], [False, True],
+                                      ["bfloat16"])) + [(96, 1000, True, "float16")]
+else:
+    # padded rows and row-major copies (96), 32 (the narrowest), 256 (8 warps, swizzled)
+    FORWARD = [(32, 17, False, "float16"), (96, 70, True, "bfloat16"), (256, 40, True, "bfloat16")]
+    # 96: padded 2-D warp tiles; 144: an odd n8 tail in dK_j, dV_j and dQ's slices
+    BACKWARD = [(96, 70, True, "bfloat16"), (144, 40, False, "float16")]
+
+
+@pytest.mark.parametrize("head_dim, seqlen, causal, dtype", FORWARD)
+def test_forward_every_head_dim(rng, head_dim, seqlen, causal, dtype):
+    run_and_check(rng, "fa2", batch=2 if ON_GPU else 1, seqlen=seqlen, heads=4, heads_kv=2,
+                  head_dim=head_dim, dtype=dtype, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim, seqlen, causal, dtype", BACKWARD)
+def test_backward_every_head_dim(rng, head_dim, seqlen, causal, dtype):
+    backward_and_check(rng, "fa2", batch=2 if ON_GPU else 1, seqlen=seqlen, heads=4, heads_kv=2,
+                       head_dim=head_dim, dtype=dtype, causal=causal, small=False)
+
+
+@pytest.mark.parametrize("head_dim", tiles.HEAD_DIMS)
+def test_every_head_dim_has_configurations_that_fit(head_dim):
+    """The defaults of every head dim validate (shared memory within a thread block's, whole
+    fragments, copies that split), causal or not, with and without a packed batch's dQ path."""
+    for causal in (False, True):
+        cfg = fa2.default_config(head_dim, True, causal)
+        assert cfg.swizzle == tiles.swizzle_fits(head_dim)
+        bwd = fa2_backward.default_backward_config(head_dim, True, causal)
+        fa2_backward.default_backward_config(head_dim, True, causal, dq_reduce="red")
+        fa2_backward.default_backward_config(head_dim, True, causal, dq="separate")
+        assert bwd.swizzle == tiles.swizzle_fits(head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 264, 512])
+def test_other_head_dims_are_refused_by_name(rng, head_dim):
+    import numpy as np
+
+    from common import inputs
+    q = inputs.to_device(rng.standard_normal((1, 16, 2, head_dim)).astype(np.float16),
+                         inputs.default_library())
+    with pytest.raises(ValueError, match=f"multiples of 16 from 32 to 256, got {head_dim}"):
+        variants.forward(q, q, q, variant="fa2")
