@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import variants
+from common import tiles
 from experiments.run import COLUMNS, resolve_problem
 from tests.conftest import MODE
 
@@ -31,7 +32,7 @@ def composed(*overrides):
 def test_every_config_composes(override):
     cfg = composed(override)
     prob = resolve_problem(cfg, "gpu")
-    assert prob["batch"] >= 1 and prob["heads"] >= 1 and prob["head_dim"] in (64, 128)
+    assert prob["batch"] >= 1 and prob["heads"] >= 1 and prob["head_dim"] in tiles.HEAD_DIMS
 
 
 def test_variant_configs_name_registered_variants_and_real_options():

@@ -110,7 +110,7 @@ OPTIONS = configs.options_of(Config)
 # docs/results/fwd_kv_stages_h100.csv; +3% on the H200) and two buffers 4-5% faster causal.
 # The other head dims take the nearer of the two up to 128; past it, where two m16 tiles of O would
 # be 2 * d / 2 registers a thread, a warp owns one m16 tile and B_r = 128 takes 8 warps (FA2's
-# tiles at d = 160-256). Head dims that are not multiples of 64 take padded rows
+# tiles at d = 160-256). Head dims other than 64, 128, 256 take padded rows
 # (tiles.swizzle_fits).
 DEFAULTS = {64: dict(block_m=128, block_n=64, kv_stages=2),
             128: dict(block_m=128, block_n=64, kv_stages=2, q_in_registers=False),
