@@ -87,7 +87,7 @@ class Config:
             raise ValueError(f"block_n={self.block_n} must be a multiple of 16")
         for rows in (self.block_m, self.block_n):
             tiles.check_tile_copy(rows, self.head_dim, self.threads)
-        tiles.tile_row_stride(self.head_dim, self.swizzle)     # a swizzled tile: 64k columns
+        tiles.tile_row_stride(self.head_dim, self.swizzle)     # swizzled: 64, 128 or 256 columns
         if not self.p_in_registers:
             tiles.tile_row_stride(self.block_n, self.swizzle)
         if self.smem_bytes() > MAX_SHARED_BYTES:

@@ -244,20 +244,17 @@ BACKWARD_DEFAULTS = {64: dict(block_m=128, query_warps=2, dq="atomic", dq_block_
                      128: dict(dq="atomic", query_warps=2)}
 
 
-
 def _backward_defaults(d):
     """Defaults at head dims other than 64 and 128: not yet tuned by measurement, but FA2's
     arrangement where it fits. The tiles of the nearer of 64 and 128 (past 128: B_c = B_r = 64, so
     that a warp's dK_j, dV_j slices stay at d / 2 registers a thread, as FA2's kernels at d = 256);
-    padded rows where the swizzle does not fit; one warp a key row where d / 2 is not whole pairs
-    of n8 tiles; then the first dQ split over the warps, and the first dQ path, that fits (bulk
-    reduction, then red.global.add, then the separate kernel)."""
+    padded rows where the swizzle does not fit (2-D warp tiles of d / 2 columns then need only
+    whole n8 tiles); then the first dQ split over the warps, and the first dQ path, that fits
+    (bulk reduction, then red.global.add, then the separate kernel)."""
     base = dict(BACKWARD_DEFAULTS[64] if d < 64 else BACKWARD_DEFAULTS[128] if d <= 128 else
                 dict(block_m=64, block_n=64, query_warps=2, dq="atomic"))
     if not tiles.swizzle_fits(d):
         base["swizzle"] = False
-    if not _column_slice(d // 2, base.get("swizzle", True)):
-        base["query_warps"] = 1
     for path in (dict(), dict(dq_reduce="red"), dict(dq="separate")):
         for wq in (0, 1, 2, 4, 8):
             candidate = dict(base, dq_query_warps=wq, **path)
