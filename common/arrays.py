@@ -168,13 +168,25 @@ _PLACEHOLDERS = {}
 
 
 def placeholder(library, ndim, like=None, dtype="float32"):
-    """A kernel argument (zeros of shape (1,) * ndim, made once per library) for an array
-    parameter that a kernel's configuration does not read (fa3's descales with 16-bit inputs, the
-    quantiser's signs without incoherent processing, fa2's cu_seqlens without varlen)."""
-    hit = _PLACEHOLDERS.get((library, ndim, dtype))
+    """A kernel argument (zeros of shape (1,) * ndim, made once per library and device) for an
+    array parameter that a kernel's configuration does not read (fa3's descales with 16-bit
+    inputs, the quantiser's signs without incoherent processing, fa2's cu_seqlens without varlen).
+
+    For torch it is the driver's memory (a Numba array), not the caching allocator's: the first
+    call may come while torch.compile's CUDA graphs (mode="reduce-overhead") warm up in their
+    private pool, which must hold nothing that outlives a replay. Inside a stream capture, where
+    the driver may not allocate, it is the caller's (the graph's pool keeps it)."""
+    device = like.device.index if library == "torch" else None
+    key = (library, ndim, dtype, device)
+    hit = _PLACEHOLDERS.get(key)
     if hit is None:
-        arr = zeros(library, (1,) * ndim, dtype, like=like)
-        hit = _PLACEHOLDERS[(library, ndim, dtype)] = (bits_view(describe(arr), DTYPES[dtype]), arr)
+        shape = (1,) * ndim
+        if library == "torch" and not _torch_module(like).cuda.is_current_stream_capturing():
+            with cuda.gpus[device]:
+                arr = cuda.to_device(np.zeros(shape, dtype=DTYPES[dtype]))
+        else:
+            arr = zeros(library, shape, dtype, like=like)
+        hit = _PLACEHOLDERS[key] = (bits_view(describe(arr), DTYPES[dtype]), arr)
     return hit[0]
 
 

@@ -2,7 +2,7 @@
 curve, the two models from the same initial weights on the same batches.
 
     python experiments/gpt_step.py [--variants fa2,fa3] [--steps 30] [--batch 8] [--seqlen 1024]
-                                   [--graph]
+                                   [--graph | --compile MODE]
 
 The model (issue: host overhead): 4 pre-LayerNorm blocks of d_model 512, 8 causal heads of 64,
 an MLP of 4 x d_model, vocabulary 8192, next-token cross-entropy, AdamW, bf16 autocast. Q, K, V
@@ -14,6 +14,10 @@ Loss curves: the first `--steps` losses of each model from the same start, and t
 difference from SDPA's (bf16 rounding lets them drift apart slowly; a wrong gradient does not
 stay close). `--graph` times each model's whole training step (forward, backward, AdamW)
 captured once in a CUDA graph and replayed on each batch: what is left without any host time.
+`--compile MODE` runs every model through torch.compile(mode=MODE, fullgraph=True) (MODE
+"default", or "reduce-overhead" to replay the compiled model from CUDA graphs): the variants enter
+the graph as custom operators (variants/torch_ops.py), and the model's backward is one autograd
+node instead of one Python node a layer.
 """
 import argparse
 import statistics
@@ -88,7 +92,11 @@ def main(argv=None):
     a.add_argument("--heads", type=int, default=8)
     a.add_argument("--vocab", type=int, default=8192)
     a.add_argument("--graph", action="store_true", help="time steps replayed from a CUDA graph")
+    a.add_argument("--compile", metavar="MODE", default=None,
+                   help="torch.compile every model with this mode (default, reduce-overhead)")
     args = a.parse_args(argv)
+    if args.graph and args.compile:
+        a.error("--graph captures the eager step; use one of --graph and --compile")
 
     import torch
 
@@ -101,8 +109,10 @@ def main(argv=None):
     for name in names:
         torch.manual_seed(0)   # the same initial weights for every model
         model = make_model(torch, attention_fn(name), **shape).cuda()
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True,
-                                                           capturable=args.graph))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True, capturable=args.graph)
+        if args.compile:
+            model = torch.compile(model, mode=args.compile, fullgraph=True)
+        runs[name] = (model, opt)
     data = torch.Generator("cuda").manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seqlen + 1), device="cuda",
                              generator=data) for _ in range(args.steps)]
@@ -148,7 +158,8 @@ def main(argv=None):
     print(f"# {target.describe()}, torch {torch.__version__}; GPT {args.layers} x d_model "
           f"{args.width}, {args.heads} heads of {args.width // args.heads}, batch {args.batch}, "
           f"seqlen {args.seqlen}, bf16 autocast, AdamW; median of {args.repeats} x {args.steps} "
-          f"steps")
+          f"steps" + (f"; torch.compile(mode={args.compile!r})" if args.compile else "")
+          + ("; CUDA graph replay" if args.graph else ""))
     print(f"{'attention':12s} {'ms/step':>8s} {'vs peer':>8s} {'loss@1':>8s} "
           f"{'loss@' + str(args.steps):>9s} {'max |dloss|':>12s}")
     for name in names:

@@ -8,7 +8,8 @@ q: (batch, seqlen_q, heads, head_dim), k and v: (batch, seqlen_k, heads_kv, head
 bf16, as in flash_attn_func. The forward saves q, k, v, O and L = LSE (nothing N x N); the backward
 runs the same variant's backward pass, which recomputes P from them. `forward_options` and
 `backward_options` are the variant's knobs (e.g. backward_options={"dq": "separate"}).
-torch is imported only when this is called.
+torch is imported only when this is called. Under torch.compile the same calls go to the custom
+operators of variants/torch_ops.py instead, which the compiler can trace.
 """
 from functools import lru_cache
 
@@ -74,6 +75,11 @@ def _options(options):
     return tuple(sorted(options.items())) if options else ()
 
 
+def _compiling():
+    import torch
+    return torch.compiler.is_compiling()
+
+
 def _check_torch(q, name):
     if type(q).__module__.split(".")[0] != "torch":
         raise TypeError(f"{name}() is the torch autograd wrapper; q is a {type(q).__name__}. "
@@ -87,6 +93,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """attention() over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
     k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v."""
     _check_torch(q, "attention_varlen")
+    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
+        from variants import torch_ops
+        return torch_ops.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant=variant,
+            causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            align=align, forward_options=forward_options, backward_options=backward_options)
     return _function_class()[1].apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                       int(max_seqlen_k), variant, causal, softmax_scale,
                                       _mask(window_size, softcap, align),
@@ -98,6 +110,12 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, windo
     """O = softmax(softmax_scale Q K^T) V with the named variant, differentiable in q, k, v; the
     mask (causal, window_size, softcap, align) as flash_attn_func's (common/masks.py)."""
     _check_torch(q, "attention")
+    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
+        from variants import torch_ops
+        return torch_ops.attention(q, k, v, variant=variant, causal=causal,
+                                   softmax_scale=softmax_scale, window_size=window_size,
+                                   softcap=softcap, align=align, forward_options=forward_options,
+                                   backward_options=backward_options)
     return _function_class()[0].apply(q, k, v, variant, causal, softmax_scale,
                                       _mask(window_size, softcap, align),
                                       _options(forward_options), _options(backward_options))

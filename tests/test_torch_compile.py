@@ -1,0 +1,67 @@
+"""torch.compile: variants.attention inside a model compiles with fullgraph=True (the custom
+operators of variants/torch_ops.py; a graph break would raise), and the compiled model's loss
+and gradients match the same model run eagerly (the autograd.Function path)."""
+import copy
+
+import pytest
+
+import variants
+from tests.test_graphs import BATCH, SEQLEN, WIDTH, small_model, training_step
+
+# Inductor's own code calls torch.jit APIs that warn as deprecated in torch 2.11 (the suite turns
+# warnings into errors).
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(variants.REGISTRY))
+def test_compiled_training_step_matches_eager(variant):
+    torch = pytest.importorskip("torch")
+    model = small_model(torch, variant)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    for seed in (1, 2):   # the second step runs the compiled code without tracing
+        x = torch.randn(BATCH, SEQLEN, WIDTH, device="cuda", dtype=torch.bfloat16,
+                        generator=torch.Generator("cuda").manual_seed(seed))
+        got = training_step(compiled, x).item()
+        want = training_step(eager, x).item()
+        assert got == pytest.approx(want, rel=1e-3)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=2e-2,
+                                       atol=2e-2 * float(q.grad.abs().max()))
+
+
+@pytest.mark.gpu
+def test_compiled_varlen_matches_eager():
+    torch = pytest.importorskip("torch")
+    lengths = [37, 200, 1]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,
+                      device="cuda")
+    total, heads, head_dim = sum(lengths), 4, 64
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(total, h, head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=gen).requires_grad_() for h in (heads, 2, 2))
+
+    def loss(q, k, v):
+        o = variants.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths),
+                                      variant="fa2", causal=True, window_size=(64, 0))
+        return o.float().pow(2).sum()
+
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    got_loss = torch.compile(loss, fullgraph=True, dynamic=False)(q, k, v)
+    got = torch.autograd.grad(got_loss, (q, k, v))
+    assert got_loss.item() == pytest.approx(loss(q, k, v).item(), rel=1e-3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2,
+                                   atol=2e-2 * float(w.abs().max()))
+
+
+def test_options_travel_as_text():
+    """The operators carry options as JSON text (an operator schema takes no dict): tuples come
+    back as tuples, and no options as ""."""
+    pytest.importorskip("torch")
+    from variants import torch_ops
+    text = torch_ops.encode_options({"dq_split": (2, 2), "dq": "separate"})
+    assert torch_ops._decode_options(text) == (("dq", "separate"), ("dq_split", (2, 2)))
+    assert torch_ops.encode_options(None) == torch_ops.encode_options({}) == ""
+    assert torch_ops._decode_options("") == ()

@@ -1,0 +1,180 @@
+"""The variants as torch custom operators, so that `torch.compile` sees through them.
+
+    model = torch.compile(model, fullgraph=True)   # model calls variants.attention(q, k, v, ...)
+
+`torch.library.custom_op` registers two operators, `flash_numba::forward` -> (o, lse) and
+`flash_numba::backward` -> (dq, dk, dv), each with a fake implementation (the output shapes,
+dtypes and strides, from the input shapes alone: what the compiler traces with) and the first
+with its derivative (`register_autograd`: the second, from the saved q, k, v, o, lse). Dynamo
+then keeps each call as one opaque node of the graph: the compiled code calls the variant's
+forward and backward (Numba kernels launched on torch's current stream) between the kernels it
+generated for the rest of the model, and AOTAutograd puts the backward in the compiled backward
+graph, so the whole model's backward is one autograd node instead of one Python node per layer.
+With mode="reduce-overhead" the compiled model also replays from CUDA graphs.
+
+`variants.attention` calls these operators while torch.compile traces (torch.compiler.
+is_compiling()) and the autograd.Function of variants/autograd.py when it runs eagerly: a custom
+operator's eager call goes through the dispatcher and costs more host time than the Function.
+The mask travels as plain arguments (window_size as two ints) and the variant's options as a
+JSON string, the types an operator schema takes. The gradient of lse is not propagated (lse is an
+auxiliary output, as in flash_attn).
+"""
+import json
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+import variants
+
+Tensor = torch.Tensor
+
+
+@torch.compiler.assume_constant_result   # called with constants: traced as its result
+def encode_options(options):
+    """A variant's keyword options as the JSON string the operators carry ("" for none)."""
+    return json.dumps(sorted(options.items())) if options else ""
+
+
+@lru_cache(maxsize=256)
+def _decode_options(text):
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in json.loads(text)) \
+        if text else ()
+
+
+def _mask(window_left, window_right, softcap, align):
+    return dict(window_size=(window_left, window_right), softcap=softcap, align=align)
+
+
+@torch.library.custom_op("flash_numba::forward", mutates_args=())
+def forward(q: Tensor, k: Tensor, v: Tensor, variant: str, causal: bool,
+            softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
+            align: str, forward_options: str, backward_options: str) -> tuple[Tensor, Tensor]:
+    """(o, lse) of variants.forward; backward_options ride along for the derivative."""
+    return variants.get(variant).forward(
+        q, k, v, causal=causal, softmax_scale=softmax_scale,
+        **_mask(window_left, window_right, softcap, align),
+        **dict(_decode_options(forward_options)))
+
+
+@forward.register_fake
+def _(q, k, v, variant, causal, softmax_scale, window_left, window_right, softcap, align,
+      forward_options, backward_options):
+    b, n_q, h, _ = q.shape
+    # the variants return o contiguous (B, N_q, H, d) in q's dtype and lse (B, H, N_q) fp32,
+    # whatever q's strides
+    return q.new_empty(q.shape), q.new_empty((b, h, n_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_numba::backward", mutates_args=())
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, variant: str,
+             causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
+             softcap: float, align: str, backward_options: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of variants.backward."""
+    return variants.backward(do.contiguous(), q, k, v, o, lse, variant=variant, causal=causal,
+                             softmax_scale=softmax_scale,
+                             **_mask(window_left, window_right, softcap, align),
+                             **dict(_decode_options(backward_options)))
+
+
+@backward.register_fake
+def _(do, q, k, v, o, lse, variant, causal, softmax_scale, window_left, window_right, softcap,
+      align, backward_options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, variant, causal, scale, left, right, softcap, align, _, backward_options = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.settings = (variant, causal, scale, left, right, softcap, align, backward_options)
+
+
+def _derivative(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = backward(do, q, k, v, o, lse, *ctx.settings)
+    return (dq, dk, dv) + (None,) * 9
+
+
+forward.register_autograd(_derivative, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- packed batches
+@torch.library.custom_op("flash_numba::forward_varlen", mutates_args=())
+def forward_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   max_seqlen_q: int, max_seqlen_k: int, variant: str, causal: bool,
+                   softmax_scale: Optional[float], window_left: int, window_right: int,
+                   softcap: float, align: str, forward_options: str,
+                   backward_options: str) -> tuple[Tensor, Tensor]:
+    """(o, lse) of variants.forward_varlen."""
+    return variants.forward_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant=variant,
+        causal=causal, softmax_scale=softmax_scale,
+        **_mask(window_left, window_right, softcap, align),
+        **dict(_decode_options(forward_options)))
+
+
+@forward_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant, causal,
+      softmax_scale, window_left, window_right, softcap, align, forward_options,
+      backward_options):
+    total_q, h, _ = q.shape   # o (total_q, H, d) contiguous, lse (H, total_q) fp32
+    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_numba::backward_varlen", mutates_args=())
+def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, variant: str, causal: bool,
+                    softmax_scale: Optional[float], window_left: int, window_right: int,
+                    softcap: float, align: str,
+                    backward_options: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of variants.backward_varlen."""
+    return variants.backward_varlen(
+        do.contiguous(), q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        variant=variant, causal=causal, softmax_scale=softmax_scale,
+        **_mask(window_left, window_right, softcap, align),
+        **dict(_decode_options(backward_options)))
+
+
+@backward_varlen.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant,
+      causal, softmax_scale, window_left, window_right, softcap, align, backward_options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, *settings = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.sizes = (max_q, max_k)
+    ctx.settings = tuple(settings[:-2]) + (settings[-1],)   # all but forward_options
+
+
+def _derivative_varlen(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = backward_varlen(do, q, k, v, o, lse, cu_q, cu_k, *ctx.sizes, *ctx.settings)
+    return (dq, dk, dv) + (None,) * 13
+
+
+forward_varlen.register_autograd(_derivative_varlen, setup_context=_setup_context_varlen)
+
+
+# --------------------------------------------------------------------------- variants.attention
+def _arguments(variant, causal, softmax_scale, window_size, softcap, align, forward_options,
+               backward_options):
+    """The operators' trailing arguments, from variants.attention's keywords."""
+    left, right = window_size
+    return (variant, bool(causal), softmax_scale, int(left), int(right), float(softcap), align,
+            encode_options(forward_options), encode_options(backward_options))
+
+
+def attention(q, k, v, **kwargs):
+    """o of the forward operator, from variants.attention's keywords."""
+    return forward(q, k, v, *_arguments(**kwargs))[0]
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
+    """o of the packed-batch forward operator, from variants.attention_varlen's keywords."""
+    return forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                          int(max_seqlen_k), *_arguments(**kwargs))[0]
