@@ -18,8 +18,9 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from common import arrays, masks, ptx, tiles
-from common.problem import (_BSHD_TO_BHSD, _PER_CALL, AttentionProblem, _check_layout, misaligned,
-                            one_batch, prepare, prepare_varlen, remember, torch_call_key)
+from common.problem import (_BSHD_TO_BHSD, AttentionProblem, ProblemTemplate, _check_layout,
+                            misaligned, one_batch, prepare, prepare_varlen, remember,
+                            torch_call_key)
 from common.target import KernelView, kernel, launch
 
 WARPS = 4            # rows per thread block of the row kernels (one warp a row)
@@ -87,17 +88,14 @@ _TEMPLATES = {}
 
 class _BackwardTemplate:
     """A BackwardProblem of torch tensors without its addresses, gradients and stream (see
-    common.problem's per-call path)."""
-    VIEWS = ("q", "k", "v", "o32", "lse")
+    common.problem's per-call path): the forward problem's template and the gradients' layouts."""
 
     def __init__(self, g):
         import torch
-        prob = g.prob
-        self.fields = {f: (None if f in _PER_CALL else x) for f, x in vars(prob).items()}
-        self.layouts = tuple(getattr(prob, f).layout for f in self.VIEWS) + tuple(
-            getattr(g, f).layout for f in ("do", "do32", "dq32", "dk32", "dv32"))
+        self.forward = ProblemTemplate(g.prob)
+        self.layouts = tuple(getattr(g, f).layout for f in ("do", "do32", "dq32", "dk32", "dv32"))
         self.grad_shapes = tuple(tuple(x.shape) for x in g.result())
-        self.dtype, self.device = getattr(torch, prob.dtype), g.dq_out.device
+        self.dtype, self.device = getattr(torch, g.prob.dtype), g.dq_out.device
 
     def problem(self, do, q, k, v, o, lse):
         """The problem of a call with this template's key (None: an address is misaligned)."""
@@ -106,21 +104,15 @@ class _BackwardTemplate:
                 do.data_ptr())
         if misaligned(*ptrs):
             return None
-        grads = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                 for shape in self.grad_shapes]
-        lq, lk, lv, lo, ll, ldo, ldo32, ldq, ldk, ldv = self.layouts
+        dq, dk, dv = (torch.empty(shape, dtype=self.dtype, device=self.device)
+                      for shape in self.grad_shapes)
+        ldo, ldo32, ldq, ldk, ldv = self.layouts
         over = KernelView.over
-        prob = AttentionProblem.__new__(AttentionProblem)
-        prob.__dict__.update(self.fields)
-        prob.q, prob.k, prob.v = over(ptrs[0], lq, q), over(ptrs[1], lk, k), over(ptrs[2], lv, v)
-        prob.o32, prob.lse = over(ptrs[3], lo, o), over(ptrs[4], ll, lse)
-        prob.o_out, prob.lse_out, prob.like = o, lse, q
-        prob.stream = arrays.torch_stream(self.device.index)
-        dq, dk, dv = grads
         return BackwardProblem(
-            prob=prob, do=over(ptrs[5], ldo, do), do32=over(ptrs[5], ldo32, do),
-            dq_out=dq, dk_out=dk, dv_out=dv, dq32=over(dq.data_ptr(), ldq, dq),
-            dk32=over(dk.data_ptr(), ldk, dk), dv32=over(dv.data_ptr(), ldv, dv))
+            prob=self.forward.problem(ptrs, q, k, v, o, lse), do=over(ptrs[5], ldo, do),
+            do32=over(ptrs[5], ldo32, do), dq_out=dq, dk_out=dk, dv_out=dv,
+            dq32=over(dq.data_ptr(), ldq, dq), dk32=over(dk.data_ptr(), ldk, dk),
+            dv32=over(dv.data_ptr(), ldv, dv))
 
 
 def _prepare_backward(do, q, k, v, o, lse, *, causal, softmax_scale, head_dims, variant, grads,

@@ -119,10 +119,11 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=H
     (common/masks.py)."""
     if type(window_size) is not tuple:   # a list, say: checked, and hashable for the key
         window_size = masks.window_of(window_size)
-    key = torch_call_key((q, k, v), (causal, softmax_scale, out is None, head_dims, variant,
-                                     dtypes, out_dtype, window_size, softcap, align))
-    if key is not None and out is None:
-        template = _TEMPLATES.get(key)
+    key = None
+    if out is None:   # preallocated outputs take the checked path
+        key = torch_call_key((q, k, v), (causal, softmax_scale, head_dims, variant, dtypes,
+                                         out_dtype, window_size, softcap, align))
+        template = _TEMPLATES.get(key) if key is not None else None
         if template is not None:
             prob = template.problem(q, k, v)
             if prob is not None:
@@ -130,7 +131,7 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=H
     prob = _prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                     head_dims=head_dims, variant=variant, dtypes=dtypes, out_dtype=out_dtype,
                     window_size=window_size, softcap=softcap, align=align)
-    if key is not None and out is None:
+    if key is not None:
         remember(_TEMPLATES, key, _ForwardTemplate(prob))
     return prob
 
@@ -269,17 +270,38 @@ def misaligned(*ptrs):
 _PER_CALL = ("q", "k", "v", "o32", "lse", "o_out", "lse_out", "stream", "like")
 
 
-class _ForwardTemplate:
-    """An AttentionProblem of torch tensors without its addresses, outputs and stream."""
+class ProblemTemplate:
+    """An AttentionProblem of torch tensors without its addresses, outputs and stream: what the
+    checks found for one geometry (the first call's arrays are not kept: a template must not hold
+    memory alive)."""
+    VIEWS = ("q", "k", "v", "o32", "lse")
+
+    def __init__(self, prob):
+        self.fields = {f: (None if f in _PER_CALL else x) for f, x in vars(prob).items()}
+        self.layouts = tuple(getattr(prob, f).layout for f in self.VIEWS)
+        self.device = prob.o_out.device
+
+    def problem(self, ptrs, q, k, v, o, lse):
+        """The problem over q, k, v, o, lse at `ptrs` (their data pointers, in that order)."""
+        over = KernelView.over
+        lq, lk, lv, lo, ll = self.layouts
+        prob = AttentionProblem.__new__(AttentionProblem)
+        prob.__dict__.update(self.fields)
+        prob.q, prob.k, prob.v = over(ptrs[0], lq, q), over(ptrs[1], lk, k), over(ptrs[2], lv, v)
+        prob.o32, prob.lse = over(ptrs[3], lo, o), over(ptrs[4], ll, lse)
+        prob.o_out, prob.lse_out, prob.like = o, lse, q
+        prob.stream = arrays.torch_stream(self.device.index)
+        return prob
+
+
+class _ForwardTemplate(ProblemTemplate):
+    """A forward call's template: the problem, with o and lse allocated a call."""
 
     def __init__(self, prob):
         import torch
-        # the first call's arrays are not kept (a template must not hold memory alive)
-        self.fields = {f: (None if f in _PER_CALL else x) for f, x in vars(prob).items()}
-        self.layouts = tuple(getattr(prob, f).layout for f in ("q", "k", "v", "o32", "lse"))
+        super().__init__(prob)
         self.out_shapes = (tuple(prob.o_out.shape), tuple(prob.lse_out.shape))
         self.out_dtype = getattr(torch, prob.out_dtype)
-        self.device = prob.o_out.device
 
     def problem(self, q, k, v):
         """The problem of a call with this template's key (None: an address is misaligned)."""
@@ -289,15 +311,7 @@ class _ForwardTemplate:
             return None
         o = torch.empty(self.out_shapes[0], dtype=self.out_dtype, device=self.device)
         lse = torch.empty(self.out_shapes[1], dtype=torch.float32, device=self.device)
-        lq, lk, lv, lo, ll = self.layouts
-        prob = AttentionProblem.__new__(AttentionProblem)
-        prob.__dict__.update(self.fields)
-        prob.q, prob.k, prob.v = (KernelView.over(pq, lq, q), KernelView.over(pk, lk, k),
-                                  KernelView.over(pv, lv, v))
-        prob.o32, prob.lse = KernelView.over(o.data_ptr(), lo, o), KernelView.over(lse.data_ptr(), ll, lse)
-        prob.o_out, prob.lse_out, prob.like = o, lse, q
-        prob.stream = arrays.torch_stream(self.device.index)
-        return prob
+        return super().problem((pq, pk, pv, o.data_ptr(), lse.data_ptr()), q, k, v, o, lse)
 
 
 def _prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes, out_dtype,
