@@ -4,7 +4,8 @@ A configuration's kernels take 10-80 s to compile (Numba typing, NVVM on fully u
 ptxas), so a benchmark sweep or a GPU test run on a fresh machine spends most of its time
 compiling. With FA_KERNEL_CACHE=<dir>, `launch` keeps each kernel's cubin there and later
 processes load it instead of compiling. The key covers everything a cubin depends on: the source
-of every module in common/ (any edit there invalidates every entry) and of each variants/ module
+of every module in common/ but the host-only ones (HOST_MODULES; any edit to the others
+invalidates every entry) and of each variants/ module
 the kernel or a device function it calls is defined in (an edit to fa2.py leaves fa1's and
 standard's kernels cached; kernel bodies reach other variants only through closures, which
 closure_constants walks), the kernel's name and the compile-time constants its closure holds
@@ -22,11 +23,20 @@ from numba import cuda
 _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+# common/ modules that hold no device code (argument checks, array adapters, the float64
+# reference, inputs, timing, configuration lookup, the KV cache's host side): their source cannot
+# change a cubin, so an edit to one keeps the cache. tests/test_compile.py checks that no compile
+# target's code reaches them (functions, modules, or values imported from them).
+HOST_MODULES = ("arrays", "checks", "configs", "flops", "inputs", "kvcache", "problem",
+                "reference", "timing")
+
+
 @lru_cache(maxsize=None)
 def source_digest(modules=()):
-    """sha256 over the source of common/*.py and of the given `variants.<name>` modules."""
+    """sha256 over the source of common/*.py but HOST_MODULES and of the given
+    `variants.<name>` modules."""
     h = hashlib.sha256()
-    paths = sorted(_PACKAGE_ROOT.glob("common/*.py")) + [
+    paths = sorted(p for p in _PACKAGE_ROOT.glob("common/*.py") if p.stem not in HOST_MODULES) + [
         _PACKAGE_ROOT / "variants" / f"{m.split('.')[1]}.py" for m in sorted(modules)]
     for path in paths:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

@@ -196,3 +196,61 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
     assert "block=64" in closure_constants(build(64, 1.5))
     with pytest.raises(TypeError, match="cannot describe"):
         closure_constants(build(64, object()))
+
+
+def test_no_kernel_reaches_a_host_module():
+    """common.kernel_cache.HOST_MODULES are left out of the cache key, so no compile target's code
+    may reach them: a function or module of theirs, or a constant one of them defines under the
+    name a kernel reads it by (an imported constant). Walks each kernel's closure and the globals
+    its code names, through every device function it reaches."""
+    import types as pytypes
+    from importlib import import_module
+
+    from common import kernel_cache
+    from experiments import compile_report
+    host = {f"common.{m}" for m in kernel_cache.HOST_MODULES}
+    host_modules = [import_module(m) for m in host]
+    constants = (bool, int, float, str, tuple)
+    seen, found = set(), set()
+
+    def names_of(code):
+        names = set(code.co_names)
+        for c in code.co_consts:
+            if isinstance(c, pytypes.CodeType):
+                names |= names_of(c)
+        return names
+
+    def visit(value, names, where):
+        if isinstance(value, pytypes.ModuleType):
+            if value.__name__ in host:
+                found.add(f"{where} uses module {value.__name__}")
+            for n in names:   # the attributes it may read: any name its code uses
+                attr = getattr(value, n, None)
+                if isinstance(getattr(attr, "py_func", attr), pytypes.FunctionType):
+                    visit(attr, names, where)
+            return
+        fn = getattr(value, "py_func", value)
+        if isinstance(fn, pytypes.FunctionType) and id(fn) not in seen:
+            seen.add(id(fn))
+            where = f"{fn.__module__}.{fn.__qualname__}"
+            if fn.__module__ in host:
+                found.add(f"reaches {where}")
+            own = names_of(fn.__code__)
+            for cell in fn.__closure__ or ():
+                visit(cell.cell_contents, own, where)
+            for n in own:
+                if n not in fn.__globals__:
+                    continue
+                g = fn.__globals__[n]
+                if isinstance(g, constants) and n.isupper() and any(
+                        getattr(m, n, None) is g for m in host_modules):
+                    found.add(f"{where} reads {n}, defined in a host module")
+                visit(g, own, where)
+
+    count = 0
+    for mod in compile_report.variant_modules():
+        for name, kern, argtypes, mma in import_module(mod).compile_targets():
+            visit(kern, (), name)
+            count += 1
+    assert count > 30 and len(seen) > 50
+    assert not found, sorted(found)
