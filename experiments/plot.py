@@ -3,6 +3,7 @@
     python experiments/plot.py <results.csv> --figure speed [--out speed.png] [--ceiling 790]
     python experiments/plot.py <results.csv> --figure ablation
     python experiments/plot.py <decode.csv> --figure decode
+    python experiments/plot.py <compare_configs table .txt> --figure speed
 
 speed     TFLOP/s against sequence length, grouped bars a seqlen, one panel a (head_dim, causal):
           the FA2 paper's Fig. 4-6 from `run.py -m experiment=fa2_grid` (pass=fwd) or a fwd_bwd grid
@@ -31,8 +32,36 @@ PEERS = {"sdpa_flash": "#7f7f7f", "sdpa_cudnn": "#b0b0b0", "sdpa_math": "#d8d8d8
 
 
 def read(path):
+    """The rows of a results CSV, or of a compare_configs.py table (read_table)."""
+    if path.endswith(".txt"):
+        return read_table(path)
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def read_table(path):
+    """The rows of `experiments/compare_configs.py`'s printed table ("hd causal seqlen TFLOP/s
+    (ratio) median_ms check name" after '#' comment lines that hold its command and GPU) as
+    results-CSV rows: a peer keeps its name, the variant's default configuration ("{}") is named
+    after `--variant`, any other configuration "<variant> <options>"."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    comments = " ".join(line for line in lines if line.startswith("#"))
+    m = re.search(r"--variant (\w+)", comments)
+    variant = m.group(1) if m else "fa2"   # compare_configs' default
+    gpu = re.search(r"(NVIDIA )?(H100|H200|A100)[\w ]*?(?= \(|,|$)", comments)
+    rows = []
+    for line in lines:
+        parts = line.split(None, 6)
+        if line.startswith("#") or len(parts) < 7 or not parts[0].isdigit():
+            continue
+        hd, causal, seqlen, tflops, _, ms, rest = parts
+        check, name = rest.split(None, 1)
+        rows.append({"variant": variant if name == "{}" else name if name in PEERS
+                     else f"{variant} {name}", "head_dim": hd, "causal": str(causal == "1"),
+                     "seqlen": seqlen, "fwd_tflops": tflops, "fwd_ms": ms, "check": check,
+                     "gpu": gpu.group(0) if gpu else ""})
+    return rows
 
 
 def _pyplot():

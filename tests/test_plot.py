@@ -66,3 +66,26 @@ def test_an_empty_csv_is_refused(tmp_path):
     path.write_text("variant,seqlen\n")
     with pytest.raises(SystemExit, match="has no rows"):
         plot.main([str(path), "--figure", "speed"])
+
+
+def test_speed_from_a_compare_configs_table(tmp_path):
+    """compare_configs.py prints a table, not a CSV: plot.py reads it (the variant's defaults
+    named after --variant, other configurations after their options, peers as they are, the GPU
+    from the header) and draws the speed figure from it."""
+    table = tmp_path / "grid.txt"
+    table.write_text(
+        "# fa3 beside SDPA, H100 80GB HBM3 (driver 580), 2026-11-23:\n"
+        "#   python experiments/compare_configs.py '[{}]' --variant fa3 --seqlens 512,4096\n"
+        "hd causal seqlen TFLOP/s median_ms check name\n"
+        "128 0 512 302.7 (1.00) 0.2270 ok sdpa_flash\n"
+        "128 0 512 359.0 (1.19) 0.1914 ok {}\n"
+        '128 1 4096 300.0 (0.99) 0.9000 FAIL {"pingpong":false}\n'
+        "64 1 4096 400.0 (1.30) 0.5000 ok {}\n")
+    rows = plot.read(str(table))
+    assert [(r["variant"], r["head_dim"], r["causal"], r["seqlen"], r["check"]) for r in rows] == [
+        ("sdpa_flash", "128", "False", "512", "ok"), ("fa3", "128", "False", "512", "ok"),
+        ("fa3 {\"pingpong\":false}", "128", "True", "4096", "FAIL"),
+        ("fa3", "64", "True", "4096", "ok")]
+    assert rows[1]["fwd_tflops"] == "359.0" and rows[0]["gpu"] == "H100 80GB HBM3"
+    out = plot.main([str(table), "--figure", "speed", "--out", str(tmp_path / "s.png")])
+    assert (tmp_path / "s.png").stat().st_size > 1000 and out.endswith("s.png")
