@@ -202,3 +202,45 @@ def test_decode_grid_experiment_writes_its_rows(tmp_path):
         rows = list(csv.DictReader(f))
     assert {r["variant"] for r in rows} >= {"decode, no split", "decode, contiguous", "fa2"}
     assert all(r["pass"] == "decode" and r["check"] == "ok" and r["gbs"] for r in rows)
+
+
+@pytest.mark.gpu
+def test_decode_step_replays_from_a_cuda_graph(rng):
+    """A decoding step (append the new token's K and V, split-KV attention, combine) with
+    check=False and a fixed num_splits reads nothing back on the host, so torch.cuda.graph captures
+    it; replayed after the caller writes the next token and advances the lengths in place, it
+    gives what the same call gives eagerly on the same state, bit for bit."""
+    torch = pytest.importorskip("torch")
+    from common import timing
+    lengths, heads, heads_kv, d, page = [300, 4097], 4, 2, 64, 256
+    capacity = -(-(max(lengths) + 4) // page) * page + page
+    k_cache, v_cache, table = make_cache(rng, lengths, heads_kv, d, "bfloat16", page, capacity)
+    dev = lambda x: inputs.to_device(x, "torch")                                  # noqa: E731
+    kc, vc, tbl = dev(k_cache), dev(v_cache), dev(table)
+    lens = dev(np.array(lengths, dtype=np.int32))
+    q, kn, vn = (torch.zeros((len(lengths), 1, h, d), dtype=torch.bfloat16, device="cuda")
+                 for h in (heads, heads_kv, heads_kv))
+
+    def step(k_cache, v_cache):
+        return variants.decode(q, k_cache, v_cache, lens, block_table=tbl, k=kn, v=vn,
+                               check=False, num_splits=4)
+
+    graph, (o, lse) = timing.capture_cuda_graph(lambda: step(kc, vc))
+    for _ in range(2):
+        for x in (q, kn, vn):
+            x.copy_(torch.randn(x.shape, device="cuda", dtype=torch.float32).to(x.dtype))
+        lens.add_(1)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        o_ref, lse_ref = step(kc_ref, vc_ref)   # eager, on a copy of the same state
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)   # the same append
+    # and the eager result is right: against float64 over each sequence's keys
+    for b, n in enumerate(lens.tolist()):   # the cache's n keys and the appended one
+        ks = sequence_keys(inputs.to_host(kc), table, b, n + 1, page)
+        vs = sequence_keys(inputs.to_host(vc), table, b, n + 1, page)
+        ref_o, ref_lse = reference.attention(inputs.to_host(q)[b:b + 1], ks, vs)
+        got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], ref_o,
+                             ref_lse, "bfloat16")
+        assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
