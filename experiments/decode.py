@@ -2,11 +2,15 @@
 
     python experiments/decode.py [--batches 1,4,8] [--lengths 16384,65536,131072] [--heads 32]
                                  [--heads-kv 8] [--head-dim 128] [--page-size 256] [--csv PATH]
+                                 [--only-decode]
 
 One new token a sequence (q: (B, 1, H, d), bf16) against caches of L tokens a sequence, paged
 (pages of --page-size tokens, a shuffled block table). Each row is checked against float64 on one
 sequence, then timed (CUDA events, median; two input sets when the caches fit in L2 twice):
 - decode: variants.decode, split-KV with the heuristic's num_splits (the column says how many);
+- decode, CUDA graph: the same call captured once in a CUDA graph and replayed (torch on a GPU):
+  the kernels without the host's time a call, what a serving loop that replays its decoding step
+  pays (check=False and a fixed num_splits read nothing back, so the step captures);
 - no split: the same kernel with split_kv=False (one thread block a sequence and K/V head);
 - contiguous: decode on a (B, L, H_kv, d) cache, no block table;
 - fa2: variants.forward with seqlen_q = 1 (FA2's grid: one query block a sequence and head);
@@ -33,9 +37,10 @@ def copy_bandwidth(torch):
 
 
 def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size=256,
-                 extra_splits=(), peers_on=True, copy_gbs=float("nan"), rng=None):
+                 extra_splits=(), peers_on=True, copy_gbs=float("nan"), rng=None, others=True):
     """The rows of one (batch, cache length): each kernel checked on one sequence against float64
-    (decode's), then timed. Returns dicts with kernel, ms, gbs, of_copy, vs_fa2, splits, host_us."""
+    (decode's), then timed. Returns dicts with kernel, ms, gbs, of_copy, vs_fa2, splits, host_us.
+    others=False: decode and its CUDA-graph replay only (no split, contiguous, fa2, peers)."""
     import numpy as np
     from numba import cuda
 
@@ -102,33 +107,36 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     def timed(fn):
         return timing.benchmark(lambda i: fn(*sets[i % n_sets]), **bench).median_ms
 
-    rows = {
-        f"decode (splits={splits})": timed(lambda q, kc, vc, t, n, *_:
-                                           variants.decode(q, kc, vc, n, block_table=t,
-                                                           check=False,
-                                                           num_splits=splits)),
-        "decode, no split": timed(lambda q, kc, vc, t, n, *_:
-                                  variants.decode(q, kc, vc, n, block_table=t,
-                                                  check=False, split_kv=False)),
-        "decode, contiguous": timed(lambda q, kc, vc, t, n, kk, vv:
-                                    variants.decode(q, kk, vv, n, check=False,
-                                                    num_splits=splits)),
-    }
+    def step(q, kc, vc, t, n, *_):
+        return variants.decode(q, kc, vc, n, block_table=t, check=False, num_splits=splits)
+
+    rows = {f"decode (splits={splits})": timed(step)}
+    if torch is not None and not target.SIMULATOR:
+        graphs = [timing.capture_cuda_graph(lambda s=s: step(*s))[0] for s in sets]
+        rows["decode, CUDA graph"] = timing.benchmark(lambda i: graphs[i % n_sets].replay(),
+                                                      **bench).median_ms
+        del graphs
+    if others:
+        rows["decode, no split"] = timed(lambda q, kc, vc, t, n, *_:
+                                         variants.decode(q, kc, vc, n, block_table=t,
+                                                         check=False, split_kv=False))
+        rows["decode, contiguous"] = timed(lambda q, kc, vc, t, n, kk, vv:
+                                           variants.decode(q, kk, vv, n, check=False,
+                                                           num_splits=splits))
     for s in (int(x) for x in extra_splits if x):
         rows[f"decode (splits={s})"] = timed(
             lambda q, kc, vc, t, n, *_, s=s: variants.decode(q, kc, vc, n, block_table=t,
                                                              check=False, num_splits=s))
     # the host's time a call (launches queue ahead: 50 calls enqueued, then one wait)
-    call = (lambda q, kc, vc, t, n, *_: variants.decode(q, kc, vc, n, block_table=t,
-                                                        check=False, num_splits=splits))
     calls = 1 if target.SIMULATOR else 50
     start = time.perf_counter()
     for _ in range(calls):
-        call(*sets[0])
+        step(*sets[0])
     host_us = (time.perf_counter() - start) / calls * 1e6
     cuda.synchronize()
-    rows["fa2"] = timed(lambda q, kc, vc, t, n, kk, vv: variants.forward(q, kk, vv))
-    if peers_on and torch is not None:
+    if others:
+        rows["fa2"] = timed(lambda q, kc, vc, t, n, kk, vv: variants.forward(q, kk, vv))
+    if others and peers_on and torch is not None:
         from experiments import peers
         for name in ("sdpa_flash", "sdpa_cudnn"):
             fn = peers.forward_fn(name, False, None, h != h_kv)
@@ -137,7 +145,7 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
             except RuntimeError as exc:   # a backend that does not take this shape
                 print(f"  {name}: {str(exc).splitlines()[0][:100]}", flush=True)
                 rows[name] = float("nan")
-    base = rows["fa2"]
+    base = rows.get("fa2", float("nan"))
     print(f"B={batch:<2} L={length:<7} host: {host_us:.0f} us a decode call", flush=True)
     for name, ms in rows.items():
         gbs = kv_bytes / ms / 1e6
@@ -166,6 +174,8 @@ def main(argv=None):
     ap.add_argument("--peers", type=int, default=1)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--plot", default=None, help="a PNG: GB/s against cache length, per batch")
+    ap.add_argument("--only-decode", action="store_true",
+                    help="decode and its CUDA-graph replay only (no split, contiguous, fa2, peers)")
     args = ap.parse_args(argv)
 
     import common
@@ -187,7 +197,8 @@ def main(argv=None):
         for length in (int(x) for x in args.lengths.split(",")):
             out += measure_size(batch, length, heads=h, heads_kv=h_kv, head_dim=d, page_size=ps,
                                 extra_splits=[x for x in args.splits.split(",") if x],
-                                peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng)
+                                peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng,
+                                others=not args.only_decode)
     if args.plot and out:
         from experiments import plot
         plot.decode(out, args.plot)

@@ -4,6 +4,7 @@
     python experiments/plot.py <results.csv> --figure ablation
     python experiments/plot.py <decode.csv> --figure decode
     python experiments/plot.py <compare_configs table .txt> --figure speed
+    python experiments/plot.py <traffic.csv> --figure traffic
 
 speed     TFLOP/s against sequence length, grouped bars a seqlen, one panel a (head_dim, causal):
           the FA2 paper's Fig. 4-6 from `run.py -m experiment=fa2_grid` (pass=fwd) or a fwd_bwd grid
@@ -13,6 +14,8 @@ ablation  TFLOP/s of one variant with each of its levers switched off (`experime
           the job's `ablation=<name>`), one panel a (head_dim, causal), the default first
 decode    GB/s of K and V read against cache length, one panel a batch (experiments/decode.py's
           CSV), the copy bandwidth of the run as the dashed ceiling
+traffic   HBM bytes of a forward call against the block size, measured by ncu and modelled
+          (experiments/ncu.py traffic's CSV): the FA1 paper's Fig. 2 (middle)
 
 The title names the GPU from the CSV; docs/figures/README.md lists each committed figure with its
 command, GPU and commit.
@@ -161,6 +164,7 @@ def decode(rows, out):
     for ax, batch in zip(axes[0], batches):
         mine = [r for r in rows if int(r["batch"]) == batch]
         for name, style, color in (("decode", "o-", OURS["fa2"]),
+                                   ("decode, CUDA graph", "o:", OURS["fa3"]),
                                    ("decode, no split", "s--", "#98df8a"),
                                    ("fa2", "^:", OURS["fa1"]), ("sdpa_flash", "x-", PEERS["sdpa_flash"]),
                                    ("sdpa_cudnn", "+-", PEERS["sdpa_cudnn"])):
@@ -185,7 +189,45 @@ def decode(rows, out):
     plt.close(fig)
 
 
-FIGURES = {"speed": speed, "ablation": ablation, "decode": decode}
+def traffic(rows, out):
+    """HBM bytes of one forward call against the block (experiments/ncu.py): measured DRAM bytes
+    solid, the IO model's count (no cache) dashed, one colour a variant; standard (no block) and
+    the compulsory bytes (Q, K, V read, O written) as horizontal lines; one panel a seqlen."""
+    plt = _pyplot()
+    rows = [r for r in rows if r.get("status", "ok") == "ok"]
+    seqlens = sorted({int(r["seqlen"]) for r in rows})
+    fig, axes = plt.subplots(1, len(seqlens), figsize=(4.8 * len(seqlens), 3.8), squeeze=False)
+    for ax, n in zip(axes[0], seqlens):
+        mine = [r for r in rows if int(r["seqlen"]) == n]
+        for variant in [v for v in OURS if any(r["variant"] == v for r in mine)]:
+            pts = sorted((int(r["block"]), float(r["dram_bytes"]), float(r["model_bytes"]))
+                         for r in mine if r["variant"] == variant and r.get("block"))
+            color = OURS[variant]
+            if pts:
+                xs = [p[0] for p in pts]
+                ax.plot(xs, [p[1] for p in pts], "o-", color=color, label=f"{variant} measured")
+                ax.plot(xs, [p[2] for p in pts], "x--", color=color, label=f"{variant} model")
+            for r in mine:
+                if r["variant"] == variant and not r.get("block"):
+                    ax.axhline(float(r["dram_bytes"]), color=color, label=f"{variant} measured")
+                    ax.axhline(float(r["model_bytes"]), color=color, ls="--",
+                               label=f"{variant} model")
+        ax.axhline(float(mine[0]["compulsory_bytes"]), color="black", ls=":", lw=0.8,
+                   label="Q, K, V read + O written")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("block (fa1: B_c, fa2: B_r)")
+        ax.set_title(f"seqlen {n}, head_dim {mine[0]['head_dim']}", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("HBM bytes of one forward")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(_title(rows, "HBM traffic against block size"), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+FIGURES = {"speed": speed, "ablation": ablation, "decode": decode, "traffic": traffic}
 
 
 def main(argv=None):

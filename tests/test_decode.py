@@ -212,7 +212,8 @@ def test_decode_step_replays_from_a_cuda_graph(rng):
     gives what the same call gives eagerly on the same state, bit for bit."""
     torch = pytest.importorskip("torch")
     from common import timing
-    lengths, heads, heads_kv, d, page = [300, 4097], 4, 2, 64, 256
+    # d=128, 4 query heads a K/V head, pages of 256: experiments/decode.py's kernels
+    lengths, heads, heads_kv, d, page = [300, 4097], 8, 2, 128, 256
     capacity = -(-(max(lengths) + 4) // page) * page + page
     k_cache, v_cache, table = make_cache(rng, lengths, heads_kv, d, "bfloat16", page, capacity)
     dev = lambda x: inputs.to_device(x, "torch")                                  # noqa: E731

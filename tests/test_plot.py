@@ -89,3 +89,19 @@ def test_speed_from_a_compare_configs_table(tmp_path):
     assert rows[1]["fwd_tflops"] == "359.0" and rows[0]["gpu"] == "H100 80GB HBM3"
     out = plot.main([str(table), "--figure", "speed", "--out", str(tmp_path / "s.png")])
     assert (tmp_path / "s.png").stat().st_size > 1000 and out.endswith("s.png")
+
+
+def test_traffic(tmp_path):
+    """experiments/ncu.py traffic's CSV: measured and modelled bytes against the block, standard as
+    a line, failed rows left out."""
+    rows = [dict(variant="standard", seqlen=n, head_dim=64, block="", dram_bytes=5e9,
+                 model_bytes=9e9, compulsory_bytes=3e7, status="ok", gpu="GPU X")
+            for n in (1024, 4096)]
+    rows += [dict(variant=v, seqlen=n, head_dim=64, block=b, dram_bytes=1e8 * b,
+                  model_bytes=2e8 * b, compulsory_bytes=3e7, status="ok", gpu="GPU X")
+             for v in ("fa1", "fa2") for n in (1024, 4096) for b in (32, 64, 128)]
+    rows.append(dict(variant="fa1", seqlen=4096, head_dim=64, block=256, dram_bytes="",
+                     model_bytes=1e9, compulsory_bytes=3e7, status="error: refused", gpu="GPU X"))
+    csv_path = write(tmp_path / "traffic.csv", rows)
+    plot.main([str(csv_path), "--figure", "traffic"])
+    assert (tmp_path / "traffic_traffic.png").stat().st_size > 1000

@@ -1,0 +1,100 @@
+"""experiments/ncu.py: the ncu CSV parser on output in ncu's own format, a configuration's row from a
+profiled run (the model's bytes beside the measured ones; errors and out-of-memory recorded), and
+the message when ncu is missing. The profiled call itself runs in the simulator (without the
+profiler range)."""
+import json
+
+import pytest
+
+from experiments import io_model, ncu
+
+HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+          '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+          '"Metric Value"')
+
+
+def ncu_output(kernels):
+    """What `ncu --csv --print-units base` prints for kernels [(name, read, write, ns)]."""
+    lines = ["==PROF== Connected to process 4242 (/usr/bin/python3.12)",
+             '==PROF== Profiling "fa2_forward" - 0: 0%....50%....100% - 3 passes', HEADER]
+    for i, (name, read, write, ns) in enumerate(kernels):
+        for metric, unit, value in (("dram__bytes_read.sum", "byte", read),
+                                    ("dram__bytes_write.sum", "byte", write),
+                                    ("gpu__time_duration.sum", "nsecond", ns)):
+            lines.append(f'"{i}","4242","python3.12","127.0.0.1","{name}","1","7","(128, 1, 1)",'
+                         f'"(32, 1, 16)","0","9.0","Command line profiler metrics","{metric}",'
+                         f'"{unit}","{value:,}"')
+    lines.append("==PROF== Disconnected from process 4242")
+    return "\n".join(lines) + "\n"
+
+
+class Done:
+    def __init__(self, stdout="", stderr="", returncode=0):
+        self.stdout, self.stderr, self.returncode = stdout, stderr, returncode
+
+
+def test_parse_reads_each_launch_and_its_metrics():
+    text = ncu_output([("scores", 6_526_303_488, 4_290_124_544, 36_904_256),
+                       ("row_softmax", 1_000, 2_000, 3_000)])
+    launches = ncu.parse_csv(text)
+    assert [x["kernel"] for x in launches] == ["scores", "row_softmax"]
+    assert launches[0]["dram__bytes_read.sum"] == 6_526_303_488
+    assert launches[1]["gpu__time_duration.sum"] == 3_000
+    assert ncu.parse_csv("==PROF== no kernels were profiled\n") == []
+
+
+def test_a_row_sums_the_call_and_puts_the_model_beside_it():
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return Done(ncu_output([("fa2_forward", 200_000_000, 60_000_000, 1_750_000),
+                                ("fill", 1_000_000, 4_000_000, 10_000)]))
+
+    row = ncu.measure("fa2", 4096, 64, 64, 2, 16, False, run=run)
+    cmd = calls[0]
+    assert cmd[:2] == ["ncu", "--csv"] and "--profile-from-start" in cmd and "off" in cmd
+    assert json.loads(cmd[cmd.index("--options") + 1]) == {"block_m": 64}
+    assert row["kernels"] == 2 and row["status"] == "ok"
+    assert row["dram_read"] == 201_000_000 and row["dram_bytes"] == 265_000_000
+    assert row["gpu_ms"] == pytest.approx(1.76)
+    assert row["model_bytes"] == io_model.fa2_bytes(4096, 64, 64) * 2 * 16
+    assert row["compulsory_bytes"] == 4 * 4096 * 64 * 2 * 2 * 16
+    std = ncu.measure("standard", 1024, 64, None, 1, 1, False, run=run)
+    assert std["options"] == "{}" and std["model_bytes"] == io_model.standard_bytes(1024, 64)
+
+
+def test_errors_and_out_of_memory_are_recorded():
+    oom = ncu.measure("standard", 65536, 64, None, 1, 16, False,
+                      run=lambda cmd, **kw: Done(stderr="torch.OutOfMemoryError: CUDA out of "
+                                                        "memory. Tried to allocate 16 GiB",
+                                                 returncode=1))
+    assert oom["status"] == "out of memory" and oom["kernels"] == 0
+    bad = ncu.measure("fa1", 1024, 64, 48, 1, 1, False,
+                      run=lambda cmd, **kw: Done(stderr="ValueError: block_n must be ...",
+                                                 returncode=1))
+    assert bad["status"].startswith("error: ValueError")
+
+
+def test_traffic_without_ncu_says_so():
+    with pytest.raises(SystemExit, match="not on PATH"):
+        ncu.traffic(["fa2"], [256], 64, [64], 1, 1, False, ncu="no-such-ncu-here")
+
+
+def test_traffic_sweeps_blocks_of_blocked_variants_only(capsys):
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(json.loads(cmd[cmd.index("--options") + 1]))
+        return Done(ncu_output([("k", 10, 20, 1000)]))
+
+    rows = ncu.traffic(["standard", "fa1", "fa2"], [512], 64, [32, 64], 1, 1, False, run=run)
+    assert seen == [{}, {"block_n": 32}, {"block_n": 64}, {"block_m": 32}, {"block_m": 64}]
+    assert len(rows) == 5 and "fa1" in capsys.readouterr().out
+
+
+@pytest.mark.sim
+def test_the_profiled_call_runs():
+    """`ncu.py call`: the variant's forward with the block option, twice (the profiler range is
+    the GPU's; the simulator runs the call alone)."""
+    ncu.call("fa1", 16, 64, 1, 1, False, {"block_n": 64})
