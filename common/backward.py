@@ -192,10 +192,10 @@ class DqLayout:
 # --------------------------------------------------------------------------- the row kernels
 
 @lru_cache(maxsize=None)
-def build_preprocess(head_dim, is_bf16, zero_dq):
+def build_preprocess(head_dim, element, zero_dq):
     """D = rowsum(dO o O) in fp32 (and, when zero_dq, rows < n_acc of dQ's accumulator set to 0:
     n_acc >= n_q covers an accumulator padded to whole query blocks)."""
-    WORDS, D, ZERO_DQ, IS_BF16 = head_dim // 2, head_dim, zero_dq, is_bf16
+    WORDS, D, ZERO_DQ, ELEM = head_dim // 2, head_dim, zero_dq, element.code
 
     @kernel
     def preprocess(o32, do32, d_vec, dq_acc, n_q, n_acc):
@@ -207,12 +207,8 @@ def build_preprocess(head_dim, is_bf16, zero_dq):
         r = row if inside else 0      # rows past n_q still take part in the shuffles
         acc = float32(0)
         for w in range(lane, WORDS, 32):
-            if IS_BF16:
-                o0, o1 = ptx.unpack_bf16x2(o32[b, h, r, w])
-                g0, g1 = ptx.unpack_bf16x2(do32[b, h, r, w])
-            else:
-                o0, o1 = ptx.unpack_f16x2(o32[b, h, r, w])
-                g0, g1 = ptx.unpack_f16x2(do32[b, h, r, w])
+            o0, o1 = tiles.unpack_pair(o32[b, h, r, w], ELEM)
+            g0, g1 = tiles.unpack_pair(do32[b, h, r, w], ELEM)
             acc += o0 * g0 + o1 * g1
         for offset in (16, 8, 4, 2, 1):
             acc += ptx.shfl_xor_f32(acc, offset)
@@ -226,9 +222,9 @@ def build_preprocess(head_dim, is_bf16, zero_dq):
 
 
 @lru_cache(maxsize=None)
-def build_convert_dq(head_dim, is_bf16):
+def build_convert_dq(head_dim, element):
     """dQ = softmax_scale * accumulator, rounded to the 16-bit dtype, 4 bytes a lane a step."""
-    WORDS, IS_BF16 = head_dim // 2, is_bf16
+    WORDS, ELEM = head_dim // 2, element.code
 
     @kernel
     def convert_dq(dq_acc, dq32, n_q, softmax_scale):
@@ -240,19 +236,19 @@ def build_convert_dq(head_dim, is_bf16):
             for w in range(lane, WORDS, 32):
                 dq32[b, h, row, w] = tiles.pack_pair(dq_acc[b, h, row, 2 * w] * softmax_scale,
                                                      dq_acc[b, h, row, 2 * w + 1] * softmax_scale,
-                                                     IS_BF16)
+                                                     ELEM)
 
     return convert_dq
 
 
 @lru_cache(maxsize=None)
-def build_convert_dq_fragments(layout, is_bf16):
+def build_convert_dq_fragments(layout, element):
     """convert_dq for an accumulator in fragment order (DqLayout). A thread takes one 16-byte unit:
     the registers c0..c3 of one m16n8 tile of one staging thread, i.e. columns (col, col + 1) of
     rows r and r + 8. Threads are mapped to units so that a warp's 32 lanes cover the 32 column
     pairs of one staged row (n-tile = lane / 4, t = lane % 4): each of its two stores writes 128
     contiguous bytes of dQ and each load reads whole 64-byte runs of the accumulator."""
-    D, IS_BF16, ROWS = layout.cols, is_bf16, layout.rows
+    D, ELEM, ROWS = layout.cols, element.code, layout.rows
     PAIRS = 4 * layout.n_tiles                     # column pairs a staged row of one warp
     MQ, WARPS_ = layout.warp_rows // 16, layout.threads // 32
     N_TILES, ACROSS = layout.n_tiles, layout.warps_across
@@ -274,11 +270,11 @@ def build_convert_dq_fragments(layout, is_bf16):
         if row < n_q:
             dq32[b, h, row, col >> 1] = tiles.pack_pair(
                 dq_acc[b, h, at_row, at_col] * softmax_scale,
-                dq_acc[b, h, at_row, at_col + 1] * softmax_scale, IS_BF16)
+                dq_acc[b, h, at_row, at_col + 1] * softmax_scale, ELEM)
         if row + 8 < n_q:
             dq32[b, h, row + 8, col >> 1] = tiles.pack_pair(
                 dq_acc[b, h, at_row, at_col + 2] * softmax_scale,
-                dq_acc[b, h, at_row, at_col + 3] * softmax_scale, IS_BF16)
+                dq_acc[b, h, at_row, at_col + 3] * softmax_scale, ELEM)
 
     return convert_dq_fragments
 
@@ -296,7 +292,7 @@ def preprocess(g, zero_dq, dq_layout=None):
     shape = (prob.view_batch, prob.heads, rows, prob.head_dim) if zero_dq else (1, 1, 1, 1)
     g.dq_acc = prob.scratch_view(shape)     # (1, 1, 1, 1): not used, one kernel signature
     g.dq_layout = dq_layout
-    launch(build_preprocess(prob.head_dim, prob.is_bf16, bool(zero_dq)), _row_grid(prob, rows),
+    launch(build_preprocess(prob.head_dim, prob.element, bool(zero_dq)), _row_grid(prob, rows),
            32 * WARPS, 0, prob.stream, prob.o32, g.do32, g.d_vec, g.dq_acc, np.int32(prob.n_q),
            np.int32(rows if zero_dq else 0))
 
@@ -306,12 +302,12 @@ def convert_dq(g):
     prob = g.prob
     args = (g.dq_acc, g.dq32, np.int32(prob.n_q), np.float32(prob.softmax_scale))
     if g.dq_layout is None:
-        launch(build_convert_dq(prob.head_dim, prob.is_bf16), _row_grid(prob), 32 * WARPS, 0,
+        launch(build_convert_dq(prob.head_dim, prob.element), _row_grid(prob), 32 * WARPS, 0,
                prob.stream, *args)
     else:
         units = g.dq_layout.padded_rows(prob.n_q) * prob.head_dim // 4
         grid = ((units + 32 * WARPS - 1) // (32 * WARPS), prob.view_batch, prob.heads)
-        launch(build_convert_dq_fragments(g.dq_layout, prob.is_bf16), grid, 32 * WARPS, 0,
+        launch(build_convert_dq_fragments(g.dq_layout, prob.element), grid, 32 * WARPS, 0,
                prob.stream, *args)
 
 
@@ -319,10 +315,11 @@ def compile_targets():
     """(name, kernel, argument types, mma count) of the row kernels, bf16."""
     from numba import types
 
+    from common.elements import BFLOAT16
     from common.problem import LSE_TYPE, OUT_TYPE
     f32_4 = types.Array(types.float32, 4, "C")
     for head_dim in (64, 128):
-        yield f"backward preprocess d={head_dim} bf16", build_preprocess(head_dim, True, True), \
+        yield f"backward preprocess d={head_dim} bf16", build_preprocess(head_dim, BFLOAT16, True), \
             (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32, types.int32), 0
-        yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, True), \
+        yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, BFLOAT16), \
             (f32_4, OUT_TYPE, types.int32, types.float32), 0

@@ -5,12 +5,12 @@ distinct configuration is built and validated once (it keys the kernel caches)."
 from dataclasses import fields, replace
 from functools import lru_cache
 
-from common import tiles
+from common import elements, tiles
 
 # What every Config starts with, and what a variant's Config may add after them (fa3: its FP8
 # inputs; softcap): set from the problem, never options. `causal` is the band mask of
 # common/masks.py (causal or a sliding window): its bounds are kernel arguments.
-PROBLEM_FIELDS = ("head_dim", "is_bf16", "causal", "fp8", "k_block_scales", "softcap", "window",
+PROBLEM_FIELDS = ("head_dim", "element", "causal", "fp8", "k_block_scales", "softcap", "window",
                   "varlen", "bottom_right")
 
 
@@ -20,32 +20,34 @@ def options_of(config_class):
 
 
 def default_config_function(variant, config_class, defaults, option_names, head_dims):
-    """`default_config(head_dim, is_bf16, causal, **options)` for one variant: its Config with
+    """`default_config(head_dim, element, causal, **options)` for one variant: its Config with
     defaults[head_dim], then defaults[(head_dim, causal)] where present, overridden by the options
     that are not None, validated."""
 
     @lru_cache(maxsize=None)
-    def build(head_dim, is_bf16, causal, chosen, problem):
-        base = config_class(head_dim, is_bf16, causal, **dict(problem))
+    def build(head_dim, element, causal, chosen, problem):
+        base = config_class(head_dim, element, causal, **dict(problem))
         keys = [head_dim, (head_dim, causal)] + [(head_dim, k) for k, v in problem if v is True]
         fields = {}
         for key in keys:
             fields.update(defaults.get(key, {}))
         return replace(base, **dict(fields, **dict(chosen))).validate()
 
-    def default_config(head_dim, is_bf16, causal, problem=(), **options):
+    def default_config(head_dim, element, causal, problem=(), **options):
         """The configuration `forward` launches: DEFAULTS for the head_dim, overridden by options.
         problem: ((field, value), ...) of the Config's further problem fields (fa3: fp8); a true
-        one may have defaults of its own, DEFAULTS[(head_dim, field)]."""
+        one may have defaults of its own, DEFAULTS[(head_dim, field)]. element: an
+        elements.Element or its name."""
+        element = elements.element(element)
         if not options and head_dim in head_dims:   # the common call: no options, no checks
-            return build(head_dim, is_bf16, causal, (), tuple(problem))
+            return build(head_dim, element, causal, (), tuple(problem))
         unknown = set(options) - set(option_names)
         if unknown:
             raise ValueError(f"{variant} has no option {', '.join(sorted(unknown))}; its options: "
                              f"{', '.join(option_names)}")
         tiles.check_head_dim(head_dim, variant, head_dims)
         chosen = {k: v for k, v in options.items() if v is not None}
-        return build(head_dim, is_bf16, causal, tuple(sorted(chosen.items())), tuple(problem))
+        return build(head_dim, element, causal, tuple(sorted(chosen.items())), tuple(problem))
 
     return default_config
 

@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from common import arrays, ptx
+from common import arrays, elements, ptx, tiles
 from common.checks import UNIT_ROUNDOFF as _UNIT_ROUNDOFF
 from common.problem import _BSHD_TO_BHSD
 from common.target import device_function, kernel, launch
@@ -90,7 +90,7 @@ def _warp_max(x):
 
 
 @lru_cache(maxsize=None)
-def _quantizer(head_dim, is_bf16, hadamard, scope):
+def _quantizer(head_dim, element, hadamard, scope):
     """The quantiser kernel: one thread block a (block of rows, head, batch), a warp a row at a
     time, lane l holding columns l E .. l E + E - 1 (E = d / 32). scope:
       "block"  amax over the block's rows, then quantise with it (one pass over the input each),
@@ -100,7 +100,7 @@ def _quantizer(head_dim, is_bf16, hadamard, scope):
     IN_WORDS, OUT_WORDS = E // 2, E // 4
     LOG_E = E.bit_length() - 1
     WARPS = THREADS // 32
-    HADAMARD = hadamard
+    HADAMARD, ELEM = hadamard, element.code
     INV_SQRT_D = float32(1 / math.sqrt(head_dim))
     FIND_AMAX, QUANTISE = scope in ("block", "amax"), scope in ("block", "tensor")
     BLOCK_SCOPE, ATOMIC = scope == "block", scope == "amax"
@@ -110,10 +110,7 @@ def _quantizer(head_dim, is_bf16, hadamard, scope):
         """vals <- the lane's E values of row `row`, transformed by diag(signs) H / sqrt(d)."""
         for w in range(IN_WORDS):
             word = x32[b, h, row, lane * IN_WORDS + w]
-            if is_bf16:
-                lo, hi = ptx.unpack_bf16x2(word)
-            else:
-                lo, hi = ptx.unpack_f16x2(word)
+            lo, hi = tiles.unpack_pair(word, ELEM)
             vals[2 * w] = lo
             vals[2 * w + 1] = hi
         if HADAMARD:
@@ -216,9 +213,9 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
         sign_view, hadamard = arrays.placeholder(dx.library, 1, x), False
     else:
         sign_view, hadamard = _signs_view(signs, d, dx.library, x), True
-    is_bf16 = dx.dtype == "bfloat16"
+    element = elements.element(dx.dtype)
     if block is not None:
-        launch(_quantizer(d, is_bf16, hadamard, "block"), (nb, h, b), THREADS, 0, stream,
+        launch(_quantizer(d, element, hadamard, "block"), (nb, h, b), THREADS, 0, stream,
                x32, sign_view, out32, dd, arrays.placeholder(dx.library, 1, x), np.int32(n),
                np.int32(block))
         return x8, descale
@@ -226,9 +223,9 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
     av = arrays.bits_view(arrays.describe(amax), np.float32)
     rows = DEFAULT_BLOCK
     grid = (-(-n // rows), h, b)
-    launch(_quantizer(d, is_bf16, hadamard, "amax"), grid, THREADS, 0, stream,
+    launch(_quantizer(d, element, hadamard, "amax"), grid, THREADS, 0, stream,
            x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
-    launch(_quantizer(d, is_bf16, hadamard, "tensor"), grid, THREADS, 0, stream,
+    launch(_quantizer(d, element, hadamard, "tensor"), grid, THREADS, 0, stream,
            x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
     return x8, descale
 
@@ -301,6 +298,6 @@ def compile_targets():
     f32_1 = types.Array(types.float32, 1, "C")
     f32_3 = types.Array(types.float32, 3, "C")
     for scope in ("block", "amax", "tensor"):
-        yield (f"quantize_fp8 {scope}", _quantizer(128, True, True, scope),
+        yield (f"quantize_fp8 {scope}", _quantizer(128, elements.BFLOAT16, True, scope),
                (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
     yield "v_k_major", _v_k_major_kernel(128), (u32_4, types.Array(types.uint32, 4, "C"), types.int32)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common import arrays
+from common import arrays, elements
 from common.problem import HALF_DTYPES, _check_layout
 
 
@@ -52,8 +52,8 @@ class DecodeProblem:
     like: object
 
     @property
-    def is_bf16(self):
-        return self.dtype == "bfloat16"
+    def element(self):
+        return elements.element(self.dtype)
 
     @property
     def kv_group(self):

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 from numba import types
 
-from common import arrays, masks, tiles
+from common import arrays, elements, masks, tiles
 from common.target import KernelView
 
 _BSHD_TO_BHSD = (0, 2, 1, 3)
@@ -68,9 +68,9 @@ class AttentionProblem:
     varlen: Varlen = None   # a packed batch of sequences (prepare_varlen), or None
 
     @property
-    def is_bf16(self):
-        """The 16-bit type the kernel computes with and writes (the output's)."""
-        return self.out_dtype == "bfloat16"
+    def element(self):
+        """The 16-bit type the kernel computes with and writes (the output's): an Element."""
+        return elements.element(self.out_dtype)
 
     @property
     def is_fp8(self):

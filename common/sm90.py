@@ -16,8 +16,9 @@ involves; `common/ptx.py` is the same for the sm_80-style instructions (mma.sync
 | tensormap_acquire                        | prefetch.tensormap; fence.proxy.tensormap::generic.acquire|
 | setmaxnreg(direction, count)             | setmaxnreg.{inc,dec}.sync.aligned.u32 (a warpgroup's cap) |
 
-Element types (`dtype`): "bf16", "f16" (16-bit, k16 an instruction) and "e4m3" (FP8, k32; both
-operands K-major: 8-bit wgmma has no transpose, PTX ISA "wgmma.mma_async").
+Element types (`dtype`, the PTX name of a common/elements.py Element): "bf16", "f16" (16-bit, k16
+an instruction) and "e4m3" (FP8, k32; both operands K-major: 8-bit wgmma has no transpose, PTX ISA
+"wgmma.mma_async").
 
 Layouts (PTX ISA, "Matrix Descriptor" and "Shared Memory Matrix Layout"): every operand tile is
 stored as the bulk tensor copy lands it with SWIZZLE_128B: rows of 128 bytes (64 16-bit or 128
@@ -46,12 +47,13 @@ from functools import lru_cache
 import numpy as np
 from numba import uint32, uint64
 
+from common.elements import ELEMENTS
 from common.target import SIMULATOR, device_function
 
 SWIZZLE_BYTES = 128          # the swizzle span: one row of a panel
 PANEL_COLS = 64              # 16-bit elements in a 128-byte swizzled row
-ELEMENT_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}
-K_STEP = {"bf16": 16, "f16": 16, "e4m3": 32}   # the K of one wgmma: 32 bytes of A's and B's rows
+# the K of one wgmma of each element type, by its PTX name: 32 bytes of A's and B's rows
+K_STEP = {e.ptx: e.k_step for e in ELEMENTS.values()}
 SWIZZLE_ATOM_BYTES = 1024    # 8 rows x 128 bytes: the pattern's period, the tiles' alignment
 
 

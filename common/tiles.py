@@ -11,6 +11,8 @@ Vocabulary (used in all variants):
     B operand  loaded on the fly from a tile, two n8 tiles per ldmatrix.x4
     accumulator acc[m, n, 0:4] float32 rows 16m.., columns 8n..
 - a warp owns 16*M rows of the block; every helper here is called by all 32 lanes of the warp.
+- elem: the element type's code (common/elements.py), a compile-time constant of the kernel; only
+  `mma`, `pack_pair` and `unpack_pair` branch on it, the GEMMs and epilogues pass it along.
 
 All helpers take their sizes from the shapes of the fragment arrays or from arguments that are
 compile-time constants in the calling kernel, so they unroll completely.
@@ -19,6 +21,7 @@ import numpy as np
 from numba import int32
 
 from common import ptx
+from common.elements import BF16
 from common.target import device_function
 
 NEG_INF = np.float32(-np.inf)
@@ -217,9 +220,10 @@ def load_a_fragments_transposed(a, m, tile, row0, lane, row_stride, swizzle):
 
 
 @device_function
-def mma(acc, m, n, a, kk, b0, b1, is_bf16):
-    """acc[m, n] += a[m, kk] @ (b0, b1): one mma.m16n8k16 with fp32 accumulation."""
-    if is_bf16:
+def mma(acc, m, n, a, kk, b0, b1, elem):
+    """acc[m, n] += a[m, kk] @ (b0, b1): one mma.m16n8k16 with fp32 accumulation; elem (an
+    elements code, compile-time) picks the opcode."""
+    if elem == BF16:
         d = ptx.mma_bf16_16816(a[m, kk, 0], a[m, kk, 1], a[m, kk, 2], a[m, kk, 3], b0, b1,
                                acc[m, n, 0], acc[m, n, 1], acc[m, n, 2], acc[m, n, 3])
     else:
@@ -236,28 +240,28 @@ def abt_base(lane, row_stride, swizzle):
 
 
 @device_function
-def abt_step(acc, a, slot, tile_b, k_base, row_stride, is_bf16):
+def abt_step(acc, a, slot, tile_b, k_base, row_stride, elem):
     """acc += a[:, slot] B_kk^T for one k-step, B_kk's ldmatrix addresses at k_base.
     One ldmatrix.x4 gives b0, b1 of n-tiles 2*n2 and 2*n2+1: matrices (n0, k0), (n0, k0+8),
     (n0+8, k0), (n0+8, k0+8); it is reused by all m-tiles of the warp."""
     for n2 in range(acc.shape[1] >> 1):
         b = ptx.ldmatrix_x4(tile_b, k_base + n2 * 16 * row_stride)
         for m in range(acc.shape[0]):
-            mma(acc, m, 2 * n2, a, slot, b[0], b[1], is_bf16)
-            mma(acc, m, 2 * n2 + 1, a, slot, b[2], b[3], is_bf16)
+            mma(acc, m, 2 * n2, a, slot, b[0], b[1], elem)
+            mma(acc, m, 2 * n2 + 1, a, slot, b[2], b[3], elem)
 
 
 @device_function
-def gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_row0=0):
+def gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, elem, b_row0=0):
     """acc += A B^T with A held in registers (every k-step in a[m, kk]) and B the rows b_row0..
     (a multiple of 8) of an [n][k] row-major tile (K in S = Q K^T)."""
     base = abt_base(lane, row_stride, swizzle) + b_row0 * row_stride
     for kk in range(a.shape[1]):
-        abt_step(acc, a, kk, tile_b, column_step(base, kk, swizzle), row_stride, is_bf16)
+        abt_step(acc, a, kk, tile_b, column_step(base, kk, swizzle), row_stride, elem)
 
 
 @device_function
-def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle, is_bf16,
+def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle, elem,
                       b_row0=0):
     """acc += A B^T with A streamed from the row-major tile `tile_a` (rows a_row0.., m-tiles of 16)
     one k-step at a time into a[:, 0], instead of held whole in registers: k_steps more ldmatrix
@@ -268,24 +272,24 @@ def gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride,
     for kk in range(k_steps):
         for m in range(a.shape[0]):
             load_a_step(a, m, 0, tile_a, a_base + m * 16 * row_stride, kk, swizzle)
-        abt_step(acc, a, 0, tile_b, column_step(base, kk, swizzle), row_stride, is_bf16)
+        abt_step(acc, a, 0, tile_b, column_step(base, kk, swizzle), row_stride, elem)
 
 
 @device_function
 def gemm_abt_held_or_streamed(acc, a, held, tile_a, a_row0, k_steps, tile_b, lane, row_stride,
-                              swizzle, is_bf16, b_row0=0):
+                              swizzle, elem, b_row0=0):
     """acc += A B^T, A either held whole in registers (`held`: a[M, k_steps, 4], filled before)
     or streamed one k-step at a time from rows a_row0.. of tile_a (a[M, 1, 4]); see gemm_abt and
     gemm_abt_streamed. `held` is a compile-time constant: one of the two is compiled in."""
     if held:
-        gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_row0)
+        gemm_abt(acc, a, tile_b, lane, row_stride, swizzle, elem, b_row0)
     else:
         gemm_abt_streamed(acc, a, tile_a, a_row0, k_steps, tile_b, lane, row_stride, swizzle,
-                          is_bf16, b_row0)
+                          elem, b_row0)
 
 
 @device_function
-def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_col0=0):
+def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, elem, b_col0=0):
     """acc += A B with A in registers and B the columns b_col0.. of a [k][n] row-major tile (V in
     O += P V); b_col0 a multiple of 8 * 2^k >= 8 * acc.shape[1] (so that the steps right of it are
     XORs: `column_step`). ldmatrix.x4.trans matrices: (k0, n0), (k0+8, n0), (k0, n0+8),
@@ -300,33 +304,41 @@ def gemm_ab(acc, a, tile_b, lane, row_stride, swizzle, is_bf16, b_col0=0):
         for n2 in range(acc.shape[1] >> 1):
             b = ptx.ldmatrix_x4_trans(tile_b, column_step(base, n2, swizzle) + kk * 16 * row_stride)
             for m in range(acc.shape[0]):
-                mma(acc, m, 2 * n2, a, kk, b[0], b[1], is_bf16)
-                mma(acc, m, 2 * n2 + 1, a, kk, b[2], b[3], is_bf16)
+                mma(acc, m, 2 * n2, a, kk, b[0], b[1], elem)
+                mma(acc, m, 2 * n2 + 1, a, kk, b[2], b[3], elem)
         if acc.shape[1] & 1:
             b = ptx.ldmatrix_x4_trans(tile_b, tail + kk * 16 * row_stride)
             for m in range(acc.shape[0]):
-                mma(acc, m, last, a, kk, b[0], b[1], is_bf16)
+                mma(acc, m, last, a, kk, b[0], b[1], elem)
 
 
 @device_function
-def pack_pair(lo, hi, is_bf16):
-    """Two fp32 values -> one register of two 16-bit values (lo in the low half)."""
-    if is_bf16:
+def pack_pair(lo, hi, elem):
+    """Two fp32 values -> one register of two 16-bit values of type `elem` (lo in the low half)."""
+    if elem == BF16:
         return ptx.pack_bf16x2(lo, hi)
     return ptx.pack_f16x2(lo, hi)
 
 
 @device_function
-def accumulator_to_a(a, acc, is_bf16):
+def unpack_pair(word, elem):
+    """One register of two 16-bit values of type `elem` -> two fp32 values (lo first)."""
+    if elem == BF16:
+        return ptx.unpack_bf16x2(word)
+    return ptx.unpack_f16x2(word)
+
+
+@device_function
+def accumulator_to_a(a, acc, elem):
     """Re-pack an fp32 accumulator as the 16-bit A operand of the next mma, in registers.
     The C fragments of n-tiles 2j and 2j+1 hold exactly the elements of the A fragment of k-step j:
     a0 = (g, 2t) = c[2j][0:2], a1 = (g+8, 2t) = c[2j][2:4], a2 = c[2j+1][0:2], a3 = c[2j+1][2:4]."""
     for m in range(acc.shape[0]):
         for j in range(acc.shape[1] >> 1):
-            a[m, j, 0] = pack_pair(acc[m, 2 * j, 0], acc[m, 2 * j, 1], is_bf16)
-            a[m, j, 1] = pack_pair(acc[m, 2 * j, 2], acc[m, 2 * j, 3], is_bf16)
-            a[m, j, 2] = pack_pair(acc[m, 2 * j + 1, 0], acc[m, 2 * j + 1, 1], is_bf16)
-            a[m, j, 3] = pack_pair(acc[m, 2 * j + 1, 2], acc[m, 2 * j + 1, 3], is_bf16)
+            a[m, j, 0] = pack_pair(acc[m, 2 * j, 0], acc[m, 2 * j, 1], elem)
+            a[m, j, 1] = pack_pair(acc[m, 2 * j, 2], acc[m, 2 * j, 3], elem)
+            a[m, j, 2] = pack_pair(acc[m, 2 * j + 1, 0], acc[m, 2 * j + 1, 1], elem)
+            a[m, j, 3] = pack_pair(acc[m, 2 * j + 1, 2], acc[m, 2 * j + 1, 3], elem)
 
 
 @device_function
@@ -457,7 +469,7 @@ def scale_accumulator(acc, factor):
 
 
 @device_function
-def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, is_bf16, col0=0):
+def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, elem, col0=0):
     """Write acc (as 16-bit pairs) into a row-major tile seen as uint32 words; row0, col0: the
     warp's first row and column in the tile. col0 is a multiple of 8 * 2^k >= 8 * acc.shape[1]
     (so that moving n chunks right of it is an XOR: `chunk_step`). Readers in other lanes need a
@@ -467,7 +479,7 @@ def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, is_bf16, col
         for h in range(2):
             base = smem_offset(row0 + m * 16 + g + 8 * h, col0 + t2, row_stride, swizzle)
             for n in range(acc.shape[1]):
-                w = pack_pair(acc[m, n, 2 * h], acc[m, n, 2 * h + 1], is_bf16)
+                w = pack_pair(acc[m, n, 2 * h], acc[m, n, 2 * h + 1], elem)
                 ptx.st_shared_u32(tile32, chunk_step(base, n, swizzle) >> 1, w)
 
 

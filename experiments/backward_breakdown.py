@@ -67,7 +67,7 @@ def parts(do, q, k, v, o, lse, causal, path):
                                            softmax_scale=None, head_dims=fa2_backward.HEAD_DIMS,
                                            variant="fa2")
     g = prepare()
-    cfg = fa2_backward.default_backward_config(head_dim, True, causal, **options)
+    cfg = fa2_backward.default_backward_config(head_dim, "bfloat16", causal, **options)
     atomic = cfg.dq == "atomic"
     out = {f"call_{path}": median_ms(lambda: variants.backward(do, q, k, v, o, lse, causal=causal,
                                                                **options)),
@@ -108,7 +108,7 @@ def main(specs, paths=tuple(PATHS)):
         res = {}
         for path in paths:
             try:
-                fa2_backward.default_backward_config(head_dim, True, causal, **path_options(path))
+                fa2_backward.default_backward_config(head_dim, "bfloat16", causal, **path_options(path))
             except ValueError as e:     # e.g. a dQ split this tile cannot take
                 print(f"d={head_dim}: no path {path}: {e}", flush=True)
                 continue

@@ -357,7 +357,8 @@ def resolved_config(module, prob, dtype, options, k_block_scales=False):
                       prob["seqlen_k"], prob["softcap"], 1.0)
     problem += tuple((f, True) for f, on in (("window", band.windowed), ("softcap", band.softcap))
                      if on and hasattr(module.Config, f))   # (fa3 refuses them when called)
-    chosen = default_config(prob["head_dim"], dtype == "bfloat16", band.banded, problem, **options)
+    element = "float16" if dtype == FP8 else dtype   # FP8 runs write fp16 (_quantise_fp8)
+    chosen = default_config(prob["head_dim"], element, band.banded, problem, **options)
     return ";".join(f"{k}={getattr(chosen, k)}" for k in module.OPTIONS)
 
 

@@ -82,7 +82,7 @@ def test_main_job_checks_and_writes_a_row(tmp_path):
     assert ours["variant"] == "fa2" and ours["check"] == "ok" and ours["status"] == "ok"
     # what ran, defaults resolved: every fa2 option, with the value its default_config chose
     fa2 = variants.get("fa2")
-    want = fa2.default_config(64, True, False)
+    want = fa2.default_config(64, "bfloat16", False)
     assert ours["config"] == ";".join(f"{k}={getattr(want, k)}" for k in fa2.OPTIONS)
     if MODE == "sim":
         assert "mean nothing" in out.stdout and ours["fwd_tflops"] == ""

@@ -51,11 +51,11 @@ def test_every_head_dim_has_configurations_that_fit(head_dim):
     """The defaults of every head dim validate (shared memory within a thread block's, whole
     fragments, copies that split), causal or not, with and without a packed batch's dQ path."""
     for causal in (False, True):
-        cfg = fa2.default_config(head_dim, True, causal)
+        cfg = fa2.default_config(head_dim, "bfloat16", causal)
         assert cfg.swizzle == tiles.swizzle_fits(head_dim)
-        bwd = fa2_backward.default_backward_config(head_dim, True, causal)
-        fa2_backward.default_backward_config(head_dim, True, causal, dq_reduce="red")
-        fa2_backward.default_backward_config(head_dim, True, causal, dq="separate")
+        bwd = fa2_backward.default_backward_config(head_dim, "bfloat16", causal)
+        fa2_backward.default_backward_config(head_dim, "bfloat16", causal, dq_reduce="red")
+        fa2_backward.default_backward_config(head_dim, "bfloat16", causal, dq="separate")
         assert bwd.swizzle == tiles.swizzle_fits(head_dim)
 
 

@@ -9,7 +9,7 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
 from common import _ptx_sim as sem
-from common import inputs, ptx, target
+from common import elements, inputs, ptx, target
 from tests.conftest import ON_GPU
 
 DTYPES = ["bfloat16", "float16"]
@@ -70,9 +70,9 @@ def test_ldmatrix_lane_semantics(rng, trans):
 # ----------------------------------------------------------------- the intrinsics in kernels
 
 @cuda.jit
-def mma_kernel(a, b, c, d, is_bf16):
+def mma_kernel(a, b, c, d, elem):
     lane = cuda.threadIdx.x
-    if is_bf16:
+    if elem == elements.BF16:
         r = ptx.mma_bf16_16816(a[lane, 0], a[lane, 1], a[lane, 2], a[lane, 3], b[lane, 0], b[lane, 1],
                                c[lane, 0], c[lane, 1], c[lane, 2], c[lane, 3])
     else:
@@ -88,7 +88,7 @@ def test_mma(rng, dtype):
     b = regs_from_halves(random_halves(rng, (32, 4), dtype))
     c = rng.standard_normal((32, 4)).astype(np.float32)
     d = np.full((32, 4), np.nan, np.float32)
-    mma_kernel[1, 32](a, b, c, d, dtype == "bfloat16")
+    mma_kernel[1, 32](a, b, c, d, elements.element(dtype).code)
     np.testing.assert_allclose(d, sem.mma_lanes(a, b, c, dtype), rtol=1e-5, atol=1e-5)
 
 

@@ -12,7 +12,7 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
 from common import _ptx_sim as sem
-from common import inputs, ptx, tiles
+from common import elements, inputs, ptx, tiles
 
 WARPS = 2
 THREADS = 32 * WARPS
@@ -20,7 +20,7 @@ M = 16 * WARPS
 
 
 @lru_cache(maxsize=None)
-def gemm_kernel(k_dim, n_dim, swizzle, is_bf16, b_is_nk, a_streamed=False):
+def gemm_kernel(k_dim, n_dim, swizzle, elem, b_is_nk, a_streamed=False):
     """C (M x n) = A (M x k) @ B, B given as [n][k] (b_is_nk) or [k][n]; A held in registers, or
     streamed from shared memory one k-step at a time (a_streamed, with b_is_nk)."""
     SA = tiles.tile_row_stride(k_dim, swizzle)
@@ -47,13 +47,13 @@ def gemm_kernel(k_dim, n_dim, swizzle, is_bf16, b_is_nk, a_streamed=False):
         tiles.fill(acc, float32(0))
         if a_streamed:  # (SA == SB: A and B^T share k_dim columns)
             tiles.gemm_abt_streamed(acc, frag, a_s, 16 * warp, k_dim // 16, b_s, lane, SB, swizzle,
-                                    is_bf16)
+                                    elem)
         else:
             tiles.load_a_fragments(frag, 0, a_s, 16 * warp, lane, SA, swizzle)
             if b_is_nk:
-                tiles.gemm_abt(acc, frag, b_s, lane, SB, swizzle, is_bf16)
+                tiles.gemm_abt(acc, frag, b_s, lane, SB, swizzle, elem)
             else:
-                tiles.gemm_ab(acc, frag, b_s, lane, SB, swizzle, is_bf16)
+                tiles.gemm_ab(acc, frag, b_s, lane, SB, swizzle, elem)
         tiles.store_accumulator_f32(c, acc, 16 * warp, 0, M, n_dim, float32(1), lane)
 
     return kernel, 2 * (M * SA + b_rows * SB)
@@ -72,7 +72,8 @@ def test_warp_gemm(rng, dtype, swizzle, b_is_nk, k_dim, n_dim, a_streamed):
     b_shape = (n_dim, k_dim) if b_is_nk else (k_dim, n_dim)
     b = inputs.random_qkv(rng, 1, b_shape[0], 1, b_shape[1], dtype)[0].reshape(b_shape).view(np.uint16)
     c = np.full((M, n_dim), np.nan, np.float32)
-    kernel, smem = gemm_kernel(k_dim, n_dim, swizzle, dtype == "bfloat16", b_is_nk, a_streamed)
+    elem = elements.element(dtype).code
+    kernel, smem = gemm_kernel(k_dim, n_dim, swizzle, elem, b_is_nk, a_streamed)
     kernel[1, THREADS, 0, smem](a, b, c)
     bf = as_float(b, dtype)
     expect = as_float(a, dtype) @ (bf.T if b_is_nk else bf)
@@ -80,7 +81,7 @@ def test_warp_gemm(rng, dtype, swizzle, b_is_nk, k_dim, n_dim, a_streamed):
 
 
 @lru_cache(maxsize=None)
-def chain_kernel(d, n, swizzle, is_bf16):
+def chain_kernel(d, n, swizzle, elem):
     """O = pack(Q K^T) V, scaled per row and stored through a staged tile: the FA2 data path
     without the softmax."""
     S = tiles.tile_row_stride(d, swizzle)
@@ -102,19 +103,19 @@ def chain_kernel(d, n, swizzle, is_bf16):
         tiles.load_a_fragments(qf, 0, q_s, 16 * warp, lane, S, swizzle)
         s = cuda.local.array(S_ACC, float32)
         tiles.fill(s, float32(0))
-        tiles.gemm_abt(s, qf, k_s, lane, S, swizzle, is_bf16)
+        tiles.gemm_abt(s, qf, k_s, lane, S, swizzle, elem)
         p = cuda.local.array(P_FRAG, uint32)
-        tiles.accumulator_to_a(p, s, is_bf16)
+        tiles.accumulator_to_a(p, s, elem)
         o = cuda.local.array(O_ACC, float32)
         tiles.fill(o, float32(0))
-        tiles.gemm_ab(o, p, v_s, lane, S, swizzle, is_bf16)
+        tiles.gemm_ab(o, p, v_s, lane, S, swizzle, elem)
         row_scale = cuda.local.array(2, float32)
         row_scale[0] = scale[16 * warp + (lane >> 2)]
         row_scale[1] = scale[16 * warp + (lane >> 2) + 8]
         cuda.syncthreads()
         q_s32 = cuda.shared.array(0, uint32)[0:M * S // 2]
         tiles.scale_rows(o, row_scale)
-        tiles.stage_accumulator(q_s32, o, 16 * warp, lane, S, swizzle, is_bf16)
+        tiles.stage_accumulator(q_s32, o, 16 * warp, lane, S, swizzle, elem)
         cuda.syncthreads()
         tiles.store_tile(o32, q_s32, 0, M - 3, M, d, S, swizzle, tid, THREADS)
 
@@ -133,7 +134,7 @@ def test_accumulator_as_next_operand_and_staged_store(rng, dtype, swizzle, d):
     v = inputs.random_qkv(rng, 1, n, 1, d, dtype)[0].reshape(n, d)
     scale = rng.uniform(0.5, 2, M).astype(np.float32)
     o = np.full((M, d), np.nan, np.float32).astype(q.dtype)
-    kernel, smem = chain_kernel(d, n, swizzle, dtype == "bfloat16")
+    kernel, smem = chain_kernel(d, n, swizzle, elements.element(dtype).code)
     kernel[1, THREADS, 0, smem](q.view(np.uint16), k.view(np.uint16), v.view(np.uint16), scale,
                                o.view(np.uint32))
     f = lambda x: x.astype(np.float64)  # noqa: E731

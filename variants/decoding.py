@@ -29,6 +29,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import arrays, kvcache, ptx, softmax, splitk, target, tiles
+from common.elements import BFLOAT16, Element
 from common.smem import SharedLayout
 from common.target import device_function, kernel, launch
 
@@ -41,7 +42,7 @@ MAX_SPLITS = 128
 class Config:
     """Compile-time shape of the split kernel."""
     head_dim: int
-    is_bf16: bool
+    element: Element       # the 16-bit type of q, the caches and the output (common/elements.py)
     kv_group: int          # G: query heads per K/V head, packed into the tile's rows
     m_tiles: int           # m16 tiles of query rows: ceil(G * N_q / 16)
     causal: bool           # token i of N_q sees the keys up to its own position (bottom-right)
@@ -98,7 +99,7 @@ class Config:
 OPTIONS = ("block_n", "warps", "stages")
 
 
-def make_config(head_dim, is_bf16, kv_group, n_q, causal, paged, split, **options):
+def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **options):
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ValueError(f"decode has no option {', '.join(sorted(unknown))}; its options: "
@@ -109,13 +110,13 @@ def make_config(head_dim, is_bf16, kv_group, n_q, causal, paged, split, **option
                          f"rows into one tile: at most {MAX_ROWS}; use variants.forward for long "
                          "queries")
     chosen = {k: v for k, v in options.items() if v is not None}
-    return _config(head_dim, is_bf16, kv_group, (rows + 15) // 16, causal, paged, split,
+    return _config(head_dim, element, kv_group, (rows + 15) // 16, causal, paged, split,
                    tuple(sorted(chosen.items())))
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim, is_bf16, kv_group, m_tiles, causal, paged, split, chosen):
-    return Config(head_dim, is_bf16, kv_group, m_tiles, causal, paged, split,
+def _config(head_dim, element, kv_group, m_tiles, causal, paged, split, chosen):
+    return Config(head_dim, element, kv_group, m_tiles, causal, paged, split,
                   **dict(chosen)).validate()
 
 
@@ -153,7 +154,7 @@ def build(cfg):
     """The split kernel of one configuration (steps 1-2)."""
     D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
     M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
-    IS_BF16, CAUSAL, PAGED, SPLIT, STAGES = cfg.is_bf16, cfg.causal, cfg.paged, cfg.split, cfg.stages
+    ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
     STRIDE = tiles.tile_row_stride(D, True)
     Q_TILE, KV_TILE = RT * STRIDE, BN * STRIDE
     LAYOUT = cfg.smem_layout()
@@ -287,12 +288,12 @@ def build(cfg):
             key0 = int32(t * BN + key_w)
             # l.8: S = Q K^T over the warp's keys; l.9-10: online softmax, O += P~ V.
             tiles.fill(s, float32(0))
-            tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, True, IS_BF16)
+            tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, True, ELEM)
             if int32(t * BN + BN) > (int32(n_k - n_q + 1) if CAUSAL else n_k):
                 mask_keys(s, key0, n_k, n_q, lane)
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
-            tiles.accumulator_to_a(p, s, IS_BF16)
-            tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, True, IS_BF16)
+            tiles.accumulator_to_a(p, s, ELEM)
+            tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, True, ELEM)
 
         # Merge the warps (as step 3 merges the splits): every copy has landed and every warp is
         # done with the tiles, whose memory now holds the fp32 O buffer.
@@ -335,7 +336,7 @@ def build(cfg):
                     o_part[split, b, h, i, 2 * c2] = x0
                     o_part[split, b, h, i, 2 * c2 + 1] = x1
                 else:
-                    o32[b, i, h, c2] = tiles.pack_pair(x0, x1, IS_BF16)
+                    o32[b, i, h, c2] = tiles.pack_pair(x0, x1, ELEM)
         if tid < RT:
             i = tid // G
             if i < n_q:
@@ -352,8 +353,9 @@ def build(cfg):
 
 
 @lru_cache(maxsize=None)
-def build_combine(head_dim, is_bf16):
+def build_combine(head_dim, element):
     """Step 3: O = sum_s e^(L_s - L) O_s, L = log sum_s e^(L_s); one thread a column pair."""
+    ELEM = element.code
 
     @kernel
     def decode_combine(o_part, lse_part, o32, lse, n_splits):
@@ -370,7 +372,7 @@ def build_combine(head_dim, is_bf16):
                 x0 += w * o_part[s, b, h, i, 2 * c2]
                 x1 += w * o_part[s, b, h, i, 2 * c2 + 1]
         inv = float32(1) / total if total > float32(0) else float32(0)
-        o32[b, i, h, c2] = tiles.pack_pair(x0 * inv, x1 * inv, is_bf16)
+        o32[b, i, h, c2] = tiles.pack_pair(x0 * inv, x1 * inv, ELEM)
         if c2 == 0:
             lse[b, h, i] = mx + math.log(total) if total > float32(0) else float32(-math.inf)
 
@@ -424,7 +426,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
             prob.batch, prob.heads_kv, prob.max_seqlen_k, target.multiprocessor_count(), block_n)
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be 1 .. {MAX_SPLITS}, got {num_splits}")
-    cfg = make_config(prob.head_dim, prob.is_bf16, prob.kv_group, prob.n_q, prob.causal,
+    cfg = make_config(prob.head_dim, prob.element, prob.kv_group, prob.n_q, prob.causal,
                       prob.paged, splits > 1, **options)
     lib, like = prob.library, prob.like
     dtype = prob.dtype
@@ -459,7 +461,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
                                      np.float32, like=like)[1]
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
                lse_v, part, lse_part, *scalars)
-        launch(build_combine(prob.head_dim, prob.is_bf16), (prob.n_q, prob.heads, prob.batch),
+        launch(build_combine(prob.head_dim, prob.element), (prob.n_q, prob.heads, prob.batch),
                prob.head_dim // 2, 0, prob.stream, part, lse_part, o32, lse_v, np.int32(splits))
     return o, lse
 
@@ -474,10 +476,10 @@ def compile_targets():
     f32 = {n: types.Array(types.float32, n, "A") for n in (3, 4, 5)}
     scalars = (types.int32, types.int32, types.int32, types.float32, types.float32)
     for split in (True, False):
-        cfg = make_config(128, True, 4, 1, False, True, split)
+        cfg = make_config(128, BFLOAT16, 4, 1, False, True, split)
         # a warp's S = Q K^T and O += P~ V over its keys of a tile: m_tiles * d * keys / 64
         mma = cfg.m_tiles * 128 * cfg.keys_per_warp // 64
         yield f"decode d=128 bf16 G=4 paged split={split}", build(cfg), \
             (u16_4, u16_4, u16_4, i32_2, i32_1, o32, f32[3], f32[5], f32[4]) + scalars, mma
-    yield "decode combine d=128 bf16", build_combine(128, True), \
+    yield "decode combine d=128 bf16", build_combine(128, BFLOAT16), \
         (f32[5], f32[4], o32, f32[3], types.int32), 0

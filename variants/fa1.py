@@ -40,6 +40,7 @@ from numba import cuda, float32, int32, types, uint32, uint16
 
 from common import configs, masks, ptx, softmax, splitk, target, tiles
 from common import backward as bwd
+from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
@@ -52,7 +53,7 @@ RESIDENT = 2    # fa1 thread blocks an SM holds at the defaults (~107 KB of shar
 class Config:
     """Compile-time shape of the kernel. block_m = B_r, block_n = B_c of the paper."""
     head_dim: int
-    is_bf16: bool
+    element: Element             # the 16-bit type of the inputs and the output (common/elements.py)
     causal: bool                 # a band mask (causal and/or sliding window, common/masks.py)
     window: bool = False         # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False        # scores soft-capped (Gemma 2)
@@ -145,7 +146,7 @@ def build(cfg):
     D, BR, BC, WARPS, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.warps, cfg.threads
     KW, M_TILES = cfg.keys_per_warp, cfg.m_tiles
     ROWS = 2 * M_TILES                               # rows a lane holds: 2 an m16 tile
-    IS_BF16, BANDED, DEFERRED, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.deferred_rescale, cfg.softcap
+    ELEM, BANDED, DEFERRED, SOFTCAP = cfg.element.code, cfg.causal, cfg.deferred_rescale, cfg.softcap
     WINDOW = cfg.window
     OUTER_KV, SKIP = cfg.outer_loop == "kv", cfg.causal and cfg.causal_skip
     STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
@@ -172,7 +173,7 @@ def build(cfg):
         key0 = col0 + warp * KW
         tiles.fill(s, float32(0))
         tiles.gemm_abt_streamed(s, q_frag, q_s, 0, D // 16, k_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS],
-                                lane, STRIDE, True, IS_BF16)
+                                lane, STRIDE, True, ELEM)
         if SOFTCAP:
             softmax.softcap_scores(s, softcap)
         if masks.block_is_partial(row0, BR, key0, KW, n_k, BANDED, lo, hi, WINDOW):
@@ -191,10 +192,10 @@ def build(cfg):
             part = softmax.exponentiate_row(s, r >> 1, r & 1, softmax.exp2_base(m_blk, scale_log2),
                                             scale_log2)
             splitk.publish(red_sum, r, softmax.quad_sum(part), warp, lane, BR)
-        tiles.accumulator_to_a(p, s, IS_BF16)
+        tiles.accumulator_to_a(p, s, ELEM)
         tiles.fill(o_w, float32(0))
         tiles.gemm_ab(o_w, p, v_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS], lane, STRIDE, True,
-                      IS_BF16)
+                      ELEM)
         tiles.stage_accumulator_f32(o_part, o_w, warp * BR, lane, O_STRIDE)
 
     @device_function
@@ -219,7 +220,7 @@ def build(cfg):
             inv = float32(1) / l_row if seen else float32(0)
             for c in range(CHUNK):
                 o_own[c] *= inv
-        splitk.store_row_chunk(o32, grow, c0, o_own, IS_BF16)
+        splitk.store_row_chunk(o32, grow, c0, o_own, ELEM)
         if c0 == 0:
             lse[grow] = m_row * softmax_scale + math.log(l_row) if seen else NEG_INF
             if not DEFERRED:
@@ -381,7 +382,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa1", window_size=window_size, softcap=softcap,
                    align=align)
-    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.mask_fields(prob),
+    cfg = default_config(prob.head_dim, prob.element, prob.banded, configs.mask_fields(prob),
                          **options)
     b, h, n_q = prob.batch, prob.heads, prob.n_q
     t_r = (n_q + cfg.block_m - 1) // cfg.block_m
@@ -430,7 +431,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
                              window_size=window_size, softcap=softcap, align=align)
     options = {k: v for k, v in options.items() if v is not None}
     options.setdefault("causal_skip", False)
-    cfg = fa2_backward.default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
+    cfg = fa2_backward.default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
                                                configs.mask_fields(g.prob), dq="atomic",
                                                kv_blocks="sequential", **options)
     return fa2_backward.run_backward(g, cfg)
@@ -445,19 +446,19 @@ def compile_targets():
                 types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32)
     rungs = [dict(), dict(outer_loop="q"), dict(outer_loop="q", deferred_rescale=True)]
     for head_dim in HEAD_DIMS:
-        for is_bf16 in (True, False):
+        for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):
-                if not is_bf16 and (causal or head_dim != 64):
+                if element != BFLOAT16 and (causal or head_dim != 64):
                     continue   # fp16 changes only the mma and cvt opcodes: one configuration
-                ladder = is_bf16 and not causal and head_dim == 128
+                ladder = element == BFLOAT16 and not causal and head_dim == 128
                 for options in rungs if ladder else rungs[:1]:
-                    cfg = default_config(head_dim, is_bf16, causal, **options)
+                    cfg = default_config(head_dim, element, causal, **options)
                     # Q K^T and P~ V over a warp's keys: m_tiles * (d/16 * K_w/8 + K_w/16 * d/8)
                     mma = cfg.m_tiles * head_dim * cfg.keys_per_warp // 64
                     tag = "".join(f" {k}={v}" for k, v in options.items())
-                    yield f"fa1 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}{tag}", \
+                    yield f"fa1 d={head_dim} {element.tag} causal={causal}{tag}", \
                         build(cfg), argtypes, mma
     from variants import fa2_backward
-    cfg = fa2_backward.default_backward_config(128, True, False, dq="atomic", kv_blocks="sequential",
+    cfg = fa2_backward.default_backward_config(128, BFLOAT16, False, dq="atomic", kv_blocks="sequential",
                                       causal_skip=False)
     yield from fa2_backward.backward_compile_targets(cfg, "fa1 backward d=128 bf16 causal=False")

@@ -29,6 +29,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
 from common import arrays, configs, masks, ptx, softmax, tiles
+from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
                             prepare_varlen)
 from common.smem import SharedLayout
@@ -43,7 +44,7 @@ HEAD_DIMS = tiles.HEAD_DIMS
 class Config:
     """Compile-time shape of the kernel. block_m = B_r, block_n = B_c of the paper."""
     head_dim: int
-    is_bf16: bool
+    element: Element        # the 16-bit type of the inputs and the output (common/elements.py)
     causal: bool            # a band mask (causal and/or sliding window, common/masks.py)
     window: bool = False    # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False   # scores soft-capped (Gemma 2)
@@ -129,7 +130,7 @@ def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
-    IS_BF16, BANDED, PIPELINE, SWIZZLE = cfg.is_bf16, cfg.causal, cfg.pipeline, cfg.swizzle
+    ELEM, BANDED, PIPELINE, SWIZZLE = cfg.element.code, cfg.causal, cfg.pipeline, cfg.swizzle
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
@@ -251,7 +252,7 @@ def build(cfg):
             # l.8: S_ij = Q_i K_j^T.
             tiles.fill(s, float32(0))
             tiles.gemm_abt_held_or_streamed(s, q_frag, Q_IN_REGISTERS, q_s, warp_row, D // 16, k_s,
-                                            lane, STRIDE, SWIZZLE, IS_BF16)
+                                            lane, STRIDE, SWIZZLE, ELEM)
             if SOFTCAP:
                 softmax.softcap_scores(s, softcap)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
@@ -262,9 +263,9 @@ def build(cfg):
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
             if P_IN_REGISTERS:
-                tiles.accumulator_to_a(p, s, IS_BF16)
+                tiles.accumulator_to_a(p, s, ELEM)
             else:  # the warp's own rows of the P tile: a warp barrier suffices
-                tiles.stage_accumulator(p_s32, s, warp_row, lane, P_STRIDE, SWIZZLE, IS_BF16)
+                tiles.stage_accumulator(p_s32, s, warp_row, lane, P_STRIDE, SWIZZLE, ELEM)
                 ptx.syncwarp()
                 for m in range(M):
                     tiles.load_a_fragments(p, m, p_s, warp_row + 16 * m, lane, P_STRIDE, SWIZZLE)
@@ -272,7 +273,7 @@ def build(cfg):
             if STAGES == 1:
                 ptx.cp_async_wait(1)
                 cuda.syncthreads()
-            tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, ELEM)
             if STAGES == 1:  # every warp is done with V_j: refill the tile with V_{j+1}
                 refill_after_use(v_s, v_h, j, j1, n_k, tid)
 
@@ -285,7 +286,7 @@ def build(cfg):
         cuda.syncthreads()
         q_s32 = cuda.shared.array(0, uint32)[Q_START // 2:(Q_START + Q_TILE) // 2]
         tiles.scale_rows(o_acc, inv_l)
-        tiles.stage_accumulator(q_s32, o_acc, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.stage_accumulator(q_s32, o_acc, warp_row, lane, STRIDE, SWIZZLE, ELEM)
         cuda.syncthreads()
         if VARLEN:
             o_i, lse_i = o[0, h, first_q:first_q + n_q], lse[0, h, first_q:first_q + n_q]
@@ -330,7 +331,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def _run(prob, options):
-    cfg = default_config(prob.head_dim, prob.is_bf16, prob.banded, configs.mask_fields(prob),
+    cfg = default_config(prob.head_dim, prob.element, prob.banded, configs.mask_fields(prob),
                          **options)
     seqs = prob.varlen
     rows = prob.n_q if seqs is None else seqs.max_q
@@ -355,15 +356,15 @@ def compile_targets():
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
                 types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE)
     for head_dim in REPORTED_HEAD_DIMS:
-        for is_bf16 in (True, False):
+        for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):
-                if head_dim not in (64, 128) and (causal or not is_bf16):
+                if head_dim not in (64, 128) and (causal or element != BFLOAT16):
                     continue   # the other head dims' layouts and warp counts: non-causal bf16
-                if not is_bf16 and (causal or head_dim != 64):
+                if element != BFLOAT16 and (causal or head_dim != 64):
                     continue   # fp16 changes only the mma and cvt opcodes: one configuration
-                cfg = default_config(head_dim, is_bf16, causal)
+                cfg = default_config(head_dim, element, causal)
                 # Q K^T and P V: m_tiles * (d/16 * B_c/8 + B_c/16 * d/8) mma.m16n8k16 a step
                 mma = cfg.m_tiles * head_dim * cfg.block_n // 64
-                yield f"fa2 d={head_dim} {'bf16' if is_bf16 else 'fp16'} causal={causal}", \
+                yield f"fa2 d={head_dim} {element.tag} causal={causal}", \
                     build(cfg), argtypes, mma
     yield from fa2_backward.compile_targets()   # Algorithm 2's kernels

@@ -11,6 +11,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
 from common import arrays, configs, masks, ptx, softmax, tiles
+from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
@@ -60,7 +61,7 @@ class BackwardConfig:
     """Compile-time shape of the backward kernels. block_n = B_c (keys a thread block owns),
     block_m = B_r (queries per inner step)."""
     head_dim: int
-    is_bf16: bool
+    element: Element           # the 16-bit type of the inputs and gradients (common/elements.py)
     causal: bool               # a band mask (causal and/or sliding window, common/masks.py)
     window: bool = False       # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False      # scores soft-capped (Gemma 2): dS times 1 - tanh^2
@@ -259,7 +260,7 @@ def _backward_defaults(d):
         for wq in (0, 1, 2, 4, 8):
             candidate = dict(base, dq_query_warps=wq, **path)
             try:
-                BackwardConfig(d, True, False, **candidate).validate()
+                BackwardConfig(d, BFLOAT16, False, **candidate).validate()
                 return candidate
             except ValueError:
                 continue
@@ -278,7 +279,7 @@ def build_backward(cfg):
     """The K/V-block-outer kernel of Algorithm 2 (dK, dV, and with dq="atomic" dQ)."""
     D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
     M = cfg.m_tiles
-    IS_BF16, BANDED, SWIZZLE, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.swizzle, cfg.softcap
+    ELEM, BANDED, SWIZZLE, SOFTCAP = cfg.element.code, cfg.causal, cfg.swizzle, cfg.softcap
     SKIP, WINDOW = cfg.causal and cfg.causal_skip, cfg.window
     ATOMIC, KV_IN_REGISTERS = cfg.dq == "atomic", cfg.kv_in_registers
     BULK = cfg.bulk
@@ -351,7 +352,7 @@ def build_backward(cfg):
         for m in range(MQ):
             tiles.load_a_fragments_transposed(dsa, m, ds_s, row + 16 * m, lane, DS_STRIDE, SWIZZLE)
         tiles.fill(dq, float32(0))
-        tiles.gemm_ab(dq, dsa, k_s, lane, STRIDE, SWIZZLE, IS_BF16, col)
+        tiles.gemm_ab(dq, dsa, k_s, lane, STRIDE, SWIZZLE, ELEM, col)
         if BULK:
             dqf = DQF0 + warp * DQF_WARP
             if lane == 0:
@@ -468,7 +469,7 @@ def build_backward(cfg):
             # x its QC queries (all B_r of them when query_warps = 1).
             tiles.fill(s, float32(0))
             tiles.gemm_abt_held_or_streamed(s, kf, KV_IN_REGISTERS, k_s, warp_key, D // 16, q_s,
-                                            lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
+                                            lane, STRIDE, SWIZZLE, ELEM, warp_q)
             if SOFTCAP:
                 softmax.softcap_scores_with_grad(s, cap_grad, softcap)
             if int32(q0 + BR) > n_q or masks.block_is_partial(q0, BR, key0, BC, n_k, BANDED, lo,
@@ -479,7 +480,7 @@ def build_backward(cfg):
             # l.13: dP^T = V_j dO_i^T; l.14: dS^T = P^T o (dP^T - D_i).
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_held_or_streamed(dp, vf, KV_IN_REGISTERS, v_s, warp_key, D // 16, do_s,
-                                            lane, STRIDE, SWIZZLE, IS_BF16, warp_q)
+                                            lane, STRIDE, SWIZZLE, ELEM, warp_q)
             softmax.grad_columns(s, dp, d_s, lane, warp_q)
             if SOFTCAP:   # dS of the raw scores: through the cap's derivative
                 tiles.multiply(dp, cap_grad)
@@ -490,29 +491,29 @@ def build_backward(cfg):
                 # with 2-D warp tiles l.16 needs every query of the warp's keys: stage dS^T in shared
                 # memory (l.15's product runs after the next barrier).
                 tiles.stage_accumulator(smem32[ds // 2:(ds + DS_TILE) // 2], dp, warp_key, lane,
-                                        DS_STRIDE, SWIZZLE, IS_BF16, warp_q)
+                                        DS_STRIDE, SWIZZLE, ELEM, warp_q)
             if TWO_D:
                 # P^T too, and the warps that share these keys meet (named barrier 1 + key slice).
                 tiles.stage_accumulator(smem32[P0 // 2:(P0 + DS_TILE) // 2], s, warp_key, lane,
-                                        DS_STRIDE, SWIZZLE, IS_BF16, warp_q)
+                                        DS_STRIDE, SWIZZLE, ELEM, warp_q)
                 ptx.bar_sync(1 + (warp >> QW_SHIFT), 32 * QW)
                 # l.12: dV_j += P^T dO_i, the warp's DC columns of it;
                 for m in range(M):
                     tiles.load_a_fragments(pa, m, smem[P0:P0 + DS_TILE], warp_key + 16 * m, lane,
                                            DS_STRIDE, SWIZZLE)
-                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16, warp_col)
+                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, ELEM, warp_col)
                 # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
                 for m in range(M):
                     tiles.load_a_fragments(pa, m, ds_s, warp_key + 16 * m, lane, DS_STRIDE,
                                            SWIZZLE)
-                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16, warp_col)
+                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, ELEM, warp_col)
             else:
                 # l.12: dV_j += P^T dO_i, P^T straight from its accumulator into A fragments.
-                tiles.accumulator_to_a(pa, s, IS_BF16)
-                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, IS_BF16)
+                tiles.accumulator_to_a(pa, s, ELEM)
+                tiles.gemm_ab(dv, pa, do_s, lane, STRIDE, SWIZZLE, ELEM)
                 # l.16: dK_j += dS^T Q_i (softmax_scale applied once, at l.17).
-                tiles.accumulator_to_a(pa, dp, IS_BF16)
-                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, IS_BF16)
+                tiles.accumulator_to_a(pa, dp, ELEM)
+                tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, ELEM)
             if more:   # step+1's L, D: its stage's statistics are free since the barrier
                 nst = STAT0 + (1 - stage) * 2 * BR
                 for r in range(STATS_PER_THREAD):
@@ -531,9 +532,9 @@ def build_backward(cfg):
         # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         tiles.scale_accumulator(dk, softmax_scale)
         tiles.stage_accumulator(smem32[K0 // 2:(K0 + KV_TILE) // 2], dk, warp_key, lane, STRIDE,
-                                SWIZZLE, IS_BF16, warp_col)
+                                SWIZZLE, ELEM, warp_col)
         tiles.stage_accumulator(smem32[V0 // 2:(V0 + KV_TILE) // 2], dv, warp_key, lane, STRIDE,
-                                SWIZZLE, IS_BF16, warp_col)
+                                SWIZZLE, ELEM, warp_col)
         cuda.syncthreads()
         tiles.store_tile(rows_of(dk32, b, h_kv, first_k, n_k), smem32[K0 // 2:(K0 + KV_TILE) // 2],
                          key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS)
@@ -577,7 +578,7 @@ def build_backward_dq(cfg):
     dQ is bitwise reproducible."""
     D, BR, BC, THREADS = cfg.head_dim, cfg.dq_block_m, cfg.dq_block_n, 32 * cfg.dq_warps
     M = BR // (16 * cfg.dq_warps)
-    IS_BF16, BANDED, SWIZZLE, SOFTCAP = cfg.is_bf16, cfg.causal, cfg.swizzle, cfg.softcap
+    ELEM, BANDED, SWIZZLE, SOFTCAP = cfg.element.code, cfg.causal, cfg.swizzle, cfg.softcap
     SKIP, WINDOW = cfg.causal and cfg.causal_skip, cfg.window
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     Q_TILE, KV_TILE = BR * STRIDE, BC * STRIDE
@@ -656,7 +657,7 @@ def build_backward_dq(cfg):
             # l.10-11: S = Q_i K_j^T, P = exp(S - L_i); l.13-14: dP = dO_i V_j^T, dS = P o (dP - D_i)
             tiles.fill(s, float32(0))
             tiles.gemm_abt_streamed(s, a, q_s, warp_row, D // 16, k_s, lane, STRIDE, SWIZZLE,
-                                    IS_BF16)
+                                    ELEM)
             if SOFTCAP:
                 softmax.softcap_scores_with_grad(s, cap_grad, softcap)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
@@ -664,20 +665,20 @@ def build_backward_dq(cfg):
             softmax.recompute_p_rows(s, lse2, scale_log2)
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_streamed(dp, a, do_s, warp_row, D // 16, v_s, lane, STRIDE, SWIZZLE,
-                                    IS_BF16)
+                                    ELEM)
             softmax.grad_rows(s, dp, d_rows)
             if SOFTCAP:
                 tiles.multiply(dp, cap_grad)
             # l.15: dQ_i += dS K_j, dS straight from its accumulator into A fragments.
-            tiles.accumulator_to_a(pa, dp, IS_BF16)
-            tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
+            tiles.accumulator_to_a(pa, dp, ELEM)
+            tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, ELEM)
         # dQ_i = softmax_scale * dQ_i to HBM, staged through the Q tile (for rows that see no key,
         # j1 <= j0, once their own Q_i copy has landed there).
         ptx.cp_async_wait(0)
         cuda.syncthreads()
         q_s32 = cuda.shared.array(0, uint32)[Q0 // 2:(Q0 + Q_TILE) // 2]
         tiles.scale_accumulator(dq, softmax_scale)
-        tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, ELEM)
         cuda.syncthreads()
         dq_h = dq32[0, h, first_q:first_q + n_q] if VARLEN else dq32[b, h]
         tiles.store_tile(dq_h, q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
@@ -693,7 +694,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa2",
                              window_size=window_size, softcap=softcap, align=align)
-    cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
+    cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
                                   configs.mask_fields(g.prob), **options)
     return run_backward(g, cfg)
 
@@ -710,7 +711,7 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                                     grads=grads, head_dims=HEAD_DIMS, variant="fa2",
                                     window_size=window_size, softcap=softcap, align=align)
     options.setdefault("dq_reduce", "red")
-    cfg = default_backward_config(g.prob.head_dim, g.prob.is_bf16, g.prob.banded,
+    cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
                                   configs.mask_fields(g.prob), **options)
     return run_backward(g, cfg)
 
@@ -782,17 +783,17 @@ def compile_targets():
         for causal in (False, True):
             if head_dim not in (64, 128) and causal:
                 continue   # the other head dims' layouts and tiles: non-causal
-            yield from backward_compile_targets(default_backward_config(head_dim, True, causal),
+            yield from backward_compile_targets(default_backward_config(head_dim, BFLOAT16, causal),
                                                 f"fa2 backward d={head_dim} bf16 causal={causal}")
         if head_dim not in (64, 128):
             continue
         other = "separate" if BACKWARD_DEFAULTS[head_dim]["dq"] == "atomic" else "atomic"
         yield from backward_compile_targets(
-            default_backward_config(head_dim, True, False, dq=other),
+            default_backward_config(head_dim, BFLOAT16, False, dq=other),
             f"fa2 backward d={head_dim} bf16 causal=False dq={other}")
     # the conversion of the default (bulk-reduced) dQ terms, in this backward's fragment order
     f32_4 = types.Array(types.float32, 4, "C")
     for head_dim in (64, 128):
-        layout = default_backward_config(head_dim, True, False).dq_layout()
+        layout = default_backward_config(head_dim, BFLOAT16, False).dq_layout()
         yield f"backward convert_dq fragments d={head_dim} bf16", \
-            bwd.build_convert_dq_fragments(layout, True), (f32_4, OUT_TYPE, types.int32, types.float32), 0
+            bwd.build_convert_dq_fragments(layout, BFLOAT16), (f32_4, OUT_TYPE, types.int32, types.float32), 0

@@ -52,6 +52,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import arrays, configs, fp8, masks, ptx, sm90, softmax, tiles
+from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
@@ -72,7 +73,7 @@ COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (experiments/compile_r
 class Config:
     """Compile-time shape of the kernel. block_m = B_r (64 per consumer warpgroup), block_n = B_c."""
     head_dim: int
-    is_bf16: bool           # the 16-bit type of the inputs, or of the output for FP8 inputs
+    element: Element        # the 16-bit type of the inputs, or of the output for FP8 inputs
     causal: bool
     fp8: bool = False       # e4m3 inputs (k32 wgmmas, V^T from the pre-pass)
     k_block_scales: bool = False   # FP8: K's descale varies by key block (multiplied into S)
@@ -104,15 +105,16 @@ class Config:
         return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
     @property
-    def element_bytes(self):
-        return 1 if self.fp8 else 2
+    def operand(self):
+        """The element type of Q, K, V as the wgmmas read them: e4m3 with fp8, else `element`."""
+        return E4M3_FN if self.fp8 else self.element
 
     def tile_bytes(self):
         """Bytes of the tiles after the first 1024-aligned byte past the mbarriers: Q_i (at 0),
         then stages x (K_j, V_j); each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows
         a panel; FP8's V_j is V_j^T: d rows x 128 keys a panel). Q's room is 16-bit-sized in
         FP8 too: O_i (16-bit) is staged there for its store."""
-        return (2 * self.block_m + 2 * self.stages * self.block_n * self.element_bytes) * self.head_dim
+        return (2 * self.block_m + 2 * self.stages * self.block_n * self.operand.bytes) * self.head_dim
 
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
         return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.tile_bytes()
@@ -175,9 +177,8 @@ BAND_LO = int32(-masks.UNBOUNDED)   # fa3's causal band: every key up to the que
 def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
     D, BR, BC, STAGES, NWG = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
-    IS_BF16, CAUSAL, FP8, K_BLOCK_SCALES = cfg.is_bf16, cfg.causal, cfg.fp8, cfg.k_block_scales
-    DTYPE = "e4m3" if FP8 else "bf16" if IS_BF16 else "f16"
-    EB = cfg.element_bytes
+    ELEM, CAUSAL, FP8, K_BLOCK_SCALES = cfg.element.code, cfg.causal, cfg.fp8, cfg.k_block_scales
+    DTYPE, EB = cfg.operand.ptx, cfg.operand.bytes
     ROW = sm90.SWIZZLE_BYTES // 2               # a 128-byte swizzled row in 16-bit smem elements
     PANEL = sm90.SWIZZLE_BYTES // EB            # its columns: 64 (16-bit) or 128 (e4m3)
     PANELS = D // PANEL
@@ -202,7 +203,7 @@ def build(cfg):
     SBO = 8 * sm90.SWIZZLE_BYTES
     V_LBO = BC * sm90.SWIZZLE_BYTES
     K_QK = D * EB // 32                         # wgmma k-steps of S = Q K^T (32 bytes of d each)
-    K_PV = BC // sm90.K_STEP[DTYPE]             # ... of O += P~ V (16 or 32 keys each)
+    K_PV = BC // cfg.operand.k_step             # ... of O += P~ V (16 or 32 keys each)
     MMA_S = sm90.wgmma_ss(BC, DTYPE)            # S = Q K^T         (m64 n=B_c k16 / k32)
     MMA_O = sm90.wgmma_rs(D, DTYPE, not FP8)    # O += P~ V         (m64 n=d, V transposed / V^T)
     WAIT_S = sm90.wgmma_wait(0, BC // 2)        # S has landed
@@ -267,7 +268,7 @@ def build(cfg):
         if FP8:
             tiles.accumulator_to_a_e4m3(p, s)
         else:
-            tiles.accumulator_to_a(p, s, IS_BF16)
+            tiles.accumulator_to_a(p, s, ELEM)
 
     @device_function
     def wait_turn(wg):
@@ -476,7 +477,7 @@ def build(cfg):
         start = (tiles0 + wg * WG_Q_ELEMS) >> 1
         stage32 = cuda.shared.array(0, uint32)[start:start + WG_Q_ELEMS // 2]
         ptx.bar_sync(1 + wg, WG_THREADS)
-        tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, IS_BF16)
+        tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
         ptx.bar_sync(1 + wg, WG_THREADS)
         tiles.store_tile(o[b, h], stage32, wg_row0, n_q, WG_ROWS, D, D, True, wg_tid, WG_THREADS)
         if lane & 3 == 0:
@@ -523,8 +524,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                              f"are {prob.dtype}")
         scales, rows, problem = (arrays.placeholder(prob.library, 3, prob.like),) * 3, (1, 1), ()
         v_view = prob.v
-    cfg = default_config(prob.head_dim, prob.is_bf16, causal, problem, **options)
-    box = sm90.SWIZZLE_BYTES // cfg.element_bytes
+    cfg = default_config(prob.head_dim, prob.element, causal, problem, **options)
+    box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
                               (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
     grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
@@ -586,15 +587,14 @@ def compile_targets():
     argtypes = (TMAP_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32, types.int32,
                 types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
                 types.int32)
-    cases = [(d, bf16, causal, ()) for d in HEAD_DIMS for bf16 in (True, False)
-             for causal in (False, True) if bf16 or (d == 64 and not causal)]
-    cases.append((128, True, False, (("fp8", True), ("k_block_scales", False))))
-    for head_dim, is_bf16, causal, problem in cases:
-        cfg = default_config(head_dim, is_bf16, causal, problem)
+    cases = [(d, element, causal, ()) for d in HEAD_DIMS for element in (BFLOAT16, FLOAT16)
+             for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
+    cases.append((128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False))))
+    for head_dim, element, causal, problem in cases:
+        cfg = default_config(head_dim, element, causal, problem)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
         # overlap each appears twice (the loop's and the first S / last P V outside it)
-        k = 32 if cfg.fp8 else 16
+        k = cfg.operand.k_step
         step = head_dim // k + cfg.block_n // k
-        kind = "e4m3" if cfg.fp8 else "bf16" if is_bf16 else "fp16"
-        yield f"fa3 d={head_dim} {kind} causal={causal}", \
+        yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}", \
             build(cfg), argtypes, ((2 if cfg.intra_overlap else 1) * step, step)

@@ -26,6 +26,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import arrays, masks, ptx, softmax, tiles
 from common import backward as bwd
+from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
 from common.target import device_function, kernel, launch
 
@@ -48,13 +49,13 @@ def workspace_bytes(batch, heads, n_q, n_k):
 @dataclass(frozen=True)
 class Config:
     head_dim: int
-    is_bf16: bool
+    element: Element     # the 16-bit type of the inputs and the output (common/elements.py)
 
 
 @lru_cache(maxsize=None)
 def build_scores(cfg):
     """Alg.0 l.1: S = softmax_scale * Q K^T, one 64x64 tile of S per thread block."""
-    D, IS_BF16 = cfg.head_dim, cfg.is_bf16
+    D, ELEM = cfg.head_dim, cfg.element.code
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     A_FRAG, ACC = (1, D // 16, 4), (1, TILE // 8, 4)
 
@@ -77,7 +78,7 @@ def build_scores(cfg):
         tiles.load_a_fragments(a, 0, q_s, 16 * warp, lane, STRIDE, SWIZZLE)
         acc = cuda.local.array(ACC, float32)
         tiles.fill(acc, float32(0))
-        tiles.gemm_abt(acc, a, k_s, lane, STRIDE, SWIZZLE, IS_BF16)
+        tiles.gemm_abt(acc, a, k_s, lane, STRIDE, SWIZZLE, ELEM)
         tiles.store_accumulator_f32(s[b, h], acc, row0 + 16 * warp, col0, n_q, s.shape[3],
                                     softmax_scale, lane)
 
@@ -99,10 +100,10 @@ def capped(x, cap, softcap):
 
 
 @lru_cache(maxsize=None)
-def build_softmax(banded, softcap, is_bf16):
+def build_softmax(banded, softcap, element):
     """Alg.0 l.2: P = softmax(S) row by row (one warp a row), and LSE = log rowsum exp(S); S masked
     outside the band (banded) and soft-capped (softcap), as common/masks.py says."""
-    BANDED, SOFTCAP, IS_BF16 = banded, softcap, is_bf16
+    BANDED, SOFTCAP, ELEM = banded, softcap, element.code
 
     @kernel
     def row_softmax(s, p32, lse, n_q, n_k, lo, hi, cap):
@@ -145,7 +146,7 @@ def build_softmax(banded, softcap, is_bf16):
                 if start <= c + 1 < end:
                     x1 = ptx.ex2_approx((capped(s_row[c + 1], cap, SOFTCAP) - m) *
                                         float32(softmax.LOG2E)) * inv_l
-                p32[b, h, row, c2] = tiles.pack_pair(x0, x1, IS_BF16)
+                p32[b, h, row, c2] = tiles.pack_pair(x0, x1, ELEM)
             if lane == 0:   # a row that sees no key: L = -inf
                 lse[b, h, row] = m + math.log(l) if l > float32(0) else float32(-math.inf)
 
@@ -155,7 +156,7 @@ def build_softmax(banded, softcap, is_bf16):
 @lru_cache(maxsize=None)
 def build_output(cfg):
     """Alg.0 l.3: O = P V, one 64-row block of O per thread block, looping over 64-key tiles."""
-    D, IS_BF16 = cfg.head_dim, cfg.is_bf16
+    D, ELEM = cfg.head_dim, cfg.element.code
     P_STRIDE = tiles.tile_row_stride(TILE, SWIZZLE)
     V_STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     P_TILE, V_TILE = TILE * P_STRIDE, TILE * V_STRIDE
@@ -181,10 +182,10 @@ def build_output(cfg):
             ptx.cp_async_wait(0)
             cuda.syncthreads()
             tiles.load_a_fragments(a, 0, p_s, 16 * warp, lane, P_STRIDE, SWIZZLE)
-            tiles.gemm_ab(acc, a, v_s, lane, V_STRIDE, SWIZZLE, IS_BF16)
+            tiles.gemm_ab(acc, a, v_s, lane, V_STRIDE, SWIZZLE, ELEM)
             cuda.syncthreads()
         o_s32 = cuda.shared.array(0, uint32)[0:TILE * V_STRIDE // 2]
-        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, V_STRIDE, SWIZZLE, IS_BF16)
+        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, V_STRIDE, SWIZZLE, ELEM)
         cuda.syncthreads()
         tiles.store_tile(o32[b, h], o_s32, row0, n_q, TILE, D, V_STRIDE, SWIZZLE, tid, THREADS)
 
@@ -192,11 +193,11 @@ def build_output(cfg):
 
 
 @lru_cache(maxsize=None)
-def build_softmax_backward(banded, softcap, is_bf16):
+def build_softmax_backward(banded, softcap, element):
     """Alg.3 l.2-4: P = exp(S - L), D = rowsum(P o dP), dS = softmax_scale * P o (dP - D), one
     warp a row; P and dS written in the 16-bit dtype (zeros in masked and padded columns). With
     softcap, S is capped first and dS multiplied by the cap's derivative 1 - tanh^2."""
-    BANDED, SOFTCAP, IS_BF16 = banded, softcap, is_bf16
+    BANDED, SOFTCAP, ELEM = banded, softcap, element.code
 
     @kernel
     def softmax_backward(s, dp, lse, p32, ds32, n_q, n_k, lo, hi, cap, softmax_scale):
@@ -230,8 +231,8 @@ def build_softmax_backward(banded, softcap, is_bf16):
                         if SOFTCAP:   # through the cap: d(cap tanh(s / cap))/ds = 1 - tanh^2
                             t = x / cap
                             ds_pair[e] *= float32(1) - t * t
-                p32[b, h, row, c2] = tiles.pack_pair(p_pair[0], p_pair[1], IS_BF16)
-                ds32[b, h, row, c2] = tiles.pack_pair(ds_pair[0], ds_pair[1], IS_BF16)
+                p32[b, h, row, c2] = tiles.pack_pair(p_pair[0], p_pair[1], ELEM)
+                ds32[b, h, row, c2] = tiles.pack_pair(ds_pair[0], ds_pair[1], ELEM)
 
     return softmax_backward
 
@@ -241,7 +242,7 @@ def build_transposed_output(cfg):
     """Alg.3 l.3 and l.5: dV = P^T dO and dK = dS^T Q, one 64-key block of the output per thread
     block, looping over the K/V head's query heads and their 64-query tiles; the A operand (P^T or
     dS^T) is read transposed from row-major P or dS tiles (ldmatrix.trans)."""
-    D, IS_BF16 = cfg.head_dim, cfg.is_bf16
+    D, ELEM = cfg.head_dim, cfg.element.code
     X_STRIDE = tiles.tile_row_stride(TILE, SWIZZLE)
     Y_STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     X_TILE, Y_TILE = TILE * X_STRIDE, TILE * Y_STRIDE
@@ -269,10 +270,10 @@ def build_transposed_output(cfg):
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()
                 tiles.load_a_fragments_transposed(a, 0, x_s, 16 * warp, lane, X_STRIDE, SWIZZLE)
-                tiles.gemm_ab(acc, a, y_s, lane, Y_STRIDE, SWIZZLE, IS_BF16)
+                tiles.gemm_ab(acc, a, y_s, lane, Y_STRIDE, SWIZZLE, ELEM)
                 cuda.syncthreads()
         o_s32 = cuda.shared.array(0, uint32)[0:TILE * Y_STRIDE // 2]
-        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, Y_STRIDE, SWIZZLE, IS_BF16)
+        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, Y_STRIDE, SWIZZLE, ELEM)
         cuda.syncthreads()
         tiles.store_tile(out32[b, h_kv], o_s32, key0, n_k, TILE, D, Y_STRIDE, SWIZZLE, tid, THREADS)
 
@@ -294,7 +295,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
-    cfg = Config(prob.head_dim, prob.is_bf16)
+    cfg = Config(prob.head_dim, prob.element)
     n_pad = padded_keys(n_k)
     s_view, dp_view = (prob.scratch_view((b, h, n_q, n_pad)) for _ in range(2))    # S, dP: fp32
     p16, ds16 = (prob.scratch_view((b, h, n_q, n_pad), prob.dtype, np.uint16) for _ in range(2))
@@ -306,7 +307,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
            prob.q, prob.k, s_view, *sizes, np.float32(prob.softmax_scale))
     launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
            g.do, prob.v, dp_view, *sizes, np.float32(1))
-    launch(build_softmax_backward(prob.banded, prob.softcapped, prob.is_bf16),
+    launch(build_softmax_backward(prob.banded, prob.softcapped, prob.element),
            ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream, s_view, dp_view, prob.lse,
            arrays.as_elements(p16, np.uint32, 2), arrays.as_elements(ds16, np.uint32, 2),  # l.2-4
            np.int32(n_q), np.int32(n_k), *mask_args(prob), np.float32(prob.softmax_scale))
@@ -335,7 +336,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
-    cfg = Config(prob.head_dim, prob.is_bf16)
+    cfg = Config(prob.head_dim, prob.element)
     n_pad = padded_keys(n_k)
     s_view = prob.scratch_view((b, h, n_q, n_pad))                         # S, fp32
     p16 = prob.scratch_view((b, h, n_q, n_pad), prob.dtype, np.uint16)      # P, 16-bit
@@ -345,7 +346,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
            prob.q, prob.k, s_view, np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group),
            np.float32(prob.softmax_scale))
-    launch(build_softmax(prob.banded, prob.softcapped, prob.is_bf16),
+    launch(build_softmax(prob.banded, prob.softcapped, prob.element),
            ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream, s_view,
            arrays.as_elements(p16, np.uint32, 2), prob.lse, np.int32(n_q), np.int32(n_k),
            *mask_args(prob))
@@ -361,27 +362,27 @@ def compile_targets():
     i32, f32 = types.int32, types.float32
     s_type = types.Array(types.float32, 4, "C")
     for head_dim in HEAD_DIMS:
-        for is_bf16 in (True, False):
-            tag = f"d={head_dim} {'bf16' if is_bf16 else 'fp16'}"
-            cfg = Config(head_dim, is_bf16)
+        for element in (BFLOAT16, FLOAT16):
+            tag = f"d={head_dim} {element.tag}"
+            cfg = Config(head_dim, element)
             yield f"standard scores {tag}", build_scores(cfg)[0], \
                 (QKV_TYPE, QKV_TYPE, s_type, i32, i32, i32, f32), head_dim // 16 * TILE // 8
             yield f"standard output {tag}", build_output(cfg)[0], \
                 (types.Array(types.uint16, 4, "C"), QKV_TYPE, OUT_TYPE, i32, i32, i32), \
                 TILE // 16 * head_dim // 8
     for causal in (False, True):
-        for is_bf16 in (True, False):
-            yield f"standard softmax causal={causal} {'bf16' if is_bf16 else 'fp16'}", \
-                build_softmax(causal, False, is_bf16), \
+        for element in (BFLOAT16, FLOAT16):
+            yield f"standard softmax causal={causal} {element.tag}", \
+                build_softmax(causal, False, element), \
                 (s_type, types.Array(types.uint32, 4, "C"), LSE_TYPE, i32, i32) + MASK_TYPES, 0
     # The backward's own kernels (it reuses scores and output), bf16.
     u32 = types.Array(types.uint32, 4, "C")
     for causal in (False, True):
         yield f"standard softmax_backward causal={causal} bf16", \
-            build_softmax_backward(causal, False, True), \
+            build_softmax_backward(causal, False, BFLOAT16), \
             (s_type, s_type, LSE_TYPE, u32, u32, i32, i32) + MASK_TYPES + (f32,), 0
     for head_dim in HEAD_DIMS:
         yield f"standard transposed_output d={head_dim} bf16", \
-            build_transposed_output(Config(head_dim, True))[0], \
+            build_transposed_output(Config(head_dim, BFLOAT16))[0], \
             (types.Array(types.uint16, 4, "C"), QKV_TYPE, OUT_TYPE, i32, i32, i32), \
             TILE // 16 * head_dim // 8
