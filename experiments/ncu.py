@@ -1,8 +1,12 @@
 """HBM traffic measured by Nsight Compute, beside the IO model (FA1 paper Fig. 2 middle, Fig. 3).
 
     python experiments/ncu.py traffic [--variants standard,fa1,fa2] [--seqlens 4096]
-                              [--head-dim 64] [--blocks 32,64,128,256] [--batch 1] [--heads 16]
+                              [--head-dim 64] [--blocks 32,64,128,256] [--batch B] [--heads H]
                               [--causal 0] [--csv traffic.csv]
+
+The shapes are the FA2 paper's unless --batch / --heads say otherwise: batch x seqlen = 16k
+tokens, heads x head_dim = 2048, so that Q, K, V and O (268 MB in bf16) are far larger than the
+50-60 MB L2 and the DRAM count is not an artefact of a problem that fits in cache.
 
 Each (variant, seqlen, block) is one forward call in a process of its own under
 
@@ -173,8 +177,8 @@ def main(argv=None):
     t.add_argument("--seqlens", default="4096")
     t.add_argument("--head-dim", type=int, default=64)
     t.add_argument("--blocks", default="32,64,128,256")
-    t.add_argument("--batch", type=int, default=1)
-    t.add_argument("--heads", type=int, default=16)
+    t.add_argument("--batch", type=int, default=0, help="default: 16384 // seqlen")
+    t.add_argument("--heads", type=int, default=0, help="default: 2048 // head_dim")
     t.add_argument("--causal", type=int, default=0)
     t.add_argument("--ncu", default="ncu")
     t.add_argument("--csv", default=None)
@@ -190,9 +194,12 @@ def main(argv=None):
     if args.command == "call":
         return call(args.variant, args.seqlen, args.head_dim, args.batch, args.heads,
                     bool(args.causal), json.loads(args.options))
-    rows = traffic(args.variants.split(","), [int(x) for x in args.seqlens.split(",")],
-                   args.head_dim, [int(x) for x in args.blocks.split(",")], args.batch,
-                   args.heads, bool(args.causal), args.ncu)
+    rows = []
+    for n in (int(x) for x in args.seqlens.split(",")):
+        rows += traffic(args.variants.split(","), [n], args.head_dim,
+                        [int(x) for x in args.blocks.split(",")],
+                        args.batch or max(1, 16384 // n), args.heads or 2048 // args.head_dim,
+                        bool(args.causal), args.ncu)
     if args.csv and rows:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
