@@ -12,7 +12,7 @@ Vocabulary (used in all variants):
     accumulator acc[m, n, 0:4] float32 rows 16m.., columns 8n..
 - a warp owns 16*M rows of the block; every helper here is called by all 32 lanes of the warp.
 - elem: the element type's code (common/elements.py), a compile-time constant of the kernel; only
-  `mma`, `pack_pair` and `unpack_pair` branch on it, the GEMMs and epilogues pass it along.
+  `mma`, `pack_pair`, `unpack_pair` and `accumulator_to_a` branch on it, the GEMMs and epilogues pass it along.
 
 All helpers take their sizes from the shapes of the fragment arrays or from arguments that are
 compile-time constants in the calling kernel, so they unroll completely.
@@ -21,7 +21,7 @@ import numpy as np
 from numba import int32
 
 from common import ptx
-from common.elements import BF16
+from common.elements import BF16, E4M3
 from common.target import device_function
 
 NEG_INF = np.float32(-np.inf)
@@ -330,9 +330,13 @@ def unpack_pair(word, elem):
 
 @device_function
 def accumulator_to_a(a, acc, elem):
-    """Re-pack an fp32 accumulator as the 16-bit A operand of the next mma, in registers.
-    The C fragments of n-tiles 2j and 2j+1 hold exactly the elements of the A fragment of k-step j:
-    a0 = (g, 2t) = c[2j][0:2], a1 = (g+8, 2t) = c[2j][2:4], a2 = c[2j+1][0:2], a3 = c[2j+1][2:4]."""
+    """Re-pack an fp32 accumulator as the A operand (of type elem) of the next mma, in registers.
+    16-bit: the C fragments of n-tiles 2j and 2j+1 hold exactly the elements of the A fragment of
+    k-step j: a0 = (g, 2t) = c[2j][0:2], a1 = (g+8, 2t) = c[2j][2:4], a2 = c[2j+1][0:2],
+    a3 = c[2j+1][2:4]. e4m3 (a k32 wgmma's A): accumulator_to_a_e4m3."""
+    if elem == E4M3:
+        accumulator_to_a_e4m3(a, acc)
+        return
     for m in range(acc.shape[0]):
         for j in range(acc.shape[1] >> 1):
             a[m, j, 0] = pack_pair(acc[m, 2 * j, 0], acc[m, 2 * j, 1], elem)

@@ -178,7 +178,7 @@ def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
     D, BR, BC, STAGES, NWG = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     ELEM, CAUSAL, FP8, K_BLOCK_SCALES = cfg.element.code, cfg.causal, cfg.fp8, cfg.k_block_scales
-    DTYPE, EB = cfg.operand.ptx, cfg.operand.bytes
+    DTYPE, EB, OPERAND = cfg.operand.ptx, cfg.operand.bytes, cfg.operand.code
     ROW = sm90.SWIZZLE_BYTES // 2               # a 128-byte swizzled row in 16-bit smem elements
     PANEL = sm90.SWIZZLE_BYTES // EB            # its columns: 64 (16-bit) or 128 (e4m3)
     PANELS = D // PANEL
@@ -265,10 +265,7 @@ def build(cfg):
     @device_function
     def to_a(p, s):
         """P~ from the S accumulator into the A registers of the P V wgmma."""
-        if FP8:
-            tiles.accumulator_to_a_e4m3(p, s)
-        else:
-            tiles.accumulator_to_a(p, s, ELEM)
+        tiles.accumulator_to_a(p, s, OPERAND)
 
     @device_function
     def wait_turn(wg):
