@@ -48,18 +48,25 @@ def graph_replay_us(fn, calls=300):
     return per_call_us(graph.replay, calls)
 
 
-def main(names=("fa2", "fa3")):
+def small_problem():
+    """q, k, v, dO: torch bf16, B=1, N=64, 128 heads of 64 (the GPU's time is a few µs)."""
     import numpy as np
+
+    from common import inputs
+    return tuple(inputs.to_device(x, "torch") for x in
+                 inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")
+                 + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
+
+
+def main(names=("fa2", "fa3")):
     import torch
 
     import variants
-    from common import inputs, target
+    from common import target
     from common.problem import prepare
     from experiments import peers
 
-    q, k, v, do = (inputs.to_device(x, "torch") for x in
-                   inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")
-                   + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
+    q, k, v, do = small_problem()
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     print(f"# {target.describe()}, torch {torch.__version__}; microseconds a call")
     print(f"{'what':12s} {'pass':9s} {'eager':>8s} {'graph':>8s}")

@@ -89,6 +89,14 @@ def _title(rows, what):
     return f"{what}: {', '.join(gpus)}"
 
 
+def _save(plt, fig, rows, what, out):
+    """Title (what, and the GPUs the rows name), layout, the PNG written, the figure closed."""
+    fig.suptitle(_title(rows, what), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def speed(rows, out, ceiling=None):
     """Grouped bars: per seqlen, one bar a kernel (ours in colour, peers in grey)."""
     plt = _pyplot()
@@ -115,10 +123,7 @@ def speed(rows, out, ceiling=None):
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel(f"TFLOP/s ({'+'.join(passes)})")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(_title(rows, "speed against sequence length"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, rows, "speed against sequence length", out)
 
 
 def _ablation(row):
@@ -150,10 +155,7 @@ def ablation(rows, out):
         ax.set_xlabel("TFLOP/s")
         ax.set_title(f"head_dim {d}, {'causal' if causal else 'not causal'}", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-    fig.suptitle(_title(rows, f"{rows[0]['variant']}: each lever switched off"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, rows, f"{rows[0]['variant']}: each lever switched off", out)
 
 
 def decode(rows, out):
@@ -183,10 +185,7 @@ def decode(rows, out):
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("GB/s of K, V read")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(_title(rows, "decoding, one new token"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, rows, "decoding, one new token", out)
 
 
 def traffic(rows, out):
@@ -221,10 +220,7 @@ def traffic(rows, out):
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("HBM bytes of one forward")
     axes[0][-1].legend(fontsize=6)
-    fig.suptitle(_title(rows, "HBM traffic against block size"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, rows, "HBM traffic against block size", out)
 
 
 FIGURES = {"speed": speed, "ablation": ablation, "decode": decode, "traffic": traffic}

@@ -1,4 +1,4 @@
-"""(Probe, kept as it ran on the GPU host: python experiments/probes/autograd_thread.py from the repository root.)
+"""(Probe, as it ran on the GPU host (its timing loop and problem now shared with host_overhead.py): python experiments/probes/autograd_thread.py from the repository root.)
 Where the autograd path's host time goes (issue 18). GPU host, torch."""
 import collections
 import os
@@ -10,24 +10,13 @@ sys.path.insert(0, os.getcwd())
 import common  # noqa: E402
 
 common.select_backend()
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import variants  # noqa: E402
-from common import inputs, target  # noqa: E402
+from common import target  # noqa: E402
+from experiments.host_overhead import per_call_us, small_problem  # noqa: E402
 from common import backward as cbwd  # noqa: E402
 from variants import fa2_backward  # noqa: E402
-
-
-def per_call_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def on_thread(fn):
@@ -38,9 +27,7 @@ def on_thread(fn):
     return res["us"]
 
 
-q, k, v, do = (inputs.to_device(x, "torch") for x in
-               inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")
-               + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
+q, k, v, do = small_problem()
 leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 m = variants.get("fa2")
 o, lse = m.forward(q, k, v)

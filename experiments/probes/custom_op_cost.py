@@ -1,4 +1,4 @@
-"""(Probe, kept as it ran on the GPU host: python experiments/probes/custom_op_cost.py from the repository root.)
+"""(Probe, as it ran on the GPU host (its timing loop and problem now shared with host_overhead.py): python experiments/probes/custom_op_cost.py from the repository root.)
 Host time of the custom operators against the direct calls; where a compiled GPT step's host
 time goes (torch.profiler), fa2 against sdpa_flash."""
 import os
@@ -9,29 +9,16 @@ sys.path.insert(0, os.getcwd())
 import common  # noqa: E402
 
 common.select_backend()
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import variants  # noqa: E402
-from common import inputs, target  # noqa: E402
+from common import target  # noqa: E402
+from experiments.host_overhead import per_call_us, small_problem  # noqa: E402
 from variants import torch_ops  # noqa: E402
 from experiments import gpt_step  # noqa: E402
 
 
-def per_call_us(fn, calls=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-q, k, v, do = (inputs.to_device(x, "torch") for x in
-               inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")
-               + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
+q, k, v, do = small_problem()
 m = variants.get("fa2")
 o, lse = m.forward(q, k, v, causal=True)
 args = ("fa2", True, None, -1, -1, 0.0, "bottom_right", "", "")

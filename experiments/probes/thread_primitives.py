@@ -1,4 +1,4 @@
-"""(Probe, kept as it ran on the GPU host: python experiments/probes/thread_primitives.py from the repository root.)
+"""(Probe, as it ran on the GPU host (its timing loop and problem now shared with host_overhead.py): python experiments/probes/thread_primitives.py from the repository root.)
 Which primitives cost more off the main thread and inside torch's autograd device thread."""
 import os
 import sys
@@ -9,11 +9,11 @@ sys.path.insert(0, os.getcwd())
 import common  # noqa: E402
 
 common.select_backend()
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import variants  # noqa: E402
-from common import inputs, target  # noqa: E402
+from common import target  # noqa: E402
+from experiments.host_overhead import small_problem  # noqa: E402
 from common import backward as cbwd  # noqa: E402
 
 
@@ -42,9 +42,7 @@ def on_thread(fn, **kw):
 
 
 print("affinity", sorted(os.sched_getaffinity(0)), "threads", threading.active_count())
-q, k, v, do = (inputs.to_device(x, "torch") for x in
-               inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")
-               + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
+q, k, v, do = small_problem()
 leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 m = variants.get("fa2")
 o, lse = m.forward(q, k, v)
