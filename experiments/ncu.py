@@ -28,12 +28,24 @@ command stops with a message saying so.
 
 is the profiled process (what `traffic` runs under ncu); `experiments/plot.py traffic.csv
 --figure traffic` draws the measured and modelled bytes against the block.
+
+    python experiments/ncu.py profile --names fa3,sdpa_cudnn --seqlen 4096 --head-dim 128 \
+                              [--options '{"pingpong": false}'] [--out DIR]
+
+is where a kernel's time goes, beside a peer's on the same problem (the FA2 paper's shapes by
+default): each name's call profiled alone with Nsight Compute's sections (speed of light, pipe
+utilisation, warp states, scheduler, instruction mix, occupancy; `PROFILE_SECTIONS`) and source
+counters, the report saved in DIR (`ncu -i DIR/<name>.ncu-rep` opens it; DIR/<name>_source.csv is
+the per-SASS-line view), and a table of the headline metrics printed side by side. A name is a
+variant or an SDPA peer (sdpa_flash, sdpa_cudnn: torch's backend on the same inputs); of a call's
+kernels the longest is the one shown.
 """
 import argparse
 import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,7 +100,8 @@ def model_bytes(variant, n, d, block, batch, heads):
 
 
 def call(variant, seqlen, head_dim, batch, heads, causal, options):
-    """One forward call under the profiler (after an untimed one); what `traffic` runs."""
+    """One forward call under the profiler (after an untimed one); what `traffic` and `profile`
+    run. `variant` may be an SDPA peer (experiments/peers.py) on torch tensors."""
     import common
     common.select_backend()
     import numpy as np
@@ -96,12 +109,19 @@ def call(variant, seqlen, head_dim, batch, heads, causal, options):
 
     import variants
     from common import inputs, target
-    library = inputs.default_library()
+    peer = variant.startswith("sdpa_")
+    library = "torch" if peer else inputs.default_library()
     q, k, v = (inputs.to_device(x, library) for x in inputs.random_qkv(
         np.random.default_rng(0), batch, seqlen, heads, head_dim, "bfloat16"))
+    if peer:
+        from experiments import peers
+        sdpa = peers.forward_fn(variant, causal, None, False)
 
-    def run():
-        return variants.forward(q, k, v, variant=variant, causal=causal, **options)
+        def run():
+            return sdpa(q, k, v)
+    else:
+        def run():
+            return variants.forward(q, k, v, variant=variant, causal=causal, **options)
 
     run()
     cuda.synchronize()
@@ -135,6 +155,105 @@ def measure(variant, n, d, block, batch, heads, causal, ncu="ncu", run=subproces
         row["status"] = "out of memory" if "out of memory" in text.lower() else \
             f"error: {text[-300:]}" if text else f"error: exit {out.returncode}, no kernels"
     return row
+
+
+PROFILE_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
+                    "InstructionStats", "LaunchStats", "Occupancy", "MemoryWorkloadAnalysis",
+                    "SourceCounters")
+# the rows of `profile`'s table: metric names matching one of these (rows all zero left out)
+HEADLINE = (r"^gpu__time_duration\.sum$", r"^launch__(registers_per_thread|block_size|grid_size|"
+            r"shared_mem_per_block_(dynamic|static)|occupancy_limit_registers)$",
+            r"^sm__throughput\.avg\.pct", r"^sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active$",
+            r"^sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$",
+            r"^sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active$",
+            r"^smsp__inst_executed\.sum$", r"^smsp__issue_active\.avg\.pct_of_peak_sustained_active$",
+            r"^smsp__warps_active\.avg\.per_cycle_active$",
+            r"^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$",
+            r"^smsp__sass_inst_executed_op_.*\.sum$", r"^dram__bytes_(read|write)\.sum$",
+            r"^l1tex__data_bank_conflicts_pipe_lsu_mem_shared.*\.sum$")
+
+
+def parse_raw(text):
+    """One dict a kernel launch ({metric: value or text}) from `ncu -i REP --csv --page raw`
+    (a header of metric names, a row of units, a row a launch)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.reader(lines[start:]))
+    header, launches = rows[0], []
+    for row in rows[2:]:
+        if row and row[0].isdigit():
+            launches.append({name: (_number(value) if not math.isnan(_number(value)) else value)
+                             for name, value in zip(header, row)})
+    return launches
+
+
+def headline(launch):
+    """The metrics of one launch that `profile` prints, in HEADLINE's order."""
+    picked = {}
+    for pattern in HEADLINE:
+        for name in sorted(launch):
+            if name not in picked and re.search(pattern, name) and isinstance(launch[name], float):
+                picked[name] = launch[name]
+    return picked
+
+
+def profile(names, seqlen, head_dim, batch, heads, causal, options, out_dir, ncu="ncu",
+            run=subprocess.run):
+    """{name: the headline metrics of its call's longest kernel}, each call under ncu's
+    PROFILE_SECTIONS in a process of its own; reports and per-line source views in out_dir."""
+    if run is subprocess.run and shutil.which(ncu) is None:
+        raise SystemExit(f"{ncu} (Nsight Compute) is not on PATH: install it or run on the GPU host")
+    os.makedirs(out_dir, exist_ok=True)
+    results = {}
+    for name in names:
+        argv = [sys.executable, os.path.abspath(__file__), "call", "--variant", name, "--seqlen",
+                str(seqlen), "--head-dim", str(head_dim), "--batch", str(batch), "--heads",
+                str(heads), "--causal", str(int(causal)),
+                "--options", json.dumps({} if name.startswith("sdpa_") else options)]
+        report = os.path.join(out_dir, name)
+        sections = [x for s in PROFILE_SECTIONS for x in ("--section", s)]
+        out = run([ncu, "--clock-control", "none", "--profile-from-start", "off",
+                   "--import-source", "yes", *sections, "-f", "-o", report, *argv],
+                  capture_output=True, text=True)
+        if out.returncode != 0:
+            tail = " ".join((out.stderr or out.stdout or "").strip().splitlines()[-3:])
+            print(f"{name}: ncu failed (exit {out.returncode}): {tail[-400:]}", flush=True)
+            continue
+        raw = run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "raw", "--print-units",
+                   "base"], capture_output=True, text=True)
+        launches = parse_raw(raw.stdout)
+        with open(os.path.join(out_dir, f"{name}_raw.csv"), "w") as f:
+            f.write(raw.stdout)
+        source = run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "source",
+                      "--print-source", "sass"], capture_output=True, text=True)
+        with open(os.path.join(out_dir, f"{name}_source.csv"), "w") as f:
+            f.write(source.stdout or source.stderr)
+        if not launches:
+            print(f"{name}: no kernel in the report", flush=True)
+            continue
+        longest = max(launches, key=lambda x: x.get("gpu__time_duration.sum", 0)
+                      if isinstance(x.get("gpu__time_duration.sum"), float) else 0)
+        results[name] = headline(longest)
+        results[name]["kernel"] = str(longest.get("Kernel Name", ""))[:60]
+    return results
+
+
+def print_profile(results):
+    names = list(results)
+    metrics = []
+    for r in results.values():
+        metrics += [m for m in r if m != "kernel" and m not in metrics]
+    print(f"{'metric':72s}" + "".join(f"{n:>18s}" for n in names))
+    for n in names:
+        print(f"  {n}: {results[n]['kernel']}")
+    for m in metrics:
+        values = [results[n].get(m) for n in names]
+        if all(not v for v in values):
+            continue
+        print(f"{m[:72]:72s}" + "".join(f"{v:18,.2f}" if isinstance(v, float) else f"{'-':>18s}"
+                                        for v in values))
 
 
 def gpu_name():
@@ -190,7 +309,24 @@ def main(argv=None):
     c.add_argument("--heads", type=int, default=16)
     c.add_argument("--causal", type=int, default=0)
     c.add_argument("--options", default="{}")
+    pr = sub.add_parser("profile", help="where a kernel's time goes, beside a peer's (ncu sections)")
+    pr.add_argument("--names", default="fa3,sdpa_cudnn")
+    pr.add_argument("--seqlen", type=int, default=4096)
+    pr.add_argument("--head-dim", type=int, default=128)
+    pr.add_argument("--batch", type=int, default=0, help="default: 16384 // seqlen")
+    pr.add_argument("--heads", type=int, default=0, help="default: 2048 // head_dim")
+    pr.add_argument("--causal", type=int, default=0)
+    pr.add_argument("--options", default="{}", help="the variants' options (JSON)")
+    pr.add_argument("--out", default="ncu_profile")
+    pr.add_argument("--ncu", default="ncu")
     args = ap.parse_args(argv)
+    if args.command == "profile":
+        results = profile(args.names.split(","), args.seqlen, args.head_dim,
+                          args.batch or max(1, 16384 // args.seqlen),
+                          args.heads or 2048 // args.head_dim, bool(args.causal),
+                          json.loads(args.options), args.out, args.ncu)
+        print_profile(results)
+        return results
     if args.command == "call":
         return call(args.variant, args.seqlen, args.head_dim, args.batch, args.heads,
                     bool(args.causal), json.loads(args.options))

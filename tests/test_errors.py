@@ -142,7 +142,8 @@ def test_backward_bad_options(rng, qkv, variant, options, message):
 
 @pytest.mark.parametrize("options, message", [
     (dict(block_m=96), "block_m=96 must be 64, 128 or 192"),
-    (dict(block_n=96), "block_n=96 must be a multiple of 64"),
+    (dict(block_n=88), "block_n=88 must be a multiple of 16"),
+    (dict(block_n=48), "block_n=48 must be a multiple of 16 from 64 to 256"),
     (dict(stages=5), "stages must be 1 to 4"),
     (dict(block_m=192), "does not fit head_dim 128"),
     (dict(block_n=256, stages=2), "bytes of shared memory; the limit is"),

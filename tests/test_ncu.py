@@ -98,3 +98,43 @@ def test_the_profiled_call_runs():
     """`ncu.py call`: the variant's forward with the block option, twice (the profiler range is
     the GPU's; the simulator runs the call alone)."""
     ncu.call("fa1", 16, 64, 1, 1, False, {"block_n": 64})
+
+
+def raw_output(kernels):
+    """What `ncu -i REP --csv --page raw --print-units base` prints: metric names, units, a row a
+    launch (kernels: [(name, {metric: value})])."""
+    names = sorted({m for _, metrics in kernels for m in metrics})
+    lines = ["==PROF== imported report", ",".join(f'"{x}"' for x in ["ID", "Kernel Name", *names]),
+             ",".join(f'"{x}"' for x in ["", "", *("" for _ in names)])]
+    for i, (kernel, metrics) in enumerate(kernels):
+        lines.append(",".join(f'"{x}"' for x in [i, kernel, *(f"{metrics.get(m, 0):,}" for m in names)]))
+    return "\n".join(lines) + "\n"
+
+
+def test_profile_reports_the_longest_kernel_of_each_call(tmp_path):
+    kernels = {"fa3": [("fa3_forward", {"gpu__time_duration.sum": 850_000,
+                                        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": 0.5,
+                                        "launch__registers_per_thread": 168, "not_headline": 3})],
+               "sdpa_cudnn": [("fill", {"gpu__time_duration.sum": 2_000}),
+                              ("cudnn_fmha", {"gpu__time_duration.sum": 800_000,
+                                              "launch__registers_per_thread": 128})]}
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        if "-o" in cmd:   # the profiled call: which name it ran
+            run.name = cmd[cmd.index("--variant") + 1]
+            return Done()
+        return Done(raw_output(kernels[run.name]) if "raw" in cmd else "source")
+
+    results = ncu.profile(["fa3", "sdpa_cudnn"], 4096, 128, 4, 16, False, {"pingpong": False},
+                          str(tmp_path), run=run)
+    assert results["fa3"]["gpu__time_duration.sum"] == 850_000
+    assert "not_headline" not in results["fa3"]
+    assert results["sdpa_cudnn"]["kernel"] == "cudnn_fmha"
+    assert results["sdpa_cudnn"]["launch__registers_per_thread"] == 128
+    profiled = [c for c in calls if "-o" in c]
+    assert json.loads(profiled[0][profiled[0].index("--options") + 1]) == {"pingpong": False}
+    assert json.loads(profiled[1][profiled[1].index("--options") + 1]) == {}   # a peer: no options
+    assert (tmp_path / "fa3_raw.csv").exists() and (tmp_path / "sdpa_cudnn_source.csv").exists()
+    ncu.print_profile(results)

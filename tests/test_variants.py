@@ -135,6 +135,7 @@ def test_fa1_options(rng, options, causal):
 # consumer warpgroups, the producer warp instead of a warpgroup (setmaxnreg=False), the
 # intra-warpgroup overlap (off by default: its own loop) with and without ping-pong, ping-pong off.
 FA3_CASES = [(dict(block_n=64, stages=2), True),
+             (dict(block_n=64, persistent=False), True),
              (dict(block_n=64, stages=1, setmaxnreg=False), False),
              (dict(block_n=64, intra_overlap=True), True),
              (dict(block_n=64, pingpong=False), True),
@@ -142,7 +143,9 @@ FA3_CASES = [(dict(block_n=64, stages=2), True),
 if ON_GPU:
     FA3_CASES += [(dict(block_m=64, block_n=256, stages=1), False),
                   (dict(block_n=64, stages=1, intra_overlap=True), True),
-                  (dict(block_m=64, block_n=64, stages=4), True)]
+                  (dict(block_m=64, block_n=64, stages=4), True),
+                  (dict(block_n=176), True),                 # FA3's own B_c at d=128
+                  (dict(block_n=80, stages=3), False)]
 
 
 @pytest.mark.gpu
@@ -153,6 +156,16 @@ def test_fa3_three_consumer_warpgroups(rng, causal, intra_overlap):
     ping-pong turn passed round the three."""
     run_and_check(rng, "fa3", batch=1, seqlen=450, heads=2, head_dim=64, dtype="bfloat16",
                   causal=causal, block_m=192, intra_overlap=intra_overlap)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_persistent_blocks_share_the_tiles(rng, monkeypatch, causal):
+    """The persistent grid on a 3-SM machine: 3 blocks loop over 2 x 3 x 2 = 12 tiles (4 each, in
+    snake order), the K/V ring's stages and phases and Q's room carried from tile to tile."""
+    from common import target
+    monkeypatch.setattr(target, "multiprocessor_count", lambda: 3)
+    run_and_check(rng, "fa3", batch=3, seqlen=130 if ON_GPU else 100, heads=2, heads_kv=1,
+                  head_dim=64, dtype="bfloat16", causal=causal, block_n=64, block_m=64)
 
 
 @pytest.mark.slow

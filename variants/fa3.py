@@ -51,7 +51,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, fp8, masks, ptx, sm90, softmax, tiles
+from common import arrays, configs, fp8, masks, ptx, sm90, softmax, target, tiles
 from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
@@ -63,7 +63,7 @@ P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest pro
                         # subnormals (FA3.md: "P scaled before its cast to e4m3")
 WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m64nNk16
 WG_THREADS = 128
-BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (17 at 4 stages)
+BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (18 at 4 stages)
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
 SCALES_TYPE = types.Array(types.float32, 3, "C")
 COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (experiments/compile_report.py)
@@ -84,6 +84,8 @@ class Config:
     setmaxnreg: bool = True      # a producer warpgroup that gives its registers to the consumers
     pingpong: bool = True        # named barriers make the consumer warpgroups take turns at the
                                  # tensor cores (no effect with one consumer warpgroup)
+    persistent: bool = True      # one block a SM loops over the tiles (FA3's tile scheduler): the
+                                 # producer loads the next tile's Q, K, V during this one's epilogue
 
     @property
     def consumers(self):
@@ -109,12 +111,24 @@ class Config:
         """The element type of Q, K, V as the wgmmas read them: e4m3 with fp8, else `element`."""
         return E4M3_FN if self.fp8 else self.element
 
-    def tile_bytes(self):
-        """Bytes of the tiles after the first 1024-aligned byte past the mbarriers: Q_i (at 0),
-        then stages x (K_j, V_j); each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows
-        a panel; FP8's V_j is V_j^T: d rows x 128 keys a panel). Q's room is 16-bit-sized in
-        FP8 too: O_i (16-bit) is staged there for its store."""
+    def ring_bytes(self):
+        """Q_i's room (16-bit-sized in FP8 too: O_i may be staged there) and the stages x (K_j,
+        V_j) after it; each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows a panel;
+        FP8's V_j is V_j^T: d rows x 128 keys a panel)."""
         return (2 * self.block_m + 2 * self.stages * self.block_n * self.operand.bytes) * self.head_dim
+
+    @property
+    def o_apart(self):
+        """O_i is staged for its store in a room of its own after the ring when that fits, so that
+        Q_{i+1} may land while O_i is written (persistent); else in Q_i's room, which is then
+        released only after the store."""
+        return (BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.ring_bytes()
+                + 2 * self.block_m * self.head_dim) <= MAX_SHARED_BYTES
+
+    def tile_bytes(self):
+        """Bytes of the tiles after the first 1024-aligned byte past the mbarriers: Q_i at 0, the
+        K/V ring, then O_i's staging room when it has its own (`o_apart`)."""
+        return self.ring_bytes() + (2 * self.block_m * self.head_dim if self.o_apart else 0)
 
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
         return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.tile_bytes()
@@ -136,9 +150,10 @@ class Config:
                              f"{self.head_dim}: its O and S accumulators and P~ (160 registers) "
                              "leave nothing of the 160 a consumer thread gets (152 without "
                              "setmaxnreg)")
-        if self.block_n % 64 or not 64 <= self.block_n <= 256:
-            raise ValueError(f"block_n={self.block_n} must be a multiple of 64 from 64 to 256 (the "
-                             "N of the wgmma, and whole 128-byte swizzle rows of the K tile)")
+        if self.block_n % 16 or not 64 <= self.block_n <= 256:
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 from 64 to 256 (the "
+                             "N of the S wgmma, whole k16 steps of the P V wgmma, whole 8-row "
+                             "swizzle atoms of the K and V tiles)")
         if not 1 <= self.stages <= 4:
             raise ValueError(f"stages must be 1 to 4, got {self.stages}")
         if self.smem_bytes() > MAX_SHARED_BYTES:
@@ -191,11 +206,15 @@ def build(cfg):
     SETMAXNREG = cfg.setmaxnreg
     TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
     GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
-    # mbarriers (8 bytes = 4 elements each): Q full, then per stage K full, V full, K empty, V
-    # empty. K and V are released apart (K once S has landed, V once O has): a turn of the
-    # ping-pong and the intra-warpgroup overlap both need K_{j+1} while V_j is still being read.
-    BAR_Q, BAR_K, BAR_V = 0, 4, 4 + 4 * STAGES
-    BAR_EMPTY_K, BAR_EMPTY_V = 4 + 8 * STAGES, 4 + 12 * STAGES
+    # mbarriers (8 bytes = 4 elements each): Q full, Q empty, then per stage K full, V full, K
+    # empty, V empty. K and V are released apart (K once S has landed, V once O has): a turn of
+    # the ping-pong and the intra-warpgroup overlap both need K_{j+1} while V_j is still being
+    # read. Q is released once the tile's last S has landed (or, when O_i is staged in its room,
+    # once O_i is stored), so that the producer loads the next tile's Q.
+    BAR_Q, BAR_EMPTY_Q, BAR_K, BAR_V = 0, 4, 8, 8 + 4 * STAGES
+    BAR_EMPTY_K, BAR_EMPTY_V = 8 + 8 * STAGES, 8 + 12 * STAGES
+    O_APART = cfg.o_apart
+    O_ROOM = cfg.ring_bytes() // 2              # 16-bit offset of O's staging room (o_apart)
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
     # and one panel (rows x 128 bytes) per 64 columns; V (MN-major) one 2 KB row group per 16 keys,
     # its d/64 panels LBO apart.
@@ -288,49 +307,99 @@ def build(cfg):
             sm90.mbarrier_arrive(smem, empty + 4 * stage)
 
     @device_function
-    def produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c):
-        """The producer (one thread): Q_i, then K_j, V_j into stage j % STAGES once it is free."""
+    def slot(it):
+        """(stage, parity) of the it-th K/V block through this block's ring: its buffer, and the
+        parity of the fill (and of the release) of that buffer's mbarriers."""
+        return it % STAGES, (it // STAGES) & 1
+
+    @device_function
+    def tile(k, n_tiles):
+        """The k-th tile of this block, or -1 past the last (FA3's static tile scheduler): round k
+        deals the tiles k G .. k G + G - 1 to the G blocks, forwards when k is even, backwards
+        when odd, so that with causal masks (tiles longest first) each block gets about the same
+        work. Without `persistent` the grid has a block a tile and round 0 is the only one."""
+        g = cuda.gridDim.x
+        c = cuda.blockIdx.x if (k & 1) == 0 else g - 1 - cuda.blockIdx.x
+        t = int32(k) * g + c
+        return t if t < n_tiles else int32(-1)
+
+    @device_function
+    def coords(t, n_blocks, heads, batch_heads):
+        """(query block i, batch b, head h) of tile t. Causal: every head's last query blocks
+        first (they see the most keys); else a head's query blocks together (they share K, V in
+        L2)."""
+        if CAUSAL:
+            i = n_blocks - 1 - t // batch_heads
+            bh = t % batch_heads
+        else:
+            i = t % n_blocks
+            bh = t // n_blocks
+        return i, bh // heads, bh % heads
+
+    @device_function
+    def steps(row0, n_k):
+        """T_c of a tile: its K/V blocks (causal: up to the one holding its last row's diagonal)."""
+        t_c = (n_k + BC - 1) // BC
+        if CAUSAL:
+            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
+        return t_c
+
+    @device_function
+    def produce(smem, tiles0, tmaps, n_q, n_k, kv_group, heads, batch_heads):
+        """The producer (one thread): for each of the block's tiles, Q_i once the previous tile
+        has released its Q, then K_j, V_j into the ring's next stage once it is free."""
         for m in range(3):
             sm90.tensormap_acquire(tmaps, m)
-        sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)                       # Alg.1 l.5
-        for w in range(NWG):
-            for p in range(PANELS):
-                sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW,
-                                 tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
-        for j in range(t_c):                                                       # l.6
-            stage = j % STAGES
-            freed = ((j // STAGES) - 1) & 1   # l.7: the consumers released block j - STAGES's K
-            if j >= STAGES:
-                sm90.mbarrier_wait(smem, BAR_EMPTY_K + 4 * stage, freed)
-            k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
-            sm90.mbarrier_arrive_expect_tx(smem, BAR_K + 4 * stage, KV_BYTES)      # l.8
-            for p in range(PANELS):
-                sm90.tma_load_4d(smem, k0 + p * BC * ROW, tmaps, 1, p * PANEL, j * BC, h_kv, b,
-                                 smem, BAR_K + 4 * stage)
-            if j >= STAGES:                   # ... and its V
-                sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, freed)
-            sm90.mbarrier_arrive_expect_tx(smem, BAR_V + 4 * stage, KV_BYTES)
-            if FP8:                           # V_j^T: d rows x 128 keys a box
-                for p in range(BC // PANEL):
-                    sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * D * ROW, tmaps, 2,
-                                     j * BC + p * PANEL, 0, h_kv, b, smem, BAR_V + 4 * stage)
-            else:
+        n_blocks = (n_q + BR - 1) // BR
+        n_tiles = n_blocks * batch_heads
+        it = int32(0)       # K/V blocks through the ring so far
+        done = int32(0)     # tiles so far
+        for k in range((n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
+            t = tile(k, n_tiles)
+            if t < 0:
+                break
+            i, b, h = coords(t, n_blocks, heads, batch_heads)
+            h_kv = h // kv_group
+            row0 = i * BR
+            if done > 0:    # the consumers have read the last tile's Q for the last time
+                sm90.mbarrier_wait(smem, BAR_EMPTY_Q, (done - 1) & 1)
+            sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)                   # Alg.1 l.5
+            for w in range(NWG):
                 for p in range(PANELS):
-                    sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * BC * ROW, tmaps, 2, p * PANEL,
-                                     j * BC, h_kv, b, smem, BAR_V + 4 * stage)
+                    sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW,
+                                     tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
+            for j in range(steps(row0, n_k)):                                      # l.6
+                stage, parity = slot(it)
+                if it >= STAGES:   # l.7: the consumers released the block STAGES before's K
+                    sm90.mbarrier_wait(smem, BAR_EMPTY_K + 4 * stage, parity ^ 1)
+                k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
+                sm90.mbarrier_arrive_expect_tx(smem, BAR_K + 4 * stage, KV_BYTES)  # l.8
+                for p in range(PANELS):
+                    sm90.tma_load_4d(smem, k0 + p * BC * ROW, tmaps, 1, p * PANEL, j * BC, h_kv, b,
+                                     smem, BAR_K + 4 * stage)
+                if it >= STAGES:   # ... and its V
+                    sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
+                sm90.mbarrier_arrive_expect_tx(smem, BAR_V + 4 * stage, KV_BYTES)
+                if FP8:            # V_j^T: d rows x 128 keys a box
+                    for p in range(BC // PANEL):
+                        sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * D * ROW, tmaps, 2,
+                                         j * BC + p * PANEL, 0, h_kv, b, smem, BAR_V + 4 * stage)
+                else:
+                    for p in range(PANELS):
+                        sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * BC * ROW, tmaps, 2,
+                                         p * PANEL, j * BC, h_kv, b, smem, BAR_V + 4 * stage)
+                it += 1
+            done += 1
 
     @kernel_for_one_block_per_sm(cfg.threads)
-    def fa3_forward(tmaps, o, lse, n_q, n_k, kv_group, softmax_scale, scale_log2,
-                    q_descale, k_descale, v_descale, q_scale_rows, k_scale_rows):
+    def fa3_forward(tmaps, o, lse, n_q, n_k, kv_group, heads, batch_heads, softmax_scale,
+                    scale_log2, q_descale, k_descale, v_descale, q_scale_rows, k_scale_rows):
         """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T); o: (B, H, N_q, d/2) uint32 view;
-        lse: (B, H, N_q). FP8: descales (B, H or H_kv, blocks), a block q_scale_rows (Q) or
-        k_scale_rows (K) rows; unread for 16-bit inputs."""
+        lse: (B, H, N_q); heads: H, batch_heads: B H. FP8: descales (B, H or H_kv, blocks), a
+        block q_scale_rows (Q) or k_scale_rows (K) rows; unread for 16-bit inputs. The grid: a
+        block a tile, or (persistent) fewer, each looping over tiles (`tile`)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
-        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x   # longest first
-        b, h = cuda.blockIdx.y, cuda.blockIdx.z
-        h_kv = h // kv_group
-        row0 = i * BR
 
         smem = cuda.shared.array(0, uint16)
         base = sm90.shared_address(smem, 0)
@@ -338,16 +407,13 @@ def build(cfg):
         aligned = (base + uint32(BARRIER_BYTES + 1023)) & uint32(0xFFFFFC00)
         tiles0 = int32(aligned - base) >> 1
 
-        t_c = (n_k + BC - 1) // BC
-        if CAUSAL:
-            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
-
         if tid == 0:
             sm90.mbarrier_init(smem, BAR_Q, 1)
+            sm90.mbarrier_init(smem, BAR_EMPTY_Q, 4 * NWG)    # one arrival a consumer warp
             for s in range(STAGES):
                 sm90.mbarrier_init(smem, BAR_K + 4 * s, 1)
                 sm90.mbarrier_init(smem, BAR_V + 4 * s, 1)
-                sm90.mbarrier_init(smem, BAR_EMPTY_K + 4 * s, 4 * NWG)   # one arrival a consumer warp
+                sm90.mbarrier_init(smem, BAR_EMPTY_K + 4 * s, 4 * NWG)
                 sm90.mbarrier_init(smem, BAR_EMPTY_V + 4 * s, 4 * NWG)
             sm90.fence_mbarrier_init()
         cuda.syncthreads()
@@ -356,132 +422,160 @@ def build(cfg):
             if SETMAXNREG:
                 GIVE_REGISTERS()   # the whole producer warpgroup, then 3 of its warps leave
             if warp == PRODUCER_WARP and lane == 0:
-                produce(smem, tiles0, tmaps, b, h, h_kv, row0, t_c)
+                produce(smem, tiles0, tmaps, n_q, n_k, kv_group, heads, batch_heads)
             return
         if SETMAXNREG:
             TAKE_REGISTERS()
 
-        # ---- a consumer warpgroup: 64 rows of Q_i
+        # ---- a consumer warpgroup: 64 rows of each tile's Q_i
         wg, wg_warp = warp >> 2, warp & 3
-        wg_row0 = row0 + wg * WG_ROWS               # its first query row
-        warp_row = wg_row0 + 16 * wg_warp           # this warp's first row (mask, LSE)
+        wg_tid = tid & (WG_THREADS - 1)
         q_addr = sm90.shared_address(smem, tiles0 + wg * WG_Q_ELEMS)
         kv_addr = sm90.shared_address(smem, tiles0 + K0)
+        # O_i's staging room (16-bit pairs): its own after the ring, or this warpgroup's Q room
+        o_start = ((tiles0 + O_ROOM) if O_APART else tiles0) + wg * WG_Q_ELEMS
+        stage32 = cuda.shared.array(0, uint32)[o_start >> 1:(o_start >> 1) + WG_Q_ELEMS // 2]
 
-        o_acc = cuda.local.array(O_ACC, float32)                                  # l.11
-        tiles.fill(o_acc, float32(0))
+        o_acc = cuda.local.array(O_ACC, float32)
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
-        softmax.init_rows(m_i, l_i)
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
         alpha = cuda.local.array(2, float32)
+        inv_l = cuda.local.array(2, float32)
+        lse_rows = cuda.local.array(2, float32)
 
-        # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per block:
-        # multiplied into S in the loop), V's joins 1/l at the end.
-        eff_scale = softmax_scale
-        if FP8:
-            q_block = min(wg_row0 // q_scale_rows, q_descale.shape[2] - 1)
-            eff_scale = softmax_scale * q_descale[b, h, q_block]
-            if not K_BLOCK_SCALES:
-                eff_scale *= k_descale[b, h_kv, 0]
-        sl2 = eff_scale * LOG2E if FP8 else scale_log2
+        n_blocks = (n_q + BR - 1) // BR
+        n_tiles = n_blocks * batch_heads
+        it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
+        done = int32(0)     # tiles so far
+        for k in range((n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
+            t = tile(k, n_tiles)
+            if t < 0:
+                break
+            i, b, h = coords(t, n_blocks, heads, batch_heads)
+            h_kv = h // kv_group
+            wg_row0 = i * BR + wg * WG_ROWS         # this warpgroup's first query row
+            warp_row = wg_row0 + 16 * wg_warp       # this warp's first row (mask, LSE)
+            t_c = steps(i * BR, n_k)
 
-        sm90.mbarrier_wait(smem, BAR_Q, 0)                                         # l.13
-        # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1} (or the
-        # first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the other's softmax
-        # does. The last warpgroup passes no turn at the end: nobody waits for it.
-        if PINGPONG and wg == 0:
-            ptx.bar_arrive(TURN, TURN_THREADS)
-        wait_turn(wg)
-        if not INTRA_OVERLAP:
-            for j in range(t_c):                                                   # l.14
-                stage = j % STAGES
-                k_addr = kv_addr + stage * STAGE_BYTES
-                # l.15: S = Q_i K_j^T, an SS-GEMM, waited for at once.
-                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, (j // STAGES) & 1)
+            tiles.fill(o_acc, float32(0))                                          # l.11
+            softmax.init_rows(m_i, l_i)
+            # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per
+            # block: multiplied into S in the loop), V's joins 1/l at the end.
+            eff_scale = softmax_scale
+            if FP8:
+                q_block = min(wg_row0 // q_scale_rows, q_descale.shape[2] - 1)
+                eff_scale = softmax_scale * q_descale[b, h, q_block]
+                if not K_BLOCK_SCALES:
+                    eff_scale *= k_descale[b, h_kv, 0]
+            sl2 = eff_scale * LOG2E if FP8 else scale_log2
+
+            sm90.mbarrier_wait(smem, BAR_Q, done & 1)                              # l.13
+            # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1}
+            # (or the first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the
+            # other's softmax does. The last warpgroup passes no turn at the end: nobody waits.
+            if PINGPONG and wg == 0:
+                ptx.bar_arrive(TURN, TURN_THREADS)
+            wait_turn(wg)
+            if not INTRA_OVERLAP:
+                for j in range(t_c):                                               # l.14
+                    stage, parity = slot(it + j)
+                    k_addr = kv_addr + stage * STAGE_BYTES
+                    # l.15: S = Q_i K_j^T, an SS-GEMM, waited for at once.
+                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                    sm90.wgmma_fence()
+                    scores(s, q_addr, k_addr)
+                    pass_turn(wg)
+                    WAIT_S(s)
+                    release(smem, BAR_EMPTY_K, stage, lane)
+                    if O_APART and j == t_c - 1:   # Q_i read for the last time
+                        release(smem, BAR_EMPTY_Q, 0, lane)
+                    key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
+                    mask(s, j, n_k, wg_row0, warp_row, lane)
+                    # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
+                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
+                    to_a(p, s)
+                    # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed).
+                    sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+                    wait_turn(wg)
+                    sm90.wgmma_fence()
+                    values(o_acc, p, k_addr + K_TILE_BYTES)
+                    WAIT_OP(o_acc, p)
+                    release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
+            else:
+                # FA3 Alg.2 (intra-warpgroup overlap): S_{j} = Q K_j^T is issued together with
+                # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the
+                # P V product; O is rescaled once that product has landed.
+                stage, parity = slot(it)
+                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
-                scores(s, q_addr, k_addr)
+                scores(s, q_addr, kv_addr + stage * STAGE_BYTES)
                 pass_turn(wg)
                 WAIT_S(s)
                 release(smem, BAR_EMPTY_K, stage, lane)
-                key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
-                mask(s, j, n_k, wg_row0, warp_row, lane)
-                # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
-                softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
+                if O_APART and t_c == 1:
+                    release(smem, BAR_EMPTY_Q, 0, lane)
+                key_scale(s, k_descale, b, h_kv, 0, k_scale_rows)
+                mask(s, 0, n_k, wg_row0, warp_row, lane)
+                softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)   # O = 0: nothing to defer
                 to_a(p, s)
-                # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed).
-                sm90.mbarrier_wait(smem, BAR_V + 4 * stage, (j // STAGES) & 1)
+                for j in range(1, t_c):
+                    stage, parity = slot(it + j)
+                    prev, prev_parity = slot(it + j - 1)
+                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                    sm90.mbarrier_wait(smem, BAR_V + 4 * prev, prev_parity)
+                    wait_turn(wg)
+                    sm90.wgmma_fence()
+                    scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                  # S_j
+                    values(o_acc, p, kv_addr + prev * STAGE_BYTES + K_TILE_BYTES)     # O += P~_{j-1} V_{j-1}
+                    pass_turn(wg)
+                    WAIT1_S(s)                # S_j has landed; the P V product may still run
+                    release(smem, BAR_EMPTY_K, stage, lane)
+                    if O_APART and j == t_c - 1:
+                        release(smem, BAR_EMPTY_Q, 0, lane)
+                    key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
+                    mask(s, j, n_k, wg_row0, warp_row, lane)
+                    softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT)
+                    WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
+                    release(smem, BAR_EMPTY_V, prev, lane)
+                    tiles.scale_rows(o_acc, alpha)
+                    to_a(p, s)
+                last, last_parity = slot(it + t_c - 1)
+                sm90.mbarrier_wait(smem, BAR_V + 4 * last, last_parity)
                 wait_turn(wg)
                 sm90.wgmma_fence()
-                values(o_acc, p, k_addr + K_TILE_BYTES)
+                values(o_acc, p, kv_addr + last * STAGE_BYTES + K_TILE_BYTES)
                 WAIT_OP(o_acc, p)
-                release(smem, BAR_EMPTY_V, stage, lane)                            # l.19
-        else:
-            # FA3 Alg.2 (intra-warpgroup overlap): S_{j} = Q K_j^T is issued together with
-            # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the P V
-            # product; O is rescaled once that product has landed.
-            sm90.mbarrier_wait(smem, BAR_K, 0)
-            sm90.wgmma_fence()
-            scores(s, q_addr, kv_addr)
-            pass_turn(wg)
-            WAIT_S(s)
-            release(smem, BAR_EMPTY_K, 0, lane)
-            key_scale(s, k_descale, b, h_kv, 0, k_scale_rows)
-            mask(s, 0, n_k, wg_row0, warp_row, lane)
-            softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)   # O = 0: nothing to defer
-            to_a(p, s)
-            for j in range(1, t_c):
-                stage, prev = j % STAGES, (j - 1) % STAGES
-                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, (j // STAGES) & 1)
-                sm90.mbarrier_wait(smem, BAR_V + 4 * prev, ((j - 1) // STAGES) & 1)
-                wait_turn(wg)
-                sm90.wgmma_fence()
-                scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                  # S_j
-                values(o_acc, p, kv_addr + prev * STAGE_BYTES + K_TILE_BYTES)     # O += P~_{j-1} V_{j-1}
+                release(smem, BAR_EMPTY_V, last, lane)
+            if wg != NWG - 1:
                 pass_turn(wg)
-                WAIT1_S(s)                    # S_j has landed; the P V product may still run
-                release(smem, BAR_EMPTY_K, stage, lane)
-                key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
-                mask(s, j, n_k, wg_row0, warp_row, lane)
-                softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT)
-                WAIT_OP(o_acc, p)             # ... now it has: O and P~_{j-1}'s registers free
-                release(smem, BAR_EMPTY_V, prev, lane)
-                tiles.scale_rows(o_acc, alpha)
-                to_a(p, s)
-            last = (t_c - 1) % STAGES
-            sm90.mbarrier_wait(smem, BAR_V + 4 * last, ((t_c - 1) // STAGES) & 1)
-            wait_turn(wg)
-            sm90.wgmma_fence()
-            values(o_acc, p, kv_addr + last * STAGE_BYTES + K_TILE_BYTES)
-            WAIT_OP(o_acc, p)
-            release(smem, BAR_EMPTY_V, last, lane)
-        if wg != NWG - 1:
-            pass_turn(wg)
+            it += t_c
 
-        # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
-        inv_l = cuda.local.array(2, float32)
-        lse_rows = cuda.local.array(2, float32)
-        softmax.finalize(m_i, l_i, inv_l, lse_rows, eff_scale)
-        if FP8:   # O = descale_v P~ V8 / l, and L without P~'s 2^P_SHIFT
-            for r in range(2):
-                inv_l[r] *= v_descale[b, h_kv, 0]
-                lse_rows[r] -= P_SHIFT * LN2
-        tiles.scale_rows(o_acc, inv_l)
-        # l.22: write O_i, staged for 16-byte stores through this warpgroup's part of the Q tile
-        # (its last reader, the final QK^T wgmma, has completed).
-        wg_tid = tid & (WG_THREADS - 1)
-        start = (tiles0 + wg * WG_Q_ELEMS) >> 1
-        stage32 = cuda.shared.array(0, uint32)[start:start + WG_Q_ELEMS // 2]
-        ptx.bar_sync(1 + wg, WG_THREADS)
-        tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
-        ptx.bar_sync(1 + wg, WG_THREADS)
-        tiles.store_tile(o[b, h], stage32, wg_row0, n_q, WG_ROWS, D, D, True, wg_tid, WG_THREADS)
-        if lane & 3 == 0:
-            for r in range(2):
-                row = warp_row + (lane >> 2) + 8 * r
-                if row < n_q:
-                    lse[b, h, row] = lse_rows[r]
+            # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
+            softmax.finalize(m_i, l_i, inv_l, lse_rows, eff_scale)
+            if FP8:   # O = descale_v P~ V8 / l, and L without P~'s 2^P_SHIFT
+                for r in range(2):
+                    inv_l[r] *= v_descale[b, h_kv, 0]
+                    lse_rows[r] -= P_SHIFT * LN2
+            tiles.scale_rows(o_acc, inv_l)
+            # l.22: write O_i, staged for 16-byte stores (the barrier before: every thread of the
+            # warpgroup is done reading the room, the previous tile's O or, in Q's room, the last
+            # QK^T wgmma has completed).
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tiles.store_tile(o[b, h], stage32, wg_row0, n_q, WG_ROWS, D, D, True, wg_tid,
+                             WG_THREADS)
+            if not O_APART:   # O_i has left Q's room: the next Q may land there
+                ptx.bar_sync(1 + wg, WG_THREADS)
+                release(smem, BAR_EMPTY_Q, 0, lane)
+            if lane & 3 == 0:
+                for r in range(2):
+                    row = warp_row + (lane >> 2) + 8 * r
+                    if row < n_q:
+                        lse[b, h, row] = lse_rows[r]
+            done += 1
 
     return fa3_forward
 
@@ -525,10 +619,12 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
                               (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
-    grid = ((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch, prob.heads)
+    n_tiles = (prob.n_q + cfg.block_m - 1) // cfg.block_m * prob.batch * prob.heads
+    grid = min(n_tiles, target.multiprocessor_count()) if cfg.persistent else n_tiles
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
-           np.int32(prob.kv_group), np.float32(prob.softmax_scale),
+           np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
+           np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
            np.int32(rows[0]), np.int32(rows[1]))
     return prob.result()
@@ -582,7 +678,7 @@ def compile_targets():
     launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), and FP8 at
     d=128 non-causal (one scale a head)."""
     argtypes = (TMAP_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32, types.int32,
-                types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
+                types.int32, types.int32, types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
                 types.int32)
     cases = [(d, element, causal, ()) for d in HEAD_DIMS for element in (BFLOAT16, FLOAT16)
              for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
