@@ -28,7 +28,8 @@ Alg.1 of the FA3 paper, with its line numbers (producer: l.3-9; consumer: l.10-2
 
 Scheduling (FA3 section 3.1-3.2), each a switch:
 - `pingpong` (inter-warpgroup overlap): the consumer warpgroups take turns at the tensor cores. A
-  turn is "issue O += P~_{j-1} V_{j-1}, wait for it, issue S_j = Q K_j^T"; named barriers pass the
+  turn is "issue O += P~_{j-1} V_{j-1}, then S_j = Q K_j^T" (`back_to_back`; False: wait for O
+  before issuing S_j); named barriers pass the
   turn round the warpgroups (bar.sync to take it, bar.arrive to hand it on), so that one
   warpgroup's softmax runs while the tensor cores do the next one's GEMMs instead of all of them
   computing exponentials at once with the tensor cores idle.
@@ -41,6 +42,9 @@ kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 i
 (`common/fp8.py: v_k_major`). The descales fold into the softmax scale (Q: one a warpgroup; K:
 one a head, or one a key block, multiplied into S), V's into O's final 1/l; P~ is computed as
 2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again.
+Persistence (`persistent`, FA3's tile scheduler): a block a SM, each looping over its share of the
+(query block, batch, head) tiles, so that the producer loads the next tile's Q and first K/V
+blocks while the consumers finish this one and write its O.
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass, and a
 cp.async producer as the other setting of a `producer` switch.
 """
@@ -84,6 +88,8 @@ class Config:
     setmaxnreg: bool = True      # a producer warpgroup that gives its registers to the consumers
     pingpong: bool = True        # named barriers make the consumer warpgroups take turns at the
                                  # tensor cores (no effect with one consumer warpgroup)
+    back_to_back: bool = True    # a turn issues O += P~_{j-1} V_{j-1} and S_j = Q K_j^T with no
+                                 # wait between (FA3's ping-pong); False: O is waited for first
     persistent: bool = True      # one block a SM loops over the tiles (FA3's tile scheduler): the
                                  # producer loads the next tile's Q, K, V during this one's epilogue
 
@@ -228,6 +234,8 @@ def build(cfg):
     WAIT_S = sm90.wgmma_wait(0, BC // 2)        # S has landed
     WAIT1_S = sm90.wgmma_wait(1, BC // 2)       # S has landed, the P V issued after it may run on
     WAIT_OP = sm90.wgmma_wait(0, D // 2, 4 * K_PV)   # O has landed and P~'s registers are free
+    WAIT_ALL = sm90.wgmma_wait(0, BC // 2, D // 2, 4 * K_PV)   # S, O and P~'s registers
+    BACK_TO_BACK = cfg.back_to_back
     S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, K_PV, 4)
     P_SHIFT = float32(P_LOG2_SHIFT if FP8 else 0)
     INTRA_OVERLAP = cfg.intra_overlap
@@ -478,17 +486,22 @@ def build(cfg):
             if PINGPONG and wg == 0:
                 ptx.bar_arrive(TURN, TURN_THREADS)
             wait_turn(wg)
-            if not INTRA_OVERLAP:
+            if not INTRA_OVERLAP and BACK_TO_BACK:
+                # A turn issues O += P~_{j-1} V_{j-1} and S_j = Q K_j^T back to back (FA3 section
+                # 3.1), so that the tensor cores go from one to the other without waiting for this
+                # warpgroup; both are waited for after the turn has passed.
+                stage, parity = slot(it)
+                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                sm90.wgmma_fence()
+                scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                   # l.15: S_0
+                pass_turn(wg)
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
                     k_addr = kv_addr + stage * STAGE_BYTES
-                    # l.15: S = Q_i K_j^T, an SS-GEMM, waited for at once.
-                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
-                    sm90.wgmma_fence()
-                    scores(s, q_addr, k_addr)
-                    pass_turn(wg)
-                    WAIT_S(s)
+                    WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
                     release(smem, BAR_EMPTY_K, stage, lane)
+                    if j > 0:
+                        release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)      # l.19
                     if O_APART and j == t_c - 1:   # Q_i read for the last time
                         release(smem, BAR_EMPTY_Q, 0, lane)
                     key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
@@ -496,13 +509,45 @@ def build(cfg):
                     # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
                     softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
                     to_a(p, s)
-                    # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed).
+                    # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed),
+                    # then l.15 of the next block, S_{j+1} = Q_i K_{j+1}^T, an SS-GEMM.
                     sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     values(o_acc, p, k_addr + K_TILE_BYTES)
+                    if j + 1 < t_c:
+                        nxt, nxt_parity = slot(it + j + 1)
+                        sm90.mbarrier_wait(smem, BAR_K + 4 * nxt, nxt_parity)
+                        scores(s, q_addr, kv_addr + nxt * STAGE_BYTES)
+                    if j + 1 < t_c or wg != NWG - 1:   # the last warpgroup's last turn: no one next
+                        pass_turn(wg)
+                WAIT_OP(o_acc, p)
+                release(smem, BAR_EMPTY_V, slot(it + t_c - 1)[0], lane)
+            elif not INTRA_OVERLAP:
+                # The same with O waited for inside the turn, before S_{j+1} is issued.
+                for j in range(t_c):                                               # l.14
+                    stage, parity = slot(it + j)
+                    k_addr = kv_addr + stage * STAGE_BYTES
+                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                    sm90.wgmma_fence()
+                    scores(s, q_addr, k_addr)                                      # l.15
+                    pass_turn(wg)
+                    WAIT_S(s)
+                    release(smem, BAR_EMPTY_K, stage, lane)
+                    if O_APART and j == t_c - 1:
+                        release(smem, BAR_EMPTY_Q, 0, lane)
+                    key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
+                    mask(s, j, n_k, wg_row0, warp_row, lane)
+                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)      # l.16-17
+                    to_a(p, s)
+                    sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+                    wait_turn(wg)
+                    sm90.wgmma_fence()
+                    values(o_acc, p, k_addr + K_TILE_BYTES)                        # l.18
                     WAIT_OP(o_acc, p)
                     release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
+                if wg != NWG - 1:
+                    pass_turn(wg)
             else:
                 # FA3 Alg.2 (intra-warpgroup overlap): S_{j} = Q K_j^T is issued together with
                 # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the
@@ -548,8 +593,8 @@ def build(cfg):
                 values(o_acc, p, kv_addr + last * STAGE_BYTES + K_TILE_BYTES)
                 WAIT_OP(o_acc, p)
                 release(smem, BAR_EMPTY_V, last, lane)
-            if wg != NWG - 1:
-                pass_turn(wg)
+                if wg != NWG - 1:
+                    pass_turn(wg)
             it += t_c
 
             # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
