@@ -439,10 +439,14 @@ else:
             @intrinsic
             def wait(typingctx, acc):
                 return types.void(acc), codegen
-        else:
+        elif len(counts) == 2:
             @intrinsic
             def wait(typingctx, acc, acc2):
                 return types.void(acc, acc2), codegen
+        else:
+            @intrinsic
+            def wait(typingctx, acc, acc2, acc3):
+                return types.void(acc, acc2, acc3), codegen
         wait.cache_name = f"wgmma_wait{pending}_" + "_".join(map(str, counts))
         return wait
 
@@ -580,7 +584,10 @@ def wgmma_wait(pending, *counts):
     """wait(acc, ...): wgmma.wait_group `pending` (at most that many committed groups still in
     flight), for register arrays of `counts` elements a thread: fp32 accumulators (n/2 for
     m64n{n}) or the uint32 A registers of an RS-wgmma. They pass through the instruction, so the
-    compiler neither reads an accumulator nor reuses an operand's registers before it."""
+    compiler neither reads an accumulator nor reuses an operand's registers before it. At most
+    three arrays."""
+    if len(counts) > 3:
+        raise ValueError(f"wgmma_wait takes at most 3 register arrays, got {len(counts)}")
     return _make_wait(pending, counts)
 
 

@@ -185,7 +185,9 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             # non-causal | causal, 2k / 8k / 16k, docs/results/fp8_configs_h100.txt):
             #   B_c 128: 534 / 749 / 776 | 420 / 621 / 753;  B_c 256: 626 / 830 / 860 | 428 / 721 / 812
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
-            (128, "fp8"): dict(block_n=256)}
+            # back_to_back would hold S_{j+1} (128 registers at B_c = 256), O and P~ at once:
+            # ptxas spills (172 bytes), so FP8 waits for O inside the turn
+            (128, "fp8"): dict(block_n=256, back_to_back=False)}
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
@@ -731,8 +733,10 @@ def compile_targets():
     for head_dim, element, causal, problem in cases:
         cfg = default_config(head_dim, element, causal, problem)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
-        # overlap each appears twice (the loop's and the first S / last P V outside it)
+        # overlap each appears twice (the loop's and the first S / last P V outside it), back to
+        # back Q K^T does (the first S is issued before the loop)
         k = cfg.operand.k_step
-        step = head_dim // k + cfg.block_n // k
-        yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}", \
-            build(cfg), argtypes, ((2 if cfg.intra_overlap else 1) * step, step)
+        qk, pv = head_dim // k, cfg.block_n // k
+        total = 2 * (qk + pv) if cfg.intra_overlap else qk + pv + (qk if cfg.back_to_back else 0)
+        yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}", build(cfg), argtypes, \
+            (total, qk + pv)
