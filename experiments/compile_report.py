@@ -79,7 +79,10 @@ def ptxas_resources(ptx, arch="sm_90"):
         m = re.search(pattern, out)
         return int(m.group(1)) if m else 0
     row = {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
-           "spill_loads": grab(r"(\d+) bytes spill loads"), "stack_bytes": grab(r"(\d+) bytes stack frame")}
+           "spill_loads": grab(r"(\d+) bytes spill loads"), "stack_bytes": grab(r"(\d+) bytes stack frame"),
+           # ptxas's warning that it made every wgmma wait for the one before (a branch or a
+           # non-wgmma write to their registers between them, or too few registers)
+           "wgmma_serialized": int("mma_async instructions are serialized" in out)}
     if sass:
         ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass)
         row.update({f"sass_{op}": ops.count(op) for op in SASS_OPS})

@@ -185,8 +185,8 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             # non-causal | causal, 2k / 8k / 16k, docs/results/fp8_configs_h100.txt):
             #   B_c 128: 534 / 749 / 776 | 420 / 621 / 753;  B_c 256: 626 / 830 / 860 | 428 / 721 / 812
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
-            # back_to_back would hold S_{j+1} (128 registers at B_c = 256), O and P~ at once:
-            # ptxas spills (172 bytes), so FP8 waits for O inside the turn
+            # back_to_back holds S_j (128 registers at B_c = 256), O and P~ at once: ptxas
+            # serialises the wgmmas for want of registers (C7512), so FP8 waits for O in the turn
             (128, "fp8"): dict(block_n=256, back_to_back=False)}
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
@@ -315,6 +315,22 @@ def build(cfg):
         arrival a consumer warp."""
         if lane == 0:
             sm90.mbarrier_arrive(smem, empty + 4 * stage)
+
+    @device_function
+    def softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, t_c, n_k, k_descale, k_scale_rows,
+                     b, h_kv, wg_row0, warp_row, lane):
+        """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
+        V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
+        and P~ into the A registers of the P V wgmma."""
+        release(smem, BAR_EMPTY_K, slot(it + j)[0], lane)
+        if j > 0:
+            release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)                  # l.19
+        if O_APART and j == t_c - 1:   # Q_i read for the last time
+            release(smem, BAR_EMPTY_Q, 0, lane)
+        key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
+        mask(s, j, n_k, wg_row0, warp_row, lane)
+        softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
+        to_a(p, s)
 
     @device_function
     def slot(it):
@@ -491,40 +507,39 @@ def build(cfg):
             if not INTRA_OVERLAP and BACK_TO_BACK:
                 # A turn issues O += P~_{j-1} V_{j-1} and S_j = Q K_j^T back to back (FA3 section
                 # 3.1), so that the tensor cores go from one to the other without waiting for this
-                # warpgroup; both are waited for after the turn has passed.
+                # warpgroup; both are waited for after the turn has passed. (Nothing may be in
+                # flight across the loop's back edge, nor a branch sit between two wgmmas: ptxas
+                # would serialise every wgmma. Hence the first S and the last P V apart.)
                 stage, parity = slot(it)
                 sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                   # l.15: S_0
                 pass_turn(wg)
-                for j in range(t_c):                                               # l.14
+                WAIT_S(s)
+                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, t_c, n_k, k_descale,
+                             k_scale_rows, b, h_kv, wg_row0, warp_row, lane)       # l.16-17
+                for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
-                    k_addr = kv_addr + stage * STAGE_BYTES
-                    WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
-                    release(smem, BAR_EMPTY_K, stage, lane)
-                    if j > 0:
-                        release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)      # l.19
-                    if O_APART and j == t_c - 1:   # Q_i read for the last time
-                        release(smem, BAR_EMPTY_Q, 0, lane)
-                    key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
-                    mask(s, j, n_k, wg_row0, warp_row, lane)
-                    # l.16-17: m_i, P~_i = exp(S - m_i), l_i, and O_i rescaled by exp(m_old - m_new).
-                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
-                    to_a(p, s)
-                    # l.18: O_i += P~_i V_j, an RS-GEMM (P~ from registers, V_j read transposed),
-                    # then l.15 of the next block, S_{j+1} = Q_i K_{j+1}^T, an SS-GEMM.
-                    sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+                    prev, prev_parity = slot(it + j - 1)
+                    sm90.mbarrier_wait(smem, BAR_V + 4 * prev, prev_parity)
+                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
-                    values(o_acc, p, k_addr + K_TILE_BYTES)
-                    if j + 1 < t_c:
-                        nxt, nxt_parity = slot(it + j + 1)
-                        sm90.mbarrier_wait(smem, BAR_K + 4 * nxt, nxt_parity)
-                        scores(s, q_addr, kv_addr + nxt * STAGE_BYTES)
-                    if j + 1 < t_c or wg != NWG - 1:   # the last warpgroup's last turn: no one next
-                        pass_turn(wg)
+                    values(o_acc, p, kv_addr + prev * STAGE_BYTES + K_TILE_BYTES)  # l.18, block j-1
+                    scores(s, q_addr, kv_addr + stage * STAGE_BYTES)               # l.15, block j
+                    pass_turn(wg)
+                    WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
+                    softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, t_c, n_k, k_descale,
+                                 k_scale_rows, b, h_kv, wg_row0, warp_row, lane)   # l.16-17
+                stage, parity = slot(it + t_c - 1)
+                sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+                wait_turn(wg)
+                sm90.wgmma_fence()
+                values(o_acc, p, kv_addr + stage * STAGE_BYTES + K_TILE_BYTES)      # l.18, the last
                 WAIT_OP(o_acc, p)
-                release(smem, BAR_EMPTY_V, slot(it + t_c - 1)[0], lane)
+                release(smem, BAR_EMPTY_V, stage, lane)                            # l.19
+                if wg != NWG - 1:
+                    pass_turn(wg)
             elif not INTRA_OVERLAP:
                 # The same with O waited for inside the turn, before S_{j+1} is issued.
                 for j in range(t_c):                                               # l.14
@@ -733,10 +748,10 @@ def compile_targets():
     for head_dim, element, causal, problem in cases:
         cfg = default_config(head_dim, element, causal, problem)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
-        # overlap each appears twice (the loop's and the first S / last P V outside it), back to
-        # back Q K^T does (the first S is issued before the loop)
+        # overlap or back to back each appears twice (the loop's and the first S / last P V
+        # outside it)
         k = cfg.operand.k_step
         qk, pv = head_dim // k, cfg.block_n // k
-        total = 2 * (qk + pv) if cfg.intra_overlap else qk + pv + (qk if cfg.back_to_back else 0)
+        total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
         yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}", build(cfg), argtypes, \
             (total, qk + pv)
