@@ -136,7 +136,8 @@ def test_fa1_options(rng, options, causal):
 # intra-warpgroup overlap (off by default: its own loop) with and without ping-pong, ping-pong off.
 FA3_CASES = [(dict(block_n=64, stages=2), True),
              (dict(block_n=64, persistent=False), True),
-             (dict(block_n=64, back_to_back=False), False),
+             (dict(block_n=64, back_to_back=True), False),
+             (dict(block_n=64, back_to_back=True, block_m=64), True),
              (dict(block_n=64, stages=1, setmaxnreg=False), False),
              (dict(block_n=64, intra_overlap=True), True),
              (dict(block_n=64, pingpong=False), True),

@@ -88,7 +88,7 @@ class Config:
     setmaxnreg: bool = True      # a producer warpgroup that gives its registers to the consumers
     pingpong: bool = True        # named barriers make the consumer warpgroups take turns at the
                                  # tensor cores (no effect with one consumer warpgroup)
-    back_to_back: bool = True    # a turn issues O += P~_{j-1} V_{j-1} and S_j = Q K_j^T with no
+    back_to_back: bool = False   # a turn issues O += P~_{j-1} V_{j-1} and S_j = Q K_j^T with no
                                  # wait between (FA3's ping-pong); False: O is waited for first
     persistent: bool = True      # one block a SM loops over the tiles (FA3's tile scheduler): the
                                  # producer loads the next tile's Q, K, V during this one's epilogue
@@ -179,15 +179,22 @@ OPTIONS = configs.options_of(Config)
 #   d=64   ping-pong 444 / 459 | 378 / 443;  both 429 / 450 | 377 / 443;  neither 423 / 455
 # Either overlap is worth 8-17% at d=128; the three ways of having one are within 1% of each other
 # on average. Ping-pong alone is the default: the best at 4k non-causal and at d=64.
+# Since the persistent scheduler (docs/results/fa3_persistent_h100.txt, same run, TFLOP/s at
+# 1k / 4k / 16k, d=128 non-causal): persistent 553 / 609 / 621, not 478 / 617 / 586; the
+# intra-warpgroup overlap on top 563 / 630 / 622; back_to_back 550 / 580 / 610 (slower: O waited
+# for inside the turn is the default). d=64 non-causal: B_r = 192 (three consumer warpgroups, as
+# FA3) 399 / 495 / 497 against B_r = 128's 385 / 431 / 454 (causal: equal at 4k and 16k, 6% lower
+# at 1k, so B_r = 128 there).
 DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
+            (64, False): dict(block_m=192),
             128: dict(block_m=128, block_n=128, stages=2),
             # FP8 at d=128: B_c = 256 measured fastest (TFLOP/s, H100, one scale a head,
             # non-causal | causal, 2k / 8k / 16k, docs/results/fp8_configs_h100.txt):
             #   B_c 128: 534 / 749 / 776 | 420 / 621 / 753;  B_c 256: 626 / 830 / 860 | 428 / 721 / 812
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
-            # back_to_back holds S_j (128 registers at B_c = 256), O and P~ at once: ptxas
-            # serialises the wgmmas for want of registers (C7512), so FP8 waits for O in the turn
-            (128, "fp8"): dict(block_n=256, back_to_back=False)}
+            # (back_to_back would hold S_j, 128 registers at B_c = 256, O and P~ at once: ptxas
+            # serialises the wgmmas for want of registers, C7512)
+            (128, "fp8"): dict(block_n=256)}
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
