@@ -43,6 +43,8 @@ def test_variant_configs_name_registered_variants_and_real_options():
         module = variants.get(name)
         accepted = set(getattr(module, "OPTIONS", ()))
         assert set(cfg.variant.options) <= accepted, (name, set(cfg.variant.options) - accepted)
+        # and every option is there, so that one override flips it (variant.options.<name>=...)
+        assert accepted <= set(cfg.variant.options), (name, accepted - set(cfg.variant.options))
     fa2 = variants.get("fa2")
     from variants import fa2_backward
     assert set(fa2.OPTIONS) <= {f.name for f in dataclasses.fields(fa2.Config)}
