@@ -316,18 +316,29 @@ NAMED_BARRIER_TIMEOUT_S = 60.0
 class _NamedBarrier:
     """bar.sync / bar.arrive on one named barrier: a phase completes when `size` threads have
     reached it; those that sync wait for that, those that arrive run on."""
-    __slots__ = ("size", "count", "phase", "cond")
+    __slots__ = ("size", "count", "phase", "cond", "arrived")
 
     def __init__(self, size):
         self.size, self.count, self.phase = size, 0, 0
         self.cond = threading.Condition()
+        self.arrived = set()   # the threads that bar.arrive'd into the current phase
 
     def reach(self, barrier, wait):
         with self.cond:
+            me = threading.get_ident()
+            if not wait:   # a second bar.arrive of one thread in one phase would, on a GPU, count
+                if me in self.arrived:   # into it too, completing it without the threads that
+                    raise RuntimeError(  # were to meet there (a bar.arrive then a bar.sync of
+                        # the same threads is a phase they complete alone, on purpose)
+                        f"named barrier {barrier} ({self.size} threads): a thread arrived twice in "
+                        "one phase (the other side never synced between: the protocol lets one "
+                        "side run a phase ahead)")
+                self.arrived.add(me)
             phase = self.phase
             self.count += 1
             if self.count == self.size:
                 self.count, self.phase = 0, phase + 1
+                self.arrived = set()
                 self.cond.notify_all()
             elif wait and not self.cond.wait_for(lambda: self.phase != phase,
                                                  NAMED_BARRIER_TIMEOUT_S):

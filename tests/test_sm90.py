@@ -226,3 +226,35 @@ def test_named_barrier_that_cannot_complete_raises(monkeypatch):
 
     with pytest.raises(RuntimeError, match="named barrier 3"):
         lonely[1, 32, 0, 64](np.zeros(1, np.int32))
+
+
+@pytest.mark.sim
+def test_a_second_arrival_in_one_phase_raises():
+    """Warp 0 bar.arrive's twice on barrier 1 before warp 1 bar.sync's: on a GPU the two arrivals
+    complete the phase by themselves and warp 1's sync waits for a third that never comes (the
+    hazard fa3's ping-pong had at a tile boundary of its persistent loop); the stand-in names it.
+    An arrive and then a sync of the same threads (a phase they complete alone) is allowed."""
+
+    @cuda.jit
+    def ahead(flag):
+        smem = cuda.shared.array(0, uint16)
+        warp = cuda.threadIdx.x >> 5
+        if cuda.threadIdx.x == 0:
+            sm90.mbarrier_init(smem, 0, 1)
+            sm90.fence_mbarrier_init()
+        cuda.syncthreads()
+        if warp == 0:
+            ptx.bar_arrive(2, 64)     # arrive, then sync: the same 32 threads complete phase 0
+            ptx.bar_sync(2, 64)
+            ptx.bar_arrive(1, 64)
+            ptx.bar_arrive(1, 64)
+        else:
+            x = int32(0)
+            for k in range(20000):    # warp 1 late, as a slow consumer warpgroup may be
+                x = (x * 7 + k) & 1023
+            flag[1] = x
+            ptx.bar_sync(1, 64)
+        flag[0] = 1
+
+    with pytest.raises(RuntimeError, match="named barrier 1 .* arrived twice in one phase"):
+        ahead[1, 64, 0, 64](np.zeros(2, np.int32))

@@ -482,12 +482,14 @@ def build(cfg):
         n_tiles = n_blocks * batch_heads
         it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
         done = int32(0)     # tiles so far
-        for k in range((n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
+        rounds = (n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x
+        for k in range(rounds):
             t = tile(k, n_tiles)
             if t < 0:
                 break
             i, b, h = coords(t, n_blocks, heads, batch_heads)
             h_kv = h // kv_group
+            final = k + 1 == rounds or tile(k + 1, n_tiles) < 0   # this block's last tile
             wg_row0 = i * BR + wg * WG_ROWS         # this warpgroup's first query row
             warp_row = wg_row0 + 16 * wg_warp       # this warp's first row (mask, LSE)
             t_c = steps(i * BR, n_k)
@@ -507,8 +509,12 @@ def build(cfg):
             sm90.mbarrier_wait(smem, BAR_Q, done & 1)                              # l.13
             # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1}
             # (or the first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the
-            # other's softmax does. The last warpgroup passes no turn at the end: nobody waits.
-            if PINGPONG and wg == 0:
+            # other's softmax does. The turn goes round without a break from tile to tile: the
+            # last warpgroup's last turn of a tile hands it to warpgroup 0's first of the next
+            # (were warpgroup 0 to give itself that turn, it could hand on two turns before the
+            # next warpgroup took one, and the turns would drift a phase apart). At the block's
+            # last tile the last warpgroup passes no turn at the end: nobody waits for it.
+            if PINGPONG and wg == 0 and done == 0:
                 ptx.bar_arrive(TURN, TURN_THREADS)
             wait_turn(wg)
             if not INTRA_OVERLAP and BACK_TO_BACK:
@@ -545,7 +551,7 @@ def build(cfg):
                 values(o_acc, p, kv_addr + stage * STAGE_BYTES + K_TILE_BYTES)      # l.18, the last
                 WAIT_OP(o_acc, p)
                 release(smem, BAR_EMPTY_V, stage, lane)                            # l.19
-                if wg != NWG - 1:
+                if wg != NWG - 1 or not final:
                     pass_turn(wg)
             elif not INTRA_OVERLAP:
                 # The same with O waited for inside the turn, before S_{j+1} is issued.
@@ -570,7 +576,7 @@ def build(cfg):
                     values(o_acc, p, k_addr + K_TILE_BYTES)                        # l.18
                     WAIT_OP(o_acc, p)
                     release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
-                if wg != NWG - 1:
+                if wg != NWG - 1 or not final:
                     pass_turn(wg)
             else:
                 # FA3 Alg.2 (intra-warpgroup overlap): S_{j} = Q K_j^T is issued together with
@@ -617,7 +623,7 @@ def build(cfg):
                 values(o_acc, p, kv_addr + last * STAGE_BYTES + K_TILE_BYTES)
                 WAIT_OP(o_acc, p)
                 release(smem, BAR_EMPTY_V, last, lane)
-                if wg != NWG - 1:
+                if wg != NWG - 1 or not final:
                     pass_turn(wg)
             it += t_c
 
