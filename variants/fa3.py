@@ -180,7 +180,7 @@ OPTIONS = configs.options_of(Config)
 # Either overlap is worth 8-17% at d=128; the three ways of having one are within 1% of each other
 # on average. Ping-pong alone is the default: the best at 4k non-causal and at d=64.
 # Since the persistent scheduler (docs/results/fa3_persistent_h100.txt, same run, TFLOP/s at
-# 1k / 4k / 16k, d=128 non-causal): persistent 553 / 609 / 621, not 478 / 617 / 586; the
+# 1k / 4k / 16k, d=128 non-causal): persistent 553 / 609 / 621 against 478 / 617 / 586; the
 # intra-warpgroup overlap on top 563 / 630 / 622; back_to_back 550 / 580 / 610 (slower: O waited
 # for inside the turn is the default). d=64 non-causal: B_r = 192 (three consumer warpgroups, as
 # FA3) 399 / 495 / 497 against B_r = 128's 385 / 431 / 454 (causal: equal at 4k and 16k, 6% lower
