@@ -23,13 +23,17 @@ def pytest_report_header(config):
 
 # The README's command, `pytest -n 2 --dist loadfile --no-loadscope-reorder`, hands whole files to
 # the two workers in collection order, two to each at the start (the first and third to one, the
-# second and fourth to the other), then one to whichever finishes a file. The slowest files go
-# first, paired so that the two workers' loads are even (simulator, two cores, session 9: forward
-# sweep ~9.5 minutes + backward options ~2.5 on one, compile report ~7.5 + backward ~4.5 on the
-# other; since the report compiles in parallel and skips twins it takes ~3), and the small ones
-# fill the tail.
-SLOW_FIRST = ("tests/test_variants.py", "tests/test_compile.py", "tests/test_backward_options.py",
-              "tests/test_backward.py")
+# second and fourth to the other), then one to whichever finishes a file. So the files go longest
+# first (a greedy schedule: the last file a worker takes is a short one, and the two finish close
+# together), and the small ones fill the tail. Simulator, two cores, 2026-11-25 (pytest
+# --durations=0, a file's tests summed): the forward sweep ~11 minutes, the compile report ~5.3
+# (two processes: it slows the other worker too), the backward ~4.5, then the head dims, varlen
+# and masks (~2.5-3 each), the backward's options (~2.2), decoding, fp8 and the jobs (~0.8-1.4).
+# (Alphabetical order used to leave test_varlen, ~3 minutes, as one worker's tail.)
+SLOW_FIRST = ("tests/test_variants.py", "tests/test_compile.py", "tests/test_backward.py",
+              "tests/test_masks.py", "tests/test_varlen.py", "tests/test_head_dims.py",
+              "tests/test_backward_options.py", "tests/test_fp8.py", "tests/test_decode.py",
+              "tests/test_config.py")
 
 
 def _file_rank(item):

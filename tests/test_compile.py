@@ -1,6 +1,6 @@
 """Every kernel configuration (bf16; fp16 once per variant: it changes only the mma and cvt opcodes)
-compiles for sm_90 on a machine without a GPU (the suite compiles one of each pair of twins:
-TWINS below), and the compiler made
+compiles for sm_90 on a machine without a GPU (the suite compiles one kernel of each group of
+twins: TWINS and the lists after it; FA_COMPILE_ALL=1 all of them), and the compiler made
 what we meant: the mma.sync instructions the tile shapes call for, no float64 arithmetic, no
 local-memory arrays, and (with ptxas and cuobjdump from the `test` extra) at most 255 registers and
 no local-memory traffic in fa2's K/V loop (fa1's: bounded)."""
@@ -24,11 +24,38 @@ TWINS = r"^(fa1|fa2) (backward )?d=64 | fp16"
 # fa2's other reported head dims (96: padded rows; 256: eight warps): compiled on the GPU host
 # (FA_COMPILE_ALL=1), listed here, for the suite's time.
 OTHER_HEAD_DIMS = r"^fa2 (backward )?d=(96|256) "
+# More twins, for the suite's time on two CPU cores (the compile report took ~6 of its ~20 minutes):
+# CI compiles one kernel of each structurally distinct builder or configuration and leaves to
+# FA_COMPILE_ALL=1 the same builder at the other head dim or with the causal mask, each compiled
+# target standing for its twins (twin() below names it):
+# - causal=True of fa1's and fa2's d=128 forward, fa2's d=128 atomic backward and standard's
+#   softmax and softmax_backward: the non-causal kernel of the same configuration (the mask is a
+#   few comparisons on the scores of the diagonal blocks; fa2's causal forward skips blocks past the
+#   diagonal in its loop bounds, which the simulator's causal cases cover, as they do every mask);
+# - d=64 of standard's scores, output and transposed_output and of the shared backward kernels
+#   (preprocess, convert_dq, convert_dq fragments): their d=128 kernel;
+# - fa3 d=64 causal=True: fa3 d=128 causal=True, the same configuration (B_r = B_c = 128, two
+#   consumer warpgroups in ping-pong) at the other head dim. fa3 keeps a causal kernel in CI (the
+#   mask sits between the wgmmas of a turn, where a branch would serialise them: ptxas C7512) and
+#   d=64 non-causal (B_r = 192: three consumer warpgroups, its own configuration).
+# - fa2's backward K/V kernel with dq="separate": the atomic one (`kv`), the same builder with the
+#   dQ product and its atomics added (the separate path's own kernel, `dq=separate dq`, compiles).
+# Kept whole: fa1's ladder rungs and backward, fa2's dQ kernel, fa3's FP8, decoding (split and
+# not, and the combine).
+CAUSAL_TWINS = r"^(fa1|fa2) d=128 bf16 causal=True|^fa2 backward d=128 bf16 causal=True kv" \
+    r"|^standard softmax(_backward)? causal=True"
+SEPARATE_KV_TWIN = r"^fa2 backward d=128 bf16 causal=False dq=separate kv"
+HEAD_DIM_TWINS = r"^standard (scores|output|transposed_output) d=64 |^backward .*d=64 " \
+    r"|^fa3 d=64 bf16 causal=True"
+SKIP = f"{TWINS}|{OTHER_HEAD_DIMS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}"
 
 
 def twin(name):
     """The compiled target a skipped twin stands for."""
-    return name.replace(" fp16", " bf16").replace("d=64 ", "d=128 ")
+    name = name.replace(" fp16", " bf16").replace("d=64 ", "d=128 ")
+    if re.search(CAUSAL_TWINS, name):
+        name = name.replace("causal=True", "causal=False")
+    return name.replace(" dq=separate kv", " kv")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +64,7 @@ def listing():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     args = ["--jobs", str(os.cpu_count() or 1)]   # the targets compile in parallel
     if os.environ.get("FA_COMPILE_ALL") != "1":
-        args += ["--skip", f"{TWINS}|{OTHER_HEAD_DIMS}"]
+        args += ["--skip", SKIP]
     out = subprocess.run([sys.executable, "-m", "experiments.compile_report", "--json", *args], cwd=ROOT,
                          env=env, capture_output=True, text=True)   # no time limit: a slow machine is no defect
     assert out.returncode == 0, out.stderr[-3000:]
@@ -66,7 +93,18 @@ def test_every_kernel_is_covered(listing):
     for r in listing:   # only twins are skipped, each for a target that was compiled
         if r.get("skipped"):
             assert re.search(OTHER_HEAD_DIMS, r["kernel"]) or \
-                (re.search(TWINS, r["kernel"]) and twin(r["kernel"]) in compiled), r
+                (re.search(f"{TWINS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}", r["kernel"])
+                 and twin(r["kernel"]) in compiled), r
+    # each structurally distinct builder or configuration compiled once in CI (the twins'
+    # counterparts above, and what no twin stands for)
+    for kind in ("fa1 d=128 bf16 causal=False", "outer_loop=q", "deferred_rescale=True",
+                 "fa1 backward", "fa2 d=128 bf16 causal=False", "fa2 backward d=128 bf16 causal=False kv",
+                 "dq=separate dq", "fa3 d=64 bf16 causal=False", "fa3 d=128 bf16 causal=False",
+                 "fa3 d=128 bf16 causal=True", "e4m3", "split=True", "split=False", "decode combine",
+                 "standard softmax causal", "standard softmax_backward", "standard scores",
+                 "standard output", "standard transposed_output", "backward preprocess",
+                 "backward convert_dq d=", "backward convert_dq fragments"):
+        assert any(kind in n for n in compiled), kind
 
 
 def test_tensor_core_instructions(report):
