@@ -28,10 +28,14 @@ if ON_GPU:
     BACKWARD = list(itertools.product([32, 80, 96, 144, 192, 256], [130, 1000], [False, True],
                                       ["bfloat16"])) + [(96, 1000, True, "float16")]
 else:
-    # padded rows and row-major copies (96), 32 (the narrowest), 256 (8 warps, swizzled)
-    FORWARD = [(32, 17, False, "float16"), (96, 70, True, "bfloat16"), (256, 40, True, "bfloat16")]
+    # padded rows and row-major copies (96), 32 (the narrowest), 256 (8 warps, swizzled); the quick
+    # loop (-m "not slow") keeps the first forward case only
+    slow = pytest.mark.slow
+    FORWARD = [(32, 17, False, "float16"), pytest.param(96, 70, True, "bfloat16", marks=slow),
+               pytest.param(256, 40, True, "bfloat16", marks=slow)]
     # 96: padded 2-D warp tiles; 144: an odd n8 tail in dK_j, dV_j and dQ's slices
-    BACKWARD = [(96, 70, True, "bfloat16"), (144, 40, False, "float16")]
+    BACKWARD = [pytest.param(96, 70, True, "bfloat16", marks=slow),
+                pytest.param(144, 40, False, "float16", marks=slow)]
 
 # Grouped-query heads: 4 query heads on 2 K/V heads on a GPU; in the simulator 2 on 1, the fewest
 # that still share a K/V head between two query heads (the simulator's cost grows with the thread
