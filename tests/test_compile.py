@@ -36,7 +36,8 @@ OTHER_HEAD_DIMS = r"^fa2 (backward )?d=(96|256) "
 #   (preprocess, convert_dq, convert_dq fragments): their d=128 kernel;
 # - fa3 d=64 causal=True: fa3 d=128 causal=True, the same configuration (B_r = B_c = 128, two
 #   consumer warpgroups in ping-pong) at the other head dim. fa3 keeps a causal kernel in CI (the
-#   mask sits between the wgmmas of a turn, where a branch would serialise them: ptxas C7512) and
+#   mask sits between the wgmmas of a turn, where a branch would serialise them: ptxas warns C7515 and the
+#   compile report's wgmma_serialized column counts it) and
 #   d=64 non-causal (B_r = 192: three consumer warpgroups, its own configuration).
 # - fa2's backward K/V kernel with dq="separate": the atomic one (`kv`), the same builder with the
 #   dQ product and its atomics added (the separate path's own kernel, `dq=separate dq`, compiles).
