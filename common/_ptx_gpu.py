@@ -125,6 +125,17 @@ def shfl_xor_f32(typingctx, x, lanemask):
 
 
 @intrinsic
+def broadcast_u32(typingctx, x):
+    sig = types.uint32(x)
+
+    def codegen(context, builder, sig, args):
+        v = _as(context, builder, args[0], sig.args[0], types.uint32)
+        return _asm(builder, _i32, [v], "shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r")
+
+    return sig, codegen
+
+
+@intrinsic
 def ex2_approx(typingctx, x):
     sig = types.float32(x)
 

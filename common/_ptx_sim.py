@@ -263,6 +263,11 @@ def shfl_xor_f32(x, lanemask):
     return np.float32(values[lane ^ int(lanemask)])
 
 
+def broadcast_u32(x):
+    values, lane = _warp_collective(np.uint32(x))
+    return np.uint32(values[0])
+
+
 def ex2_approx(x):
     with np.errstate(over="ignore"):
         return np.float32(np.exp2(np.float32(x)))

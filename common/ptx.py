@@ -9,6 +9,8 @@ same per-lane result (`common/_ptx_sim.py`), so every kernel runs unchanged in t
 | mma_bf16_16816, mma_f16_16816        | mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}       |
 | ldmatrix_x4, ldmatrix_x4_trans       | ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16       |
 | shfl_xor_f32                         | shfl.sync.bfly.b32                                     |
+| broadcast_u32                        | shfl.sync.idx.b32 from lane 0: the compiler then knows |
+|                                      | the value is warp-uniform (uniform registers)          |
 | syncwarp                             | bar.warp.sync                                          |
 | bar_sync                             | bar.sync (a named barrier over some of the warps)      |
 | bar_arrive                           | bar.arrive (count into a named barrier, do not wait)   |
@@ -39,6 +41,7 @@ mma_f16_16816 = _impl.mma_f16_16816
 ldmatrix_x4 = _impl.ldmatrix_x4
 ldmatrix_x4_trans = _impl.ldmatrix_x4_trans
 shfl_xor_f32 = _impl.shfl_xor_f32
+broadcast_u32 = _impl.broadcast_u32
 syncwarp = _impl.syncwarp
 bar_sync = _impl.bar_sync
 bar_arrive = _impl.bar_arrive

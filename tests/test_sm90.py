@@ -61,17 +61,19 @@ def build_gemm_kernel(d, n, dtype):
                 sm90.tma_load_4d(smem, t0 + a_elems + b_elems + p * v_rows * 64, tmaps, 2,
                                  p * panel, 0, 0, 0, smem, 0)
         sm90.mbarrier_wait(smem, 0, 0)
-        a_addr = sm90.shared_address(smem, t0)
-        b_addr = sm90.shared_address(smem, t0 + a_elems)
-        v_addr = sm90.shared_address(smem, t0 + a_elems + b_elems)
+        # each operand's descriptor built once and advanced a k-step, as fa3 does
+        a_desc = sm90.smem_descriptor(sm90.shared_address(smem, t0), 16, 1024)
+        b_desc = sm90.smem_descriptor(sm90.shared_address(smem, t0 + a_elems), 16, 1024)
+        v_desc = sm90.smem_descriptor(sm90.shared_address(smem, t0 + a_elems + b_elems),
+                                      16 if fp8_ else n * 128, 1024)
         s = cuda.local.array(s_shape, float32)
         o = cuda.local.array(o_shape, float32)
         p_frag = cuda.local.array(p_shape, uint32)
         tiles.fill(o, float32(0))
         sm90.wgmma_fence()
         for kk in range(kq):
-            mma_s(s, sm90.smem_descriptor(a_addr + (kk >> 2) * 64 * 128 + (kk & 3) * 32, 16, 1024),
-                  sm90.smem_descriptor(b_addr + (kk >> 2) * n * 128 + (kk & 3) * 32, 16, 1024), kk)
+            mma_s(s, sm90.descriptor_advance(a_desc, (kk >> 2) * 64 * 128 + (kk & 3) * 32),
+                  sm90.descriptor_advance(b_desc, (kk >> 2) * n * 128 + (kk & 3) * 32), kk)
         sm90.wgmma_commit()
         wait_s(s)
         if fp8_:
@@ -81,9 +83,9 @@ def build_gemm_kernel(d, n, dtype):
         sm90.wgmma_fence()
         for kk in range(kp):
             if fp8_:
-                desc = sm90.smem_descriptor(v_addr + (kk >> 2) * d * 128 + (kk & 3) * 32, 16, 1024)
+                desc = sm90.descriptor_advance(v_desc, (kk >> 2) * d * 128 + (kk & 3) * 32)
             else:
-                desc = sm90.smem_descriptor(v_addr + kk * 16 * 128, n * 128, 1024)
+                desc = sm90.descriptor_advance(v_desc, kk * 16 * 128)
             mma_o(o, p_frag[0, kk, 0], p_frag[0, kk, 1], p_frag[0, kk, 2], p_frag[0, kk, 3], desc, 1)
         sm90.wgmma_commit()
         wait_o(o)
@@ -155,6 +157,25 @@ def test_descriptor_fields_round_trip():
     desc = int(sm90.smem_descriptor(np.uint32(0x12400 + 96), 16384, 1024))
     assert desc >> 62 == 1
     assert sm90.decode_descriptor(desc) == (0x12400 + 96, 16384, 1024)
+
+
+def test_descriptor_advance_is_the_descriptor_further_on():
+    """descriptor_advance(desc(a), x) == desc(a + x) for addresses up to the top of shared memory
+    (on the GPU: the 32-bit add of its inline PTX; in the simulator: the stand-in)."""
+    starts = np.array([0x400, 0x12400, 0x30000, 0x37C00], np.uint32)
+    steps = np.array([0, 16, 32, 96, 2048, 0x4000, 0x8000 - 16], np.int32)
+
+    @cuda.jit
+    def advance(starts, steps, got, want):
+        i, j = cuda.grid(2)
+        if i < starts.shape[0] and j < steps.shape[0]:
+            got[i, j] = sm90.descriptor_advance(sm90.smem_descriptor(starts[i], 16384, 1024), steps[j])
+            want[i, j] = sm90.smem_descriptor(starts[i] + uint32(steps[j]), 16384, 1024)
+
+    got = cuda.to_device(np.zeros((len(starts), len(steps)), np.uint64))
+    want = cuda.to_device(np.ones((len(starts), len(steps)), np.uint64))
+    advance[1, (len(starts), len(steps))](cuda.to_device(starts), cuda.to_device(steps), got, want)
+    np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
 
 
 @pytest.mark.sim

@@ -258,21 +258,26 @@ def build(cfg):
     TURN_THREADS = 2 * WG_THREADS
 
     @device_function
-    def scores(s, q_addr, k_addr):
-        """Issue S = Q_i K_j^T: d/16 SS-wgmma k-steps (the first overwrites S), one commit group."""
+    def scores(s, q_desc, k_desc0, stage):
+        """Issue S = Q_i K_j^T, K_j in ring stage `stage`: d/16 SS-wgmma k-steps (the first
+        overwrites S), one commit group. q_desc, k_desc0: the descriptors of this warpgroup's Q_i
+        and of stage 0's K tile, advanced (one add each) rather than rebuilt a k-step."""
+        k_desc = sm90.descriptor_advance(k_desc0, stage * STAGE_BYTES)
         for kk in range(K_QK):
-            MMA_S(s, sm90.smem_descriptor(q_addr + (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32, 16, SBO),
-                  sm90.smem_descriptor(k_addr + (kk >> 2) * BC * 128 + (kk & 3) * 32, 16, SBO), kk)
+            MMA_S(s, sm90.descriptor_advance(q_desc, (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32),
+                  sm90.descriptor_advance(k_desc, (kk >> 2) * BC * 128 + (kk & 3) * 32), kk)
         sm90.wgmma_commit()
 
     @device_function
-    def values(o_acc, p, v_addr):
-        """Issue O += P~ V_j: RS-wgmma k-steps (16 or 32 keys each), one commit group."""
+    def values(o_acc, p, v_desc0, stage):
+        """Issue O += P~ V_j, V_j in ring stage `stage`: RS-wgmma k-steps (16 or 32 keys each), one
+        commit group. v_desc0: the descriptor of stage 0's V tile."""
+        v_desc = sm90.descriptor_advance(v_desc0, stage * STAGE_BYTES)
         for kk in range(K_PV):
             if FP8:
-                desc = sm90.smem_descriptor(v_addr + (kk >> 2) * D * 128 + (kk & 3) * 32, 16, SBO)
+                desc = sm90.descriptor_advance(v_desc, (kk >> 2) * D * 128 + (kk & 3) * 32)
             else:
-                desc = sm90.smem_descriptor(v_addr + kk * 16 * 128, V_LBO, SBO)
+                desc = sm90.descriptor_advance(v_desc, kk * 16 * 128)
             MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3], desc, 1)
         sm90.wgmma_commit()
 
@@ -463,8 +468,14 @@ def build(cfg):
         # ---- a consumer warpgroup: 64 rows of each tile's Q_i
         wg, wg_warp = warp >> 2, warp & 3
         wg_tid = tid & (WG_THREADS - 1)
-        q_addr = sm90.shared_address(smem, tiles0 + wg * WG_Q_ELEMS)
         kv_addr = sm90.shared_address(smem, tiles0 + K0)
+        # Q's room, its address broadcast from lane 0 so that the compiler knows it is the same in
+        # every lane: the descriptors derived from it are then built in the uniform registers that
+        # wgmma reads (CUTLASS's canonical_warp_group_idx does this for the warpgroup's index)
+        q_desc = sm90.smem_descriptor(
+            ptx.broadcast_u32(sm90.shared_address(smem, tiles0 + wg * WG_Q_ELEMS)), 16, SBO)
+        k_desc0 = sm90.smem_descriptor(kv_addr, 16, SBO)
+        v_desc0 = sm90.smem_descriptor(kv_addr + K_TILE_BYTES, 16 if FP8 else V_LBO, SBO)
         # O_i's staging room (16-bit pairs): its own after the ring, or this warpgroup's Q room
         o_start = ((tiles0 + O_ROOM) if O_APART else tiles0) + wg * WG_Q_ELEMS
         stage32 = cuda.shared.array(0, uint32)[o_start >> 1:(o_start >> 1) + WG_Q_ELEMS // 2]
@@ -526,7 +537,7 @@ def build(cfg):
                 stage, parity = slot(it)
                 sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
-                scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                   # l.15: S_0
+                scores(s, q_desc, k_desc0, stage)                              # l.15: S_0
                 pass_turn(wg)
                 WAIT_S(s)
                 softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, t_c, n_k, k_descale,
@@ -538,8 +549,8 @@ def build(cfg):
                     sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
-                    values(o_acc, p, kv_addr + prev * STAGE_BYTES + K_TILE_BYTES)  # l.18, block j-1
-                    scores(s, q_addr, kv_addr + stage * STAGE_BYTES)               # l.15, block j
+                    values(o_acc, p, v_desc0, prev)                            # l.18, block j-1
+                    scores(s, q_desc, k_desc0, stage)                          # l.15, block j
                     pass_turn(wg)
                     WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
                     softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, t_c, n_k, k_descale,
@@ -548,7 +559,7 @@ def build(cfg):
                 sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
                 wait_turn(wg)
                 sm90.wgmma_fence()
-                values(o_acc, p, kv_addr + stage * STAGE_BYTES + K_TILE_BYTES)      # l.18, the last
+                values(o_acc, p, v_desc0, stage)                               # l.18, the last
                 WAIT_OP(o_acc, p)
                 release(smem, BAR_EMPTY_V, stage, lane)                            # l.19
                 if wg != NWG - 1 or not final:
@@ -557,10 +568,9 @@ def build(cfg):
                 # The same with O waited for inside the turn, before S_{j+1} is issued.
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
-                    k_addr = kv_addr + stage * STAGE_BYTES
                     sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
                     sm90.wgmma_fence()
-                    scores(s, q_addr, k_addr)                                      # l.15
+                    scores(s, q_desc, k_desc0, stage)                          # l.15
                     pass_turn(wg)
                     WAIT_S(s)
                     release(smem, BAR_EMPTY_K, stage, lane)
@@ -573,7 +583,7 @@ def build(cfg):
                     sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
-                    values(o_acc, p, k_addr + K_TILE_BYTES)                        # l.18
+                    values(o_acc, p, v_desc0, stage)                           # l.18
                     WAIT_OP(o_acc, p)
                     release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
                 if wg != NWG - 1 or not final:
@@ -585,7 +595,7 @@ def build(cfg):
                 stage, parity = slot(it)
                 sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
-                scores(s, q_addr, kv_addr + stage * STAGE_BYTES)
+                scores(s, q_desc, k_desc0, stage)
                 pass_turn(wg)
                 WAIT_S(s)
                 release(smem, BAR_EMPTY_K, stage, lane)
@@ -602,8 +612,8 @@ def build(cfg):
                     sm90.mbarrier_wait(smem, BAR_V + 4 * prev, prev_parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
-                    scores(s, q_addr, kv_addr + stage * STAGE_BYTES)                  # S_j
-                    values(o_acc, p, kv_addr + prev * STAGE_BYTES + K_TILE_BYTES)     # O += P~_{j-1} V_{j-1}
+                    scores(s, q_desc, k_desc0, stage)                          # S_j
+                    values(o_acc, p, v_desc0, prev)                            # O += P~_{j-1} V_{j-1}
                     pass_turn(wg)
                     WAIT1_S(s)                # S_j has landed; the P V product may still run
                     release(smem, BAR_EMPTY_K, stage, lane)
@@ -620,7 +630,7 @@ def build(cfg):
                 sm90.mbarrier_wait(smem, BAR_V + 4 * last, last_parity)
                 wait_turn(wg)
                 sm90.wgmma_fence()
-                values(o_acc, p, kv_addr + last * STAGE_BYTES + K_TILE_BYTES)
+                values(o_acc, p, v_desc0, last)
                 WAIT_OP(o_acc, p)
                 release(smem, BAR_EMPTY_V, last, lane)
                 if wg != NWG - 1 or not final:
