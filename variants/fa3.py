@@ -44,7 +44,9 @@ one a head, or one a key block, multiplied into S), V's into O's final 1/l; P~ i
 2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again.
 Persistence (`persistent`, FA3's tile scheduler): a block a SM, each looping over its share of the
 (query block, batch, head) tiles, so that the producer loads the next tile's Q and first K/V
-blocks while the consumers finish this one and write its O.
+blocks while the consumers finish this one and write its O. Causal tiles are dealt in pairs of
+equal work (query blocks i and n - 1 - i of one head), so that a head's tiles run side by side and
+share its K and V in L2 (`Config.work_items`).
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass, and a
 cp.async producer as the other setting of a `producer` switch.
 """
@@ -116,6 +118,21 @@ class Config:
     def operand(self):
         """The element type of Q, K, V as the wgmmas read them: e4m3 with fp8, else `element`."""
         return E4M3_FN if self.fp8 else self.element
+
+    @property
+    def paired(self):
+        """Causal tiles dealt in pairs (persistent): see `work_items`."""
+        return self.causal and self.persistent
+
+    def work_items(self, n_blocks, batch_heads):
+        """What the persistent blocks are dealt in turn: tiles, or (causal) a pair of one head's
+        query blocks i and n_blocks - 1 - i, which see n_blocks + 1 K/V blocks together whatever
+        i is (an odd count's middle block alone). Equal items let the heads be dealt one after
+        another, each head's items side by side on neighbouring blocks, which then read the same
+        K and V from L2; a longest-first order over every head balances too, but each of its
+        rounds reads as many heads' K and V as it has blocks (at 1k, 256 heads' 128 MB: every
+        read went to DRAM)."""
+        return ((n_blocks + 1) // 2 if self.paired else n_blocks) * batch_heads
 
     def ring_bytes(self):
         """Q_i's room (16-bit-sized in FP8 too: O_i may be staged there) and the stages x (K_j,
@@ -350,29 +367,43 @@ def build(cfg):
         parity of the fill (and of the release) of that buffer's mbarriers."""
         return it % STAGES, (it // STAGES) & 1
 
-    @device_function
-    def tile(k, n_tiles):
-        """The k-th tile of this block, or -1 past the last (FA3's static tile scheduler): round k
-        deals the tiles k G .. k G + G - 1 to the G blocks, forwards when k is even, backwards
-        when odd, so that with causal masks (tiles longest first) each block gets about the same
-        work. Without `persistent` the grid has a block a tile and round 0 is the only one."""
-        g = cuda.gridDim.x
-        c = cuda.blockIdx.x if (k & 1) == 0 else g - 1 - cuda.blockIdx.x
-        t = int32(k) * g + c
-        return t if t < n_tiles else int32(-1)
+    PAIRED, SPAN = cfg.paired, 2 if cfg.paired else 1     # tiles a work item holds, at most
 
     @device_function
-    def coords(t, n_blocks, heads, batch_heads):
-        """(query block i, batch b, head h) of tile t. Causal: every head's last query blocks
-        first (they see the most keys); else a head's query blocks together (they share K, V in
-        L2)."""
-        if CAUSAL:
-            i = n_blocks - 1 - t // batch_heads
-            bh = t % batch_heads
+    def item(k, n_items):
+        """The k-th work item of this block, or -1 past the last (FA3's static tile scheduler):
+        round k deals items k G .. k G + G - 1 to the G blocks, forwards when k is even,
+        backwards when odd. Without `persistent` the grid has a block a tile and round 0 is the
+        only one."""
+        g = cuda.gridDim.x
+        c = cuda.blockIdx.x if (k & 1) == 0 else g - 1 - cuda.blockIdx.x
+        w = int32(k) * g + c
+        return w if w < n_items else int32(-1)
+
+    @device_function
+    def next_tile(k, rounds, n_items, n_blocks, heads, batch_heads):
+        """(go, i, b, h, final) of this block's k-th tile (`Config.work_items`): go -1 past the
+        last, 0 for the empty half of an odd count's middle block, else 1; i, b, h its query
+        block, batch and head; final: the block's last tile. Pairs: the longer tile first.
+        Causal tiles a block apiece: every head's last query blocks first (they see the most
+        keys). Else a head's query blocks together (they share K, V in L2)."""
+        w = item(k // SPAN, n_items)
+        m = k % SPAN
+        if w < 0:
+            return int32(-1), int32(0), int32(0), int32(0), False
+        if PAIRED:
+            per_head = (n_blocks + 1) >> 1
+            q, bh = w % per_head, w // per_head
+            if m == 1 and 2 * q + 1 == n_blocks:
+                return int32(0), int32(0), int32(0), int32(0), False
+            i = n_blocks - 1 - q if m == 0 else q
+            last_half = m == 1 or 2 * q + 1 == n_blocks
+        elif CAUSAL:
+            i, bh, last_half = n_blocks - 1 - w // batch_heads, w % batch_heads, True
         else:
-            i = t % n_blocks
-            bh = t // n_blocks
-        return i, bh // heads, bh % heads
+            i, bh, last_half = w % n_blocks, w // n_blocks, True
+        final = last_half and (k // SPAN + 1 == rounds or item(k // SPAN + 1, n_items) < 0)
+        return int32(1), int32(i), int32(bh // heads), int32(bh % heads), final
 
     @device_function
     def steps(row0, n_k):
@@ -389,14 +420,16 @@ def build(cfg):
         for m in range(3):
             sm90.tensormap_acquire(tmaps, m)
         n_blocks = (n_q + BR - 1) // BR
-        n_tiles = n_blocks * batch_heads
+        n_items = (((n_blocks + 1) >> 1) if PAIRED else n_blocks) * batch_heads
+        rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
         it = int32(0)       # K/V blocks through the ring so far
         done = int32(0)     # tiles so far
-        for k in range((n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
-            t = tile(k, n_tiles)
-            if t < 0:
+        for k in range(rounds * SPAN):
+            go, i, b, h, _ = next_tile(k, rounds, n_items, n_blocks, heads, batch_heads)
+            if go < 0:
                 break
-            i, b, h = coords(t, n_blocks, heads, batch_heads)
+            if go == 0:
+                continue
             h_kv = h // kv_group
             row0 = i * BR
             if done > 0:    # the consumers have read the last tile's Q for the last time
@@ -490,17 +523,17 @@ def build(cfg):
         lse_rows = cuda.local.array(2, float32)
 
         n_blocks = (n_q + BR - 1) // BR
-        n_tiles = n_blocks * batch_heads
+        n_items = (((n_blocks + 1) >> 1) if PAIRED else n_blocks) * batch_heads
+        rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
         it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
         done = int32(0)     # tiles so far
-        rounds = (n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x
-        for k in range(rounds):
-            t = tile(k, n_tiles)
-            if t < 0:
+        for k in range(rounds * SPAN):
+            go, i, b, h, final = next_tile(k, rounds, n_items, n_blocks, heads, batch_heads)
+            if go < 0:
                 break
-            i, b, h = coords(t, n_blocks, heads, batch_heads)
+            if go == 0:
+                continue
             h_kv = h // kv_group
-            final = k + 1 == rounds or tile(k + 1, n_tiles) < 0   # this block's last tile
             wg_row0 = i * BR + wg * WG_ROWS         # this warpgroup's first query row
             warp_row = wg_row0 + 16 * wg_warp       # this warp's first row (mask, LSE)
             t_c = steps(i * BR, n_k)
@@ -704,8 +737,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
                               (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
-    n_tiles = (prob.n_q + cfg.block_m - 1) // cfg.block_m * prob.batch * prob.heads
-    grid = min(n_tiles, target.multiprocessor_count()) if cfg.persistent else n_tiles
+    n_items = cfg.work_items((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch * prob.heads)
+    grid = min(n_items, target.multiprocessor_count()) if cfg.persistent else n_items
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
