@@ -130,7 +130,8 @@ def broadcast_u32(typingctx, x):
 
     def codegen(context, builder, sig, args):
         v = _as(context, builder, args[0], sig.args[0], types.uint32)
-        return _asm(builder, _i32, [v], "shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r")
+        return _asm(builder, _i32, [v], "shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;", "=r,r",
+                    side_effect=True)   # warp-synchronous: kept where the converged warp calls it
 
     return sig, codegen
 
