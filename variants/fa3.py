@@ -70,6 +70,17 @@ P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest pro
 WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m64nNk16
 WG_THREADS = 128
 BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (18 at 4 stages)
+
+
+def work_items(n_blocks, batch_heads, paired):
+    """What the persistent blocks are dealt in turn (host and kernel): tiles, or (`paired`:
+    causal) a pair of one head's query blocks i and n_blocks - 1 - i, which see n_blocks + 1 K/V
+    blocks together whatever i is (an odd count's middle block alone). Equal items let the heads be
+    dealt one after another, each head's items side by side on neighbouring blocks, which then
+    read the same K and V from L2; a longest-first order over every head balances too, but each of
+    its rounds reads as many heads' K and V as it has blocks (at 1k, 256 heads' 128 MB: every read
+    went to DRAM)."""
+    return (((n_blocks + 1) >> 1) if paired else n_blocks) * batch_heads
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
 SCALES_TYPE = types.Array(types.float32, 3, "C")
 COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (experiments/compile_report.py)
@@ -125,14 +136,8 @@ class Config:
         return self.causal and self.persistent
 
     def work_items(self, n_blocks, batch_heads):
-        """What the persistent blocks are dealt in turn: tiles, or (causal) a pair of one head's
-        query blocks i and n_blocks - 1 - i, which see n_blocks + 1 K/V blocks together whatever
-        i is (an odd count's middle block alone). Equal items let the heads be dealt one after
-        another, each head's items side by side on neighbouring blocks, which then read the same
-        K and V from L2; a longest-first order over every head balances too, but each of its
-        rounds reads as many heads' K and V as it has blocks (at 1k, 256 heads' 128 MB: every
-        read went to DRAM)."""
-        return ((n_blocks + 1) // 2 if self.paired else n_blocks) * batch_heads
+        """What the persistent blocks are dealt in turn (`work_items`, the same in the kernel)."""
+        return work_items(n_blocks, batch_heads, self.paired)
 
     def ring_bytes(self):
         """Q_i's room (16-bit-sized in FP8 too: O_i may be staged there) and the stages x (K_j,
@@ -368,6 +373,7 @@ def build(cfg):
         return it % STAGES, (it // STAGES) & 1
 
     PAIRED, SPAN = cfg.paired, 2 if cfg.paired else 1     # tiles a work item holds, at most
+    count_items = device_function(work_items)
 
     @device_function
     def item(k, n_items):
@@ -420,7 +426,7 @@ def build(cfg):
         for m in range(3):
             sm90.tensormap_acquire(tmaps, m)
         n_blocks = (n_q + BR - 1) // BR
-        n_items = (((n_blocks + 1) >> 1) if PAIRED else n_blocks) * batch_heads
+        n_items = count_items(n_blocks, batch_heads, PAIRED)
         rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
         it = int32(0)       # K/V blocks through the ring so far
         done = int32(0)     # tiles so far
@@ -523,7 +529,7 @@ def build(cfg):
         lse_rows = cuda.local.array(2, float32)
 
         n_blocks = (n_q + BR - 1) // BR
-        n_items = (((n_blocks + 1) >> 1) if PAIRED else n_blocks) * batch_heads
+        n_items = count_items(n_blocks, batch_heads, PAIRED)
         rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
         it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
         done = int32(0)     # tiles so far
