@@ -5,7 +5,9 @@ process (quicker than a Hydra sweep when exploring; each result is checked again
         --seqlens 2048,4096 --head-dims 64,128 --causal 0,1
 
 Each configuration is a dict of fa2 options; "hd" / "causal" keys restrict it to that head_dim /
-causal setting. --peers sdpa_flash,sdpa_cudnn times those SDPA backends first (ratios to the first). Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 2048), bf16.
+causal setting. --peers sdpa_flash,sdpa_cudnn times those SDPA backends first (ratios to the first).
+Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 2048), bf16 (--dtype float16 for
+fp16).
 """
 import argparse
 import json
@@ -26,6 +28,7 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--variant", default="fa2")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--peers", default="sdpa_flash",
                     help="torch SDPA backends timed first (the first is the ratios' base)")
     args = ap.parse_args(argv)
@@ -45,7 +48,7 @@ def main(argv=None):
             for n in map(int, args.seqlens.split(",")):
                 b, h = 16384 // n, 2048 // hd
                 n_sets = max(1, math.ceil(128e6 / (3 * b * n * h * hd * 2)))
-                hosts = [inputs.random_qkv(rng, b, n, h, hd, "bfloat16") for _ in range(n_sets)]
+                hosts = [inputs.random_qkv(rng, b, n, h, hd, args.dtype) for _ in range(n_sets)]
                 sets = [tuple(inputs.to_device(x, "torch") for x in host) for host in hosts]
                 rows = np.unique(rng.choice(n, 64))
                 ref = reference.attention(*hosts[0], causal=causal, rows=rows)
@@ -62,7 +65,7 @@ def main(argv=None):
                 for name, fn in candidates:
                     out = fn(*sets[0])
                     o = out[0] if isinstance(out, tuple) else out
-                    ok = checks.compare(inputs.to_host(o)[:, rows], ref[1], *ref, "bfloat16")["ok"]
+                    ok = checks.compare(inputs.to_host(o)[:, rows], ref[1], *ref, args.dtype)["ok"]
                     t = timing.benchmark(lambda i: fn(*sets[i % len(sets)]), warmup=3, target_ms=200)
                     tflops = total / t.median_ms / 1e9
                     base = base or tflops

@@ -1,10 +1,15 @@
 """One fa3 forward per head_dim and causal setting against float64 (a first look on a fresh GPU
 host, seconds; also a small target for compute-sanitizer):
 
-    python experiments/fa3_smoke.py [seqlen] ['{"pingpong": false}'] [head_dims, e.g. 64,128]
+    python experiments/fa3_smoke.py [--seqlen 700] [--options '{"pingpong": false}'] [--head-dims 64,128]
+    compute-sanitizer --tool racecheck --racecheck-report hazard \\
+        python experiments/fa3_smoke.py --seqlen 520 --sms 3      # several tiles a persistent block
+
+--sms N launches the persistent grid as if the GPU had N SMs, so that each block loops over
+several tiles (the K/V ring's phases, Q's room and the ping-pong turn carried from tile to tile).
 """
+import argparse
 import json
-import sys
 
 import numpy as np
 
@@ -12,20 +17,35 @@ import common
 
 common.select_backend()
 import variants  # noqa: E402
-from common import checks, inputs, reference  # noqa: E402
+from common import checks, inputs, reference, target  # noqa: E402
 
-seqlen = int(sys.argv[1]) if len(sys.argv) > 1 else 700
-options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-head_dims = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else (64, 128)
-rng = np.random.default_rng(0)
-ok = True
-for head_dim in head_dims:
-    for causal in (False, True):
-        q, k, v = inputs.random_qkv(rng, 2, seqlen, 2, head_dim, "bfloat16")
-        dq, dk, dv = (inputs.to_device(x, "cupy") for x in (q, k, v))
-        o, lse = variants.forward(dq, dk, dv, variant="fa3", causal=causal, **options)
-        got = checks.compare(inputs.to_host(o), inputs.to_host(lse),
-                             *reference.attention(q, k, v, causal=causal), "bfloat16")
-        print(f"fa3 d={head_dim} causal={causal} {options}: {got}", flush=True)
-        ok &= got["ok"]
-sys.exit(0 if ok else 1)
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlen", type=int, default=700)
+    ap.add_argument("--options", type=json.loads, default={}, help="fa3 options, JSON")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--sms", type=int, default=None,
+                    help="persistent grid of at most this many blocks (default: the GPU's SMs)")
+    args = ap.parse_args(argv)
+    if args.sms:
+        target.multiprocessor_count = lambda: args.sms
+    rng = np.random.default_rng(0)
+    ok = True
+    for head_dim in map(int, args.head_dims.split(",")):
+        for causal in (c == "1" for c in args.causal.split(",")):
+            q, k, v = inputs.random_qkv(rng, args.batch, args.seqlen, args.heads, head_dim, "bfloat16")
+            dq, dk, dv = (inputs.to_device(x, "cupy") for x in (q, k, v))
+            o, lse = variants.forward(dq, dk, dv, variant="fa3", causal=causal, **args.options)
+            got = checks.compare(inputs.to_host(o), inputs.to_host(lse),
+                                 *reference.attention(q, k, v, causal=causal), "bfloat16")
+            print(f"fa3 d={head_dim} causal={causal} {args.options}: {got}", flush=True)
+            ok &= got["ok"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

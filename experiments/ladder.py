@@ -1,13 +1,16 @@
-"""The FA1 -> FA2 ladder's report: a table of each rung's TFLOP/s and its speed-up over the rung
-before, and a plot of TFLOP/s vs seqlen (one line per rung, plus torch SDPA's FlashAttention-2).
+"""The FA1 -> FA2 -> FA3 ladder's report: a table of each rung's TFLOP/s and its speed-up over the
+rung before, and a plot of TFLOP/s vs seqlen (one line per rung, plus the torch SDPA peers timed:
+its FlashAttention-2 and cuDNN kernels).
 
     python experiments/run.py -m experiment=ladder          # writes both next to the sweep's CSV
     python experiments/ladder.py results.csv [--out DIR]    # again, from a CSV
 
-Rungs are the `label`s of the rows (conf/ladder/), in the order of their names (r0_..., r1_...).
+Rungs are the `label`s of the rows (conf/ladder/), in the order of their numbers (r0_..., r1_...,
+r10_...).
 """
 import argparse
 import csv
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -15,7 +18,13 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-PEER = "sdpa_flash"
+PEERS = ("sdpa_flash", "sdpa_cudnn")   # in this order where timed
+
+
+def rung_number(label):
+    """r10_persistent -> 10 (the rungs' order; their names sort r1 < r10 < r2 as text)."""
+    match = re.match(r"r(\d+)", label)
+    return (int(match.group(1)) if match else 1 << 30, label)
 
 
 def load(path):
@@ -28,20 +37,26 @@ def load(path):
                 cells[int(r["head_dim"]), r["causal"] == "True", int(r["seqlen"])][name].append(
                     float(r["fwd_tflops"]))
     table = {k: {n: statistics.median(v) for n, v in row.items()} for k, row in cells.items()}
-    rungs = sorted({n for row in table.values() for n in row if not n.startswith("sdpa")})
+    rungs = sorted({n for row in table.values() for n in row if not n.startswith("sdpa")},
+                   key=rung_number)
     return table, rungs
+
+
+def peers_in(table):
+    return [p for p in PEERS if any(p in row for row in table.values())]
 
 
 def markdown(table, rungs):
     """TFLOP/s of every rung and the peer, then each rung's speed-up over the one before, and the
     last rung's over the first (the FA2 paper's fa2 / fa1)."""
-    head = ["head_dim", "causal", "seqlen"] + rungs + [PEER]
+    peers = peers_in(table)
+    head = ["head_dim", "causal", "seqlen"] + rungs + peers
     head += [f"{b.split('_')[0]}/{a.split('_')[0]}" for a, b in zip(rungs, rungs[1:])]
     head += [f"{rungs[-1].split('_')[0]}/{rungs[0].split('_')[0]}"] if len(rungs) > 1 else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (d, causal, n), row in sorted(table.items()):
         cells = [str(d), "yes" if causal else "no", str(n)]
-        cells += [f"{row[x]:.1f}" if x in row else "-" for x in rungs + [PEER]]
+        cells += [f"{row[x]:.1f}" if x in row else "-" for x in rungs + peers]
         pairs = list(zip(rungs, rungs[1:])) + ([(rungs[0], rungs[-1])] if len(rungs) > 1 else [])
         cells += [f"{row[b] / row[a]:.2f}" if a in row and b in row else "-" for a, b in pairs]
         lines.append("| " + " | ".join(cells) + " |")
@@ -58,11 +73,12 @@ def plot(table, rungs, path, title=""):
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
         points = sorted((n, row) for (dd, cc, n), row in table.items() if (dd, cc) == (d, causal))
-        for name in rungs + [PEER]:
+        for name in rungs + peers_in(table):
             xs = [n for n, row in points if name in row]
+            peer = name.startswith("sdpa")
             ax.plot(xs, [row[name] for n, row in points if name in row], marker="o", markersize=3,
-                    linestyle="--" if name == PEER else "-", color="black" if name == PEER else None,
-                    label=name)
+                    linestyle=(":" if "cudnn" in name else "--") if peer else "-",
+                    color="black" if peer else None, label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")   # the rungs span two orders of magnitude
         ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
@@ -92,7 +108,7 @@ def report(csv_path, out_dir=None):
     with open(csv_path) as f:
         gpu = next(csv.DictReader(f)).get("gpu", "")
     (out_dir / "ladder.md").write_text(markdown(table, rungs))
-    plot(table, rungs, out_dir / "ladder.png", title=f"FA1 -> FA2 ladder, bf16, {gpu}")
+    plot(table, rungs, out_dir / "ladder.png", title=f"FA1 -> FA2 -> FA3 ladder, bf16, {gpu}")
     print(markdown(table, rungs))
     print(f"ladder table and plot written to {out_dir}/ladder.md, ladder.png")
     return out_dir

@@ -204,18 +204,46 @@ def test_bad_pass_is_refused(tmp_path):
     assert out.returncode != 0 and "pass must be one of fwd, bwd, fwd_bwd" in out.stderr
 
 
-def test_ladder_rungs_are_the_fa2_papers_changes_in_order():
+def test_ladder_rungs_are_the_papers_changes_in_order():
+    from experiments.ladder import rung_number
     cfg = composed("experiment=ladder")
     rungs = cfg.hydra.sweeper.params["ladder"].split(",")
-    assert rungs == group("ladder")
+    assert rungs == sorted(group("ladder"), key=rung_number)
     steps = [composed(f"ladder={r}") for r in rungs]
     assert [s.label for s in steps] == rungs
     assert [composed("experiment=ladder", f"ladder={r}").bench.peer_variants for r in rungs] == \
-        [[]] * 5 + [None]   # the peer is timed once per problem, with the last rung
-    assert [s.variant.name for s in steps] == ["fa1", "fa1", "fa1", "fa1", "fa2", "fa2"]
+        [[]] * 5 + [None] + [[]] * 6   # the peers are timed once per problem, with fa2 as it ships
+    assert [s.variant.name for s in steps] == ["fa1"] * 4 + ["fa2"] * 2 + ["fa3"] * 6
     options = [{k: v for k, v in s.variant.options.items() if v is not None} for s in steps]
-    assert options == [{}, {"q_splits": 0}, {"outer_loop": "q"},
-                       {"outer_loop": "q", "deferred_rescale": True}, {"causal_skip": False}, {}]
+    assert options[:6] == [{}, {"q_splits": 0}, {"outer_loop": "q"},
+                           {"outer_loop": "q", "deferred_rescale": True}, {"causal_skip": False}, {}]
+    # FA3's rungs: each switches one technique on, r10 is fa3's defaults, r11 the paper's full kernel
+    from variants import fa3
+    switches = ("stages", "setmaxnreg", "pingpong", "persistent", "intra_overlap", "back_to_back")
+    ladder = [{k: options[i][k] for k in switches} for i in range(6, 12)]
+    assert ladder[0] == dict(stages=1, setmaxnreg=False, pingpong=False, persistent=False,
+                             intra_overlap=False, back_to_back=False)
+    changed = [{k for k in switches if b[k] != a[k]} for a, b in zip(ladder, ladder[1:])]
+    assert changed == [{"stages"}, {"setmaxnreg"}, {"pingpong"}, {"persistent"}, {"intra_overlap"}]
+    default = fa3.default_config(128, "bfloat16", False)
+    assert all(ladder[4][k] == getattr(default, k) for k in switches)
+
+
+def test_fa3_ablations_switch_one_technique_each():
+    """experiment=fa3_ablations sweeps every conf/ablation/fa3_* at the FA3 paper's Table 2 shape;
+    each sets fa3 options only, and differs from fa3's defaults."""
+    from variants import fa3
+    cfg = composed("experiment=fa3_ablations")
+    swept = cfg.hydra.sweeper.params["ablation"].split(",")
+    assert swept[0] == "none" and sorted(swept[1:]) == [a for a in group("ablation") if a.startswith("fa3_")]
+    assert (cfg.variant.name, cfg.dtype.name, cfg.problem.batch, cfg.problem.seqlen, cfg.problem.heads) == \
+        ("fa3", "float16", 4, 8448, 16)
+    default = fa3.default_config(128, "float16", False)
+    for name in swept[1:]:
+        options = {k: v for k, v in composed("experiment=fa3_ablations", f"ablation={name}")
+                   .variant.options.items() if v is not None}
+        assert options and set(options) <= set(fa3.OPTIONS), name
+        assert any(getattr(default, k) != v for k, v in options.items()), name
 
 
 def test_ladder_report_tables_and_plots(tmp_path):
