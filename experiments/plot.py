@@ -5,6 +5,7 @@
     python experiments/plot.py <decode.csv> --figure decode
     python experiments/plot.py <compare_configs table .txt> --figure speed
     python experiments/plot.py <traffic.csv> --figure traffic
+    python experiments/plot.py <results.csv> --figure memory
 
 speed     TFLOP/s against sequence length, grouped bars a seqlen, one panel a (head_dim, causal):
           the FA2 paper's Fig. 4-6 from `run.py -m experiment=fa2_grid` (pass=fwd) or a fwd_bwd grid
@@ -16,6 +17,9 @@ decode    GB/s of K and V read against cache length, one panel a batch (experime
           CSV), the copy bandwidth of the run as the dashed ceiling
 traffic   HBM bytes of a forward call against the block size, measured by ncu and modelled
           (experiments/ncu.py traffic's CSV): the FA1 paper's Fig. 2 (middle)
+memory    peak memory beyond the inputs against sequence length (`experiment=bwd_memory`'s
+          peak_mem_mib), one line a kernel, standard's ratio to the flash kernel written at each
+          point: the FA1 paper's Fig. 3 (right)
 
 The title names the GPU from the CSV; docs/figures/README.md lists each committed figure with its
 command, GPU and commit.
@@ -223,7 +227,53 @@ def traffic(rows, out):
     _save(plt, fig, rows, "HBM traffic against block size", out)
 
 
-FIGURES = {"speed": speed, "ablation": ablation, "decode": decode, "traffic": traffic}
+def memory(rows, out):
+    """Peak memory a call allocates beyond its inputs (MiB, log scale) against seqlen (log 2), one
+    line a kernel (ours in colour, peers in grey), one panel a (pass, head_dim, causal); over
+    standard's points, its ratio to the lowest flash kernel's (fa2 or fa3, else the first other)
+    at that seqlen. Rows without a peak (out of memory, or the simulator's) are left out."""
+    plt = _pyplot()
+    rows = [r for r in rows if r.get("peak_mem_mib") not in (None, "", "nan")
+            and r.get("status", "ok") == "ok"]
+    if not rows:
+        raise SystemExit("no row has a peak_mem_mib: run a GPU job (e.g. experiment=bwd_memory)")
+    panels = sorted({(r.get("pass") or "fwd", int(r["head_dim"]), r["causal"] == "True")
+                     for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.8), squeeze=False)
+    for ax, (pass_, d, causal) in zip(axes[0], panels):
+        mine = [r for r in rows if (r.get("pass") or "fwd") == pass_ and int(r["head_dim"]) == d
+                and (r["causal"] == "True") == causal]
+        lines = {}
+        for kernel in [k for k in list(OURS) + list(PEERS) if any(r["variant"] == k for r in mine)]:
+            pts = sorted((int(r["seqlen"]), float(r["peak_mem_mib"]))
+                         for r in mine if r["variant"] == kernel)
+            lines[kernel] = dict(pts)
+            peer = kernel in PEERS   # dashed: a peer level with ours stays visible
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "s--" if peer else "o-",
+                    markersize=4 if peer else 6, label=kernel,
+                    color=OURS.get(kernel) or PEERS.get(kernel))
+        flash = next((k for k in ("fa2", "fa3", "fa1") if k in lines), None)
+        if "standard" in lines and flash:
+            for n, mib in lines["standard"].items():
+                if n in lines[flash]:
+                    ax.annotate(f"{mib / lines[flash][n]:.0f}x", (n, mib), fontsize=7,
+                                textcoords="offset points", xytext=(-6, 6))
+        heads = {(r.get("batch"), r.get("heads")) for r in mine}
+        batch, heads = next(iter(heads)) if len(heads) == 1 else ("?", "?")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ns = sorted({int(r["seqlen"]) for r in mine})
+        ax.set_xticks(ns, [f"{n // 1024}k" if n >= 1024 else str(n) for n in ns])
+        ax.set_xlabel(f"sequence length (batch {batch}, {heads} heads)")
+        ax.set_title(f"{pass_}, head_dim {d}, {'causal' if causal else 'not causal'}", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("peak memory beyond the inputs (MiB)")
+    axes[0][-1].legend(fontsize=7)
+    _save(plt, fig, rows, "memory against sequence length", out)
+
+
+FIGURES = {"speed": speed, "ablation": ablation, "decode": decode, "traffic": traffic,
+           "memory": memory}
 
 
 def main(argv=None):

@@ -51,14 +51,33 @@ def decode_rows():
     return rows
 
 
+def memory_rows():
+    """experiment=bwd_memory's rows: standard quadratic, fa2 and sdpa_flash linear; a standard
+    row that ran out of memory has no peak."""
+    rows = [dict(variant=v, dtype="bfloat16", head_dim=128, causal=False, seqlen=n, batch=1,
+                 heads=16, gpu="GPU X", check="ok", status="ok", **{"pass": "fwd_bwd"},
+                 peak_mem_mib=mib)
+            for n in (2048, 4096, 8192)
+            for v, mib in (("standard", 800 * (n / 2048) ** 2), ("fa2", 48 * n / 2048),
+                           ("sdpa_flash", 48 * n / 2048))]
+    rows.append(dict(rows[0], seqlen=65536, peak_mem_mib="", status="out of memory"))
+    return rows
+
+
 @pytest.mark.parametrize("figure, rows", [("speed", grid_rows()), ("ablation", ablation_rows()),
-                                          ("decode", decode_rows())])
+                                          ("decode", decode_rows()), ("memory", memory_rows())])
 def test_each_figure_is_drawn_from_its_csv(tmp_path, figure, rows):
     path = write(tmp_path / "results.csv", rows)
     out = plot.main([str(path), "--figure", figure, "--out", str(tmp_path / "f.png")] +
                     (["--ceiling", "790"] if figure == "speed" else []))
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_needs_a_measured_peak(tmp_path):
+    path = write(tmp_path / "sim.csv", [dict(r, peak_mem_mib="") for r in memory_rows()])
+    with pytest.raises(SystemExit, match="no row has a peak_mem_mib"):
+        plot.main([str(path), "--figure", "memory"])
 
 
 def test_an_empty_csv_is_refused(tmp_path):
