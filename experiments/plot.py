@@ -136,7 +136,8 @@ def _ablation(row):
 
 
 def ablation(rows, out):
-    """One bar a lever switched off, beside the default ('none'), per (head_dim, causal)."""
+    """One bar a lever changed (fa2: switched off; fa3: off, or on for intra_overlap), beside the
+    defaults ("none"), per (head_dim, causal)."""
     plt = _pyplot()
     rows = [r for r in rows if r.get("check", "ok") == "ok" and r["variant"] in OURS]
     panels = _panels(rows)
@@ -159,7 +160,7 @@ def ablation(rows, out):
         ax.set_xlabel("TFLOP/s")
         ax.set_title(f"head_dim {d}, {'causal' if causal else 'not causal'}", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
-    _save(plt, fig, rows, f"{rows[0]['variant']}: each lever switched off", out)
+    _save(plt, fig, rows, f"{rows[0]['variant']}: one lever changed at a time (conf/ablation/)", out)
 
 
 def decode(rows, out):
