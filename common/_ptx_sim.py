@@ -453,6 +453,13 @@ def cp_async_wait(pending):
             dst[o:o + 8] = values
 
 
+def check_at_exit():
+    """What every simulated thread checks once its kernel body returns (target.kernel): no
+    asynchronous operation left in flight (EXIT_CHECKS: cp.async here; wgmma, sm90's)."""
+    for check in EXIT_CHECKS:
+        check()
+
+
 def check_cp_async_landed():
     """Raise if this thread has cp.async copies that no cp_async_wait has covered (its kernel is
     returning: on a GPU they would land at an unknown time, maybe over what it stored since)."""
@@ -465,6 +472,9 @@ def check_cp_async_landed():
             "cp.async copies issued but never waited for (cp_async_wait) before the kernel "
             f"returned: thread {getattr(t, 'thread_id', '?')} has {waiting} in committed groups "
             f"and {len(open_group)} uncommitted (destination offsets {offsets}...)")
+
+
+EXIT_CHECKS = [check_cp_async_landed]
 
 
 def ld_shared_v4_u32(smem, offset):

@@ -202,6 +202,23 @@ if SIMULATOR:
                 new = new + acc.astype(np.float64)
             acc[:] = new.astype(np.float32)
 
+    # wgmma is asynchronous: a warpgroup's MMAs run between their issue and the wgmma_wait that
+    # covers their commit group, reading their shared-memory operands and writing their
+    # accumulators at some time in between. The stand-in does them at the latest, in the wait (as
+    # _ptx_sim's cp.async lands copies at their wait): an accumulator read before its wait sees
+    # the old value, and a tile overwritten (or a stage released to the producer) before the wait
+    # is read after the change, deterministically, where a GPU would race. It also makes the
+    # warpgroup meet once a wait rather than once an MMA (the simulator's cost). A thread whose
+    # kernel returns with MMAs not waited for is an error (check_wgmma_waited).
+
+    def _wgmma_state(t=None):
+        """This thread's wgmmas: [open group (issued, not committed), committed groups]."""
+        t = t or threading.current_thread()
+        state = t.__dict__.get("_wgmma")
+        if state is None:
+            state = t.__dict__["_wgmma"] = [[], []]
+        return state
+
     def _make_wgmma(n, dtype, a_regs, trans_b):
         dt = _DTYPES[dtype]
 
@@ -212,16 +229,12 @@ if SIMULATOR:
 
         if a_regs:
             def wgmma(acc, a0, a1, a2, a3, desc_b, scale_d):
-                wg, i = _warpgroup()
-                sim.group_collective(("wgmma", wg), 128, i,
-                                     (sim._unwrap(acc), (a0, a1, a2, a3), int(desc_b), int(scale_d)),
-                                     compute, always_own_barrier=True)
+                _wgmma_state()[0].append(
+                    (compute, (sim._unwrap(acc), (a0, a1, a2, a3), int(desc_b), int(scale_d))))
         else:
             def wgmma(acc, desc_a, desc_b, scale_d):
-                wg, i = _warpgroup()
-                sim.group_collective(("wgmma", wg), 128, i,
-                                     (sim._unwrap(acc), int(desc_a), int(desc_b), int(scale_d)),
-                                     compute, always_own_barrier=True)
+                _wgmma_state()[0].append(
+                    (compute, (sim._unwrap(acc), int(desc_a), int(desc_b), int(scale_d))))
         wgmma.__name__ = wgmma.__qualname__ = _wgmma_name(n, dtype, a_regs, trans_b)
         return wgmma
 
@@ -229,13 +242,45 @@ if SIMULATOR:
         pass
 
     def wgmma_commit():
-        pass
+        state = _wgmma_state()
+        state[1].append(state[0])
+        state[0] = []
+
+    def _run_groups(per_thread):
+        """The warpgroup's MMAs of the groups a wait covers: per_thread[tid] = its groups, each a
+        list of (compute, operands); the threads must have issued the same MMAs."""
+        shape = {tuple(tuple(op[0] for op in g) for g in groups) for groups in per_thread}
+        if len(shape) != 1:
+            raise RuntimeError("the threads of a warpgroup issued different wgmmas before a wait")
+        for g, group in enumerate(per_thread[0]):
+            for j, (compute, _) in enumerate(group):
+                compute([groups[g][j][1] for groups in per_thread])
 
     def _make_wait(pending, counts):
         def wait(*accs):
-            pass   # the stand-in's MMA is complete when issued
+            committed = _wgmma_state()[1]
+            due = len(committed) - pending
+            if due <= 0:
+                return
+            groups, committed[:due] = committed[:due], []
+            wg, i = _warpgroup()
+            sim.group_collective(("wgmma", wg), 128, i, groups, _run_groups,
+                                 always_own_barrier=True)
         wait.__name__ = wait.__qualname__ = f"wgmma_wait{pending}_" + "_".join(map(str, counts))
         return wait
+
+    def check_wgmma_waited():
+        """Raise if this thread issued wgmmas that no wgmma_wait covered before its kernel
+        returned (on a GPU their accumulators would be written at an unknown time)."""
+        open_group, committed = _wgmma_state()
+        if open_group or committed:
+            raise RuntimeError(
+                f"wgmma issued but never waited for before the kernel returned: thread "
+                f"{getattr(threading.current_thread(), 'thread_id', '?')} has "
+                f"{sum(map(len, committed))} in committed groups and {len(open_group)} uncommitted "
+                "(wgmma_commit, then wgmma_wait)")
+
+    sim.EXIT_CHECKS.append(check_wgmma_waited)
 
     # ------------------------------------------------------------------ mbarriers
 

@@ -25,7 +25,7 @@ device_function = cuda.jit(device=True, inline="always")
 if SIMULATOR:
     def kernel(fn):
         """cuda.jit of `fn`, whose every simulated thread checks, once the body returns, that it
-        left no cp.async copy in flight (_ptx_sim.check_cp_async_landed). The simulator swaps the
+        left no asynchronous copy or MMA in flight (_ptx_sim.check_at_exit). The simulator swaps the
         `cuda` name in the kernel function's globals for its fake module, so the wrapper gets
         `fn`'s globals (the kernel module's)."""
         import functools
@@ -33,7 +33,7 @@ if SIMULATOR:
 
         from common import _ptx_sim
 
-        check = _ptx_sim.check_cp_async_landed
+        check = _ptx_sim.check_at_exit
 
         def body(*args):
             fn(*args)

@@ -279,3 +279,44 @@ def test_a_second_arrival_in_one_phase_raises():
 
     with pytest.raises(RuntimeError, match="named barrier 1 .* arrived twice in one phase"):
         ahead[1, 64, 0, 64](np.zeros(2, np.int32))
+
+
+def build_lands_at_wait_kernel(wait_for_it):
+    """Each thread of a warpgroup issues S = A B^T (m64n8k16, operands all zero, scale_d = 0) into
+    an accumulator holding 7, reads it before the commit and, if `wait_for_it`, after the wait."""
+    from common import target
+    mma, wait = sm90.wgmma_ss(8, "bf16"), sm90.wgmma_wait(0, 4)
+
+    @target.kernel
+    def issue_then_read(out):
+        tid = int32(cuda.threadIdx.x)
+        smem = cuda.shared.array(0, uint16)
+        for i in range(tid, 8192, 128):
+            smem[i] = uint16(0)
+        cuda.syncthreads()
+        base = sm90.shared_address(smem, 0)
+        t0 = int32(((base + uint32(1023)) & uint32(0xFFFFFC00)) - base) >> 1
+        desc = sm90.smem_descriptor(sm90.shared_address(smem, t0), 16, 1024)
+        acc = cuda.local.array((1, 1, 4), float32)
+        tiles.fill(acc, float32(7))
+        sm90.wgmma_fence()
+        mma(acc, desc, desc, 0)
+        out[0, tid] = acc[0, 0, 0]
+        sm90.wgmma_commit()
+        if wait_for_it:
+            wait(acc)
+        out[1, tid] = acc[0, 0, 0]
+
+    return issue_then_read
+
+
+@pytest.mark.sim
+def test_wgmma_lands_at_its_wait():
+    """The stand-in runs a warpgroup's wgmmas in the wgmma_wait that covers them, the latest a GPU
+    may (its accumulators are undefined until then): a read before the wait sees the old value,
+    and a kernel that returns without waiting is an error, as for cp.async."""
+    out = np.zeros((2, 128), np.float32)
+    launch(build_lands_at_wait_kernel(True), 1, 128, 16384, 0, out)
+    assert (out[0] == 7).all() and (out[1] == 0).all()
+    with pytest.raises(RuntimeError, match="wgmma issued but never waited for"):
+        launch(build_lands_at_wait_kernel(False), 1, 128, 16384, 0, out)

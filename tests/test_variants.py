@@ -58,7 +58,7 @@ def run_and_check(rng, variant, *, batch, seqlen, heads, head_dim, dtype, causal
 # standard leaves it out too (26-35 s a case there), and keeps one N=97 case (causal, fp16, d=64:
 # 20-33 s each, the three were a tenth of this file's time): N=97 spans two of its 64-row tiles
 # with a ragged tail, and test_rectangular_with_custom_scale runs 130 keys.
-# fa3 runs three cases there (each wgmma stand-in gathers a warpgroup); test_fa3_options runs its
+# fa3 runs three cases there (each wgmma_wait stand-in gathers a warpgroup); test_fa3_options runs its
 # ring of stages through several wrap-arounds.
 SIM_FA3 = {(17, True, "bfloat16", 64), (130, False, "float16", 64), (130, True, "float16", 128)}
 MATRIX = [(v, *case) for v in VARIANTS for case in CASES
