@@ -9,11 +9,12 @@ from numba import config, cuda
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 
 if SIMULATOR:
-    import sys
+    # The simulator runs each CUDA thread as a Python thread. Its block manager polls for barriers;
+    # common/_sim_block.py's lets the last thread to arrive release the others (a barrier of 128
+    # threads ~2.6 ms instead of ~7; the simulated suite ~2.5x faster).
+    from common import _sim_block
 
-    # The simulator runs each CUDA thread as a Python thread and every barrier hands the GIL to all
-    # of them; the default 5 ms switch interval makes each barrier cost ~40 ms, 0.2 ms about 7 ms.
-    sys.setswitchinterval(2e-4)
+    _sim_block.install()
 
 # Every helper in common/ is inlined into its kernel at Numba-IR level. That is what lets NVVM
 # unroll the fragment loops and keep fragments in registers; it also lets compile_ptx work on a

@@ -1,0 +1,116 @@
+"""An event-driven thread block for Numba's CUDA simulator (numba-cuda 0.30's
+`numba.cuda.simulator.kernel.BlockManager`), installed by common/target.py in the simulator.
+
+The simulator runs each CUDA thread of a block as a Python thread. Its BlockManager releases a
+`syncthreads` by polling: the launching thread loops over every thread's "blocked" flag, holding
+the GIL, until all are set. The GIL then changes hands only when the switch interval expires, so
+each barrier costs a few intervals; with Python's 5 ms default a barrier of 128 threads took ~27 ms,
+and a short interval (the 0.2 ms this codebase used) makes the runnable threads preempt one
+another all the time instead (~7 ms a barrier, half of it in the kernel's futex calls).
+
+Here the last thread to reach a barrier releases the others (a generation count under one
+condition variable), and the launching thread sleeps until the block's threads have finished or
+one has raised. Nothing polls, so the switch interval can stay long: a thread runs until it blocks
+at a barrier or a collective. Measured on a 2-core machine (128 threads, 200 barriers): 2.6 ms a
+barrier against 6.9 with the polling manager at 0.2 ms; whole simulated tests 2-4x faster.
+
+Semantics kept from the simulator's BlockManager: a thread that returns no longer counts at later
+barriers (as on sm_70+); an exception in one thread is raised from the launch at once, after
+releasing the threads waiting at the block barrier (each raises "abort flag set"), and threads
+stuck elsewhere (a named barrier or an mbarrier: their stand-ins time out) are left behind as
+daemons, as the simulator leaves them.
+"""
+import sys
+import threading
+
+import numpy as np
+from numba.cuda.simulator import kernel as _kernel
+
+SWITCH_INTERVAL_S = 5e-3    # Python's default: with no polling thread, a long interval is best
+
+
+class Block:
+    """The barrier state of one simulated thread block."""
+
+    def __init__(self, threads):
+        self.cond = threading.Condition()
+        self.live = threads         # threads that have not returned
+        self.waiting = 0            # of them, at the barrier now
+        self.generation = 0         # barriers completed
+        self.error = None           # the first thread's (exception, traceback)
+
+    def _release(self):
+        self.waiting = 0
+        self.generation += 1
+        self.cond.notify_all()
+
+    def syncthreads(self):
+        with self.cond:
+            if self.error is not None:
+                raise RuntimeError("abort flag set on syncthreads call")
+            generation = self.generation
+            self.waiting += 1
+            if self.waiting == self.live:
+                self._release()
+            else:
+                while generation == self.generation and self.error is None:
+                    self.cond.wait()
+            if self.error is not None:
+                raise RuntimeError("abort flag set on syncthreads clear")
+
+    def exited(self, error=None):
+        """A thread's body returned (or raised `error`)."""
+        with self.cond:
+            self.live -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            if self.error is not None or self.live == 0:
+                self.cond.notify_all()
+            elif self.waiting == self.live:   # the others all wait for it: the barrier completes
+                self._release()
+
+
+def _thread_run(self):
+    """BlockThread.run: the body, then the block told (with the exception, named by thread)."""
+    try:
+        super(_kernel.BlockThread, self).run()
+    except Exception as e:
+        where = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}"
+        self.exception = (type(e)(f"{where}: {e}" if str(e) else where), sys.exc_info()[2])
+        self._block.exited(self.exception)
+        return
+    self._block.exited()
+
+
+def _syncthreads(self):
+    self._block.syncthreads()
+
+
+def _run_block(self, grid_point, *args):
+    """BlockManager.run: start the block's threads, sleep until they finish or one raises."""
+    block = Block(int(np.prod(self._block_dim)))
+    threads = []
+    for block_point in np.ndindex(*self._block_dim):
+        def target():
+            self._f(*args)
+
+        t = _kernel.BlockThread(target, self, grid_point, block_point, self._debug)
+        t._block = block
+        threads.append(t)
+    for t in threads:
+        t.start()
+    with block.cond:
+        while block.live and block.error is None:
+            block.cond.wait()
+        error = block.error
+    if error is not None:
+        raise error[0].with_traceback(error[1])
+
+
+def install():
+    """Replace the simulator's polling block manager with this one, and lengthen the switch
+    interval (the short one only helped the polling)."""
+    _kernel.BlockThread.run = _thread_run
+    _kernel.BlockThread.syncthreads = _syncthreads
+    _kernel.BlockManager.run = _run_block
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
