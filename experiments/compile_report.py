@@ -119,6 +119,10 @@ def report(cc=(9, 0), skip=None, jobs=1, ptx_dir=None):
     work = [(mod, i, name) for mod in variant_modules()
             for i, name in enumerate(t[0] for t in _targets(mod))]
     todo = [(mod, i, cc, ptx_dir) for mod, i, name in work if not (skip and re.search(skip, name))]
+    # longest first, so that the pool's last jobs are short ones: fa1's and fa2's backward K/V
+    # kernels take 60-80 s each on a 2-core machine, every other target 0.5-12 s
+    slow = {(mod, i) for mod, i, name in work if re.search(r"^fa[12] backward .* kv$", name)}
+    todo.sort(key=lambda job: (job[0], job[1]) not in slow)
     if jobs > 1 and len(todo) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
