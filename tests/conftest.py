@@ -29,7 +29,10 @@ def pytest_report_header(config):
 # --durations=0, a file's tests summed): the forward sweep ~11 minutes, the compile report ~5.3
 # (two processes: it slows the other worker too), the backward ~4.5, then the head dims, varlen
 # and masks (~2.5-3 each), the backward's options (~2.2), decoding, fp8 and the jobs (~0.8-1.4).
-# (Alphabetical order used to leave test_varlen, ~3 minutes, as one worker's tail.)
+# (Alphabetical order used to leave test_varlen, ~3 minutes, as one worker's tail.) These times are
+# from before common/_sim_block.py, which made every simulated file ~2.3x faster and left the order
+# as it was; the compile report (~3 minutes, compiled by ptxas and NVVM, not simulated) now weighs
+# more against the rest.
 SLOW_FIRST = ("tests/test_variants.py", "tests/test_compile.py", "tests/test_backward.py",
               "tests/test_masks.py", "tests/test_varlen.py", "tests/test_head_dims.py",
               "tests/test_backward_options.py", "tests/test_fp8.py", "tests/test_decode.py",
