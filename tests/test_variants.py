@@ -2,8 +2,9 @@
 
 Outputs are poisoned with NaN before each launch, so an element a kernel does not write fails.
 In the simulator (CI) the shapes are small: the full product of seqlen x causal x dtype at
-head_dim 64 in a pairwise-covering set, plus head_dim 128 cases (the simulator costs ~7 ms per
-warp-collective instruction). On a GPU the full product runs, at these lengths and at real ones.
+head_dim 64 in a pairwise-covering set, plus head_dim 128 cases (each warp-collective instruction is a
+barrier of Python threads in the simulator). On a GPU the full product runs, at these lengths and at
+real ones.
 """
 import itertools
 
@@ -25,7 +26,7 @@ else:
     # A pairwise-covering set: every (seqlen, causal), (seqlen, dtype) and (causal, dtype) pair
     # appears at head_dim 64, and head_dim 128 meets both causal values, both dtypes, a one-block,
     # a ragged two-block and a ragged three-block length. (The full product is the GPU's job: a
-    # simulated N=130 case costs 5-25 s.)
+    # simulated N=130 case costs 2-12 s.)
     CASES = [(1, False, "bfloat16", 64), (1, True, "float16", 64),
              (17, False, "float16", 64), (17, True, "bfloat16", 64),
              (97, False, "bfloat16", 64), (97, True, "float16", 64),
@@ -53,18 +54,9 @@ def run_and_check(rng, variant, *, batch, seqlen, heads, head_dim, dtype, causal
     return o, lse
 
 
-# In the simulator fa1 leaves out N=130: at its default B_c (256 and 128 keys) that is still one or
-# two K/V blocks, and test_fa1_options runs the multi-block HBM round trips at N=97 with B_c=64.
-# standard leaves it out too (26-35 s a case there), and keeps one N=97 case (causal, fp16, d=64:
-# 20-33 s each, the three were a tenth of this file's time): N=97 spans two of its 64-row tiles
-# with a ragged tail, and test_rectangular_with_custom_scale runs 130 keys.
-# fa3 runs three cases there (each wgmma_wait stand-in gathers a warpgroup); test_fa3_options runs its
-# ring of stages through several wrap-arounds.
-SIM_FA3 = {(17, True, "bfloat16", 64), (130, False, "float16", 64), (130, True, "float16", 128)}
-MATRIX = [(v, *case) for v in VARIANTS for case in CASES
-          if ON_GPU or not ((v in ("fa1", "standard") and case[0] == 130)
-                            or (v == "standard" and case[0] == 97 and not case[1])
-                            or (v == "fa3" and case not in SIM_FA3))]
+# Every variant runs every case, in the simulator too (since common/_sim_block.py and wgmma landing
+# at its wait, a simulated case takes 1-12 s; fa1, standard and fa3 used to leave some out).
+MATRIX = [(v, *case) for v in VARIANTS for case in CASES]
 
 
 # The quick loop (pytest -m "not slow") keeps one case per variant: N=17 (ragged), causal, bf16, d=64.
