@@ -397,13 +397,22 @@ def bar_arrive(barrier, nthreads):
 # A thread whose kernel returns with copies still in flight is an error (check_cp_async_landed,
 # called by target.kernel after the body): they would land at an unknown time.
 
-def _cp_async_groups(t=None):
-    """This thread's cp.async state: [open group, committed groups (oldest first)]."""
+def async_groups(kind, t=None):
+    """This thread's asynchronous operations of one kind ("cp.async"; sm90's "wgmma"): [open group
+    (issued, not committed), committed groups (oldest first)]."""
     t = t or threading.current_thread()
-    state = t.__dict__.get("_cp_async")
+    groups = t.__dict__.setdefault("_ptx_async", {})
+    state = groups.get(kind)
     if state is None:
-        state = t.__dict__["_cp_async"] = [[], []]
+        state = groups[kind] = [[], []]
     return state
+
+
+def commit_group(kind):
+    """The open group of `kind` committed (cp.async.commit_group, wgmma.commit_group)."""
+    state = async_groups(kind)
+    state[1].append(state[0])
+    state[0] = []
 
 
 def cp_async_16(dst, dst_offset, src, row, col, src_bytes):
@@ -412,7 +421,7 @@ def cp_async_16(dst, dst_offset, src, row, col, src_bytes):
         values = _unwrap(src)[int(row), int(col):int(col) + 8].copy()
     else:
         values = np.zeros(8, dtype=dst.dtype)
-    _cp_async_groups()[0].append((dst, int(dst_offset), values))
+    async_groups("cp.async")[0].append((dst, int(dst_offset), values))
 
 
 class _Address:
@@ -441,13 +450,11 @@ def cp_async_16_from(dst, dst_offset, address, src_bytes):
 
 
 def cp_async_commit():
-    state = _cp_async_groups()
-    state[1].append(state[0])
-    state[0] = []
+    commit_group("cp.async")
 
 
 def cp_async_wait(pending):
-    committed = _cp_async_groups()[1]
+    committed = async_groups("cp.async")[1]
     while len(committed) > int(pending):
         for dst, o, values in committed.pop(0):
             dst[o:o + 8] = values
@@ -463,7 +470,7 @@ def check_at_exit():
 def check_cp_async_landed():
     """Raise if this thread has cp.async copies that no cp_async_wait has covered (its kernel is
     returning: on a GPU they would land at an unknown time, maybe over what it stored since)."""
-    open_group, committed = _cp_async_groups()
+    open_group, committed = async_groups("cp.async")
     waiting = sum(len(g) for g in committed)
     if open_group or waiting:
         t = threading.current_thread()

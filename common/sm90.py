@@ -211,13 +211,9 @@ if SIMULATOR:
     # warpgroup meet once a wait rather than once an MMA (the simulator's cost). A thread whose
     # kernel returns with MMAs not waited for is an error (check_wgmma_waited).
 
-    def _wgmma_state(t=None):
+    def _wgmma_state():
         """This thread's wgmmas: [open group (issued, not committed), committed groups]."""
-        t = t or threading.current_thread()
-        state = t.__dict__.get("_wgmma")
-        if state is None:
-            state = t.__dict__["_wgmma"] = [[], []]
-        return state
+        return sim.async_groups("wgmma")
 
     def _make_wgmma(n, dtype, a_regs, trans_b):
         dt = _DTYPES[dtype]
@@ -242,9 +238,7 @@ if SIMULATOR:
         pass
 
     def wgmma_commit():
-        state = _wgmma_state()
-        state[1].append(state[0])
-        state[0] = []
+        sim.commit_group("wgmma")
 
     def _run_groups(per_thread):
         """The warpgroup's MMAs of the groups a wait covers: per_thread[tid] = its groups, each a
