@@ -11,7 +11,7 @@ SIMULATOR = bool(config.ENABLE_CUDASIM)
 if SIMULATOR:
     # The simulator runs each CUDA thread as a Python thread. Its block manager polls for barriers;
     # common/_sim_block.py's lets the last thread to arrive release the others (a barrier of 128
-    # threads ~2.6 ms instead of ~7; the simulated suite ~2.5x faster).
+    # threads ~2.6 ms instead of ~7; the simulated suite ~2.3x faster).
     from common import _sim_block
 
     _sim_block.install()
