@@ -39,11 +39,9 @@ else:
 
 # Grouped-query heads: 4 query heads on 2 K/V heads on a GPU; in the simulator 2 on 1, the fewest
 # that still share a K/V head between two query heads (the simulator's cost grows with the thread
-# blocks, one a head: the backward at d=96 took 154 s with 4 heads, 84 s with 2). The simulator's
-# backward cases take one head: the reduction of dK, dV over a group is test_backward's
-# test_gradients_grouped_query_heads, and what these cases are for is the head dims' tiles.
+# blocks, one a head), the backward too (it took one head while the simulator's thread block polled).
 HEADS, HEADS_KV = (4, 2) if ON_GPU else (2, 1)
-BACKWARD_HEADS, BACKWARD_HEADS_KV = (4, 2) if ON_GPU else (1, 1)
+BACKWARD_HEADS, BACKWARD_HEADS_KV = HEADS, HEADS_KV
 
 
 @pytest.mark.parametrize("head_dim, seqlen, causal, dtype", FORWARD)
