@@ -17,6 +17,8 @@ import threading
 import ml_dtypes
 import numpy as np
 
+from common import _sim_block
+
 # --------------------------------------------------------------------------- lane semantics
 # PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type": with g = lane // 4 and
 # t = lane % 4, register j of a lane holds two consecutive 16-bit elements (low half first):
@@ -133,7 +135,7 @@ class _Group:
 
     def __init__(self, size):
         self.size = size
-        self.barrier = threading.Barrier(size)
+        self.barrier = _sim_block.Barrier(size)
         self.slots = [[None] * size, [None] * size]
         self.arrivals = [itertools.count(), itertools.count()]
         self.results = [None, None]

@@ -24,8 +24,9 @@ import sys
 import threading
 
 import numpy as np
-from numba.cuda.simulator import kernel as _kernel
 
+_kernel = None              # numba.cuda.simulator.kernel, imported by install() (in the simulator
+                            # only: _ptx_sim, which the GPU's tests import too, takes Barrier here)
 SWITCH_INTERVAL_S = 5e-3    # Python's default: with no polling thread, a long interval is best
 
 
@@ -70,6 +71,30 @@ class Block:
                 self._release()
 
 
+class Barrier:
+    """A reusable barrier of `size` threads, as threading.Barrier without its timeout, abort and
+    draining states (about half its cost a wait): the collectives of _ptx_sim that meet only their
+    own group (a warp, a warpgroup) wait on one."""
+
+    def __init__(self, size):
+        self.cond = threading.Condition()
+        self.size = size
+        self.waiting = 0
+        self.generation = 0
+
+    def wait(self):
+        with self.cond:
+            generation = self.generation
+            self.waiting += 1
+            if self.waiting == self.size:
+                self.waiting = 0
+                self.generation += 1
+                self.cond.notify_all()
+            else:
+                while generation == self.generation:
+                    self.cond.wait()
+
+
 def _thread_run(self):
     """BlockThread.run: the body, then the block told (with the exception, named by thread)."""
     try:
@@ -110,6 +135,8 @@ def _run_block(self, grid_point, *args):
 def install():
     """Replace the simulator's polling block manager with this one, and lengthen the switch
     interval (the short one only helped the polling)."""
+    global _kernel
+    from numba.cuda.simulator import kernel as _kernel
     _kernel.BlockThread.run = _thread_run
     _kernel.BlockThread.syncthreads = _syncthreads
     _kernel.BlockManager.run = _run_block
