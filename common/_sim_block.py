@@ -30,69 +30,65 @@ _kernel = None              # numba.cuda.simulator.kernel, imported by install()
 SWITCH_INTERVAL_S = 5e-3    # Python's default: with no polling thread, a long interval is best
 
 
-class Block:
-    """The barrier state of one simulated thread block."""
+class Barrier:
+    """A reusable barrier of `size` threads, as threading.Barrier without its timeout, abort and
+    draining states (about half its cost a wait): the collectives of _ptx_sim that meet only their
+    own group (a warp, a warpgroup) wait on one; a thread block's barrier is one too (Block)."""
 
-    def __init__(self, threads):
+    def __init__(self, size):
         self.cond = threading.Condition()
-        self.live = threads         # threads that have not returned
-        self.waiting = 0            # of them, at the barrier now
+        self.size = size
+        self.waiting = 0            # threads at the barrier now
         self.generation = 0         # barriers completed
-        self.error = None           # the first thread's (exception, traceback)
 
     def _release(self):
         self.waiting = 0
         self.generation += 1
         self.cond.notify_all()
 
-    def syncthreads(self):
-        with self.cond:
-            if self.error is not None:
-                raise RuntimeError("abort flag set on syncthreads call")
-            generation = self.generation
-            self.waiting += 1
-            if self.waiting == self.live:
-                self._release()
-            else:
-                while generation == self.generation and self.error is None:
-                    self.cond.wait()
-            if self.error is not None:
-                raise RuntimeError("abort flag set on syncthreads clear")
-
-    def exited(self, error=None):
-        """A thread's body returned (or raised `error`)."""
-        with self.cond:
-            self.live -= 1
-            if error is not None and self.error is None:
-                self.error = error
-            if self.error is not None or self.live == 0:
-                self.cond.notify_all()
-            elif self.waiting == self.live:   # the others all wait for it: the barrier completes
-                self._release()
-
-
-class Barrier:
-    """A reusable barrier of `size` threads, as threading.Barrier without its timeout, abort and
-    draining states (about half its cost a wait): the collectives of _ptx_sim that meet only their
-    own group (a warp, a warpgroup) wait on one."""
-
-    def __init__(self, size):
-        self.cond = threading.Condition()
-        self.size = size
-        self.waiting = 0
-        self.generation = 0
+    def _stop(self):
+        """Whether waiting threads must leave now (a Block whose thread raised)."""
+        return False
 
     def wait(self):
         with self.cond:
             generation = self.generation
             self.waiting += 1
             if self.waiting == self.size:
-                self.waiting = 0
-                self.generation += 1
-                self.cond.notify_all()
+                self._release()
             else:
-                while generation == self.generation:
+                while generation == self.generation and not self._stop():
                     self.cond.wait()
+
+
+class Block(Barrier):
+    """The barrier of one simulated thread block: its size is the threads that have not returned;
+    the first exception in a thread releases the others, which raise."""
+
+    def __init__(self, threads):
+        super().__init__(threads)
+        self.error = None           # the first thread's (exception, traceback)
+
+    def _stop(self):
+        return self.error is not None
+
+    def syncthreads(self):
+        if self.error is not None:
+            raise RuntimeError("abort flag set on syncthreads call")
+        self.wait()
+        if self.error is not None:
+            raise RuntimeError("abort flag set on syncthreads clear")
+
+    def exited(self, error=None):
+        """A thread's body returned (or raised `error`)."""
+        with self.cond:
+            self.size -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            if self.error is not None or self.size == 0:
+                self.cond.notify_all()
+            elif self.waiting == self.size:   # the others all wait for it: the barrier completes
+                self._release()
 
 
 def _thread_run(self):
@@ -125,7 +121,7 @@ def _run_block(self, grid_point, *args):
     for t in threads:
         t.start()
     with block.cond:
-        while block.live and block.error is None:
+        while block.size and block.error is None:
             block.cond.wait()
         error = block.error
     if error is not None:
