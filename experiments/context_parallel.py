@@ -243,18 +243,22 @@ def bench(args):
                                  kv_mb_per_step=round(kv_mb, 1)))
                 if rank == 0:
                     print(_row_text(rows[-1]), flush=True)
+                    if args.csv:                 # row by row: a run cut short keeps its rows
+                        _append(args.csv, rows[-1])
             q = k = v = do = o = lse = dk32 = dv32 = None   # freed before the next length
             torch.cuda.empty_cache()
-    if rank == 0 and args.csv:
-        new = not os.path.exists(args.csv)
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _append(path, row):
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        w.writerow(row)
 
 
 def _exposed(torch, dist, forward):

@@ -21,9 +21,10 @@
 #   quick    fa2 + peers at seqlen 4096, head_dim 64 and 128, causal and not (bf16)
 #   grid     the FA2 paper's grid (experiment=fa2_grid), fa2 and standard with the peers
 #   experiment:<name>   any conf/experiment/<name>.yaml sweep (its CSV lands in $OUT/<name>.csv)
-#   cp       context parallelism (needs 2 GPUs): tests/test_context_parallel.py (torchrun, NCCL,
-#            against one GPU and float64), then the ring timed on 1 and 2 GPUs into $OUT/cp.csv and
-#            drawn (experiments/context_parallel.py; CP_SEQLENS, default 8k..128k)
+#   cp_tests context parallelism (needs 2 GPUs): tests/test_context_parallel.py (torchrun, NCCL,
+#            against one GPU and float64)
+#   cp_bench the ring timed on 1 and 2 GPUs into $OUT/cp.csv and drawn
+#            (experiments/context_parallel.py; CP_SEQLENS, default 8k..128k; CP_ITERS)
 #   sweep_gpus  a Hydra multirun spread over every visible GPU (hydra/launcher=gpus)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -126,14 +127,15 @@ for step in $steps; do
         > "$OUT/$name.log" 2>&1 || status=1
       cp "/tmp/fa_$name/results.csv" "$OUT/$name.csv" 2>/dev/null
       echo "== $name"; python3 experiments/summarize.py --options "$OUT/$name.csv" ;;
-    cp)
+    cp_tests)
       timeout "${TESTS_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -rs \
         tests/test_context_parallel.py > "$OUT/tests_cp.log" 2>&1 || status=1
-      tail -3 "$OUT/tests_cp.log"; grep -h "^FAILED\|^ERROR" "$OUT/tests_cp.log" | head
+      tail -3 "$OUT/tests_cp.log"; grep -h "^FAILED\|^ERROR" "$OUT/tests_cp.log" | head ;;
+    cp_bench)
       for w in 1 2; do
         timeout "${CP_TIMEOUT:-300}" python3 -m torch.distributed.run --standalone --nproc_per_node=$w \
           experiments/context_parallel.py bench --seqlens "${CP_SEQLENS:-8192,16384,32768,65536,131072}" \
-          --csv "$OUT/cp.csv" > "$OUT/cp_bench_$w.log" 2>&1 || status=1
+          --iters "${CP_ITERS:-5}" --csv "$OUT/cp.csv" > "$OUT/cp_bench_$w.log" 2>&1 || status=1
         grep "^W=" "$OUT/cp_bench_$w.log"; tail -2 "$OUT/cp_bench_$w.log"
       done
       python3 experiments/context_parallel.py plot "$OUT/cp.csv" || status=1 ;;
