@@ -5,6 +5,7 @@
     python experiments/plot.py <decode.csv> --figure decode
     python experiments/plot.py <compare_configs table .txt> --figure speed
     python experiments/plot.py <traffic.csv> --figure traffic
+    python experiments/plot.py <traffic.csv> --figure traffic_seqlen
     python experiments/plot.py <results.csv> --figure memory
 
 speed     TFLOP/s against sequence length, grouped bars a seqlen, one panel a (head_dim, causal):
@@ -17,6 +18,9 @@ decode    GB/s of K and V read against cache length, one panel a batch (experime
           CSV), the copy bandwidth of the run as the dashed ceiling
 traffic   HBM bytes of a forward call against the block size, measured by ncu and modelled
           (experiments/ncu.py traffic's CSV): the FA1 paper's Fig. 2 (middle)
+traffic_seqlen  the same CSV against sequence length: standard beside fa1 and fa2 at one block
+          each (TRAFFIC_BLOCKS: their defaults at head_dim 64), measured and modelled,
+          standard's ratio to fa2's measured bytes at each point: FA1 paper Fig. 3's HBM side
 memory    peak memory beyond the inputs against sequence length (`experiment=bwd_memory`'s
           peak_mem_mib), one line a kernel, standard's ratio to the flash kernel written at each
           point: the FA1 paper's Fig. 3 (right)
@@ -228,6 +232,62 @@ def traffic(rows, out):
     _save(plt, fig, rows, "HBM traffic against block size", out)
 
 
+# the block of each blocked variant that traffic_seqlen draws: fa1's B_c and fa2's B_r at their
+# defaults for head_dim 64 (variants/fa1.py, variants/fa2.py DEFAULTS); where a CSV lacks it, the
+# block with the fewest measured bytes at that seqlen
+TRAFFIC_BLOCKS = {"fa1": 256, "fa2": 128}
+
+
+def traffic_seqlen(rows, out):
+    """HBM bytes of one forward call against seqlen (log-log): one colour a variant, measured
+    solid, the IO model dashed, the compulsory bytes dotted; blocked variants at TRAFFIC_BLOCKS;
+    over standard's measured points, its ratio to fa2's (else the first flash variant's)."""
+    plt = _pyplot()
+    rows = [r for r in rows
+            if r.get("status", "ok") == "ok" and r.get("dram_bytes") not in ("", None)]
+    if not rows:
+        raise SystemExit("no measured row (status ok): run experiments/ncu.py traffic on a GPU")
+    fig, ax = plt.subplots(figsize=(5.6, 4.0))
+    measured = {}
+    for variant in [v for v in OURS if any(r["variant"] == v for r in rows)]:
+        pts, blocks = [], set()
+        for n in sorted({int(r["seqlen"]) for r in rows if r["variant"] == variant}):
+            mine = [r for r in rows if r["variant"] == variant and int(r["seqlen"]) == n]
+            pick = [r for r in mine if not r.get("block")
+                    or int(r["block"]) == TRAFFIC_BLOCKS.get(variant)]
+            row = pick[0] if pick else min(mine, key=lambda r: float(r["dram_bytes"]))
+            blocks.add(row.get("block") or "")
+            pts.append((n, float(row["dram_bytes"]), float(row["model_bytes"])))
+        measured[variant] = {n: b for n, b, _ in pts}
+        label = variant + (f" (block {'/'.join(sorted(blocks))})" if blocks != {""} else "")
+        color = OURS[variant]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color,
+                label=f"{label} measured")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=color,
+                label=f"{variant} model")
+    flash = next((k for k in ("fa2", "fa3", "fa1") if k in measured), None)
+    if "standard" in measured and flash:
+        for n, b in measured["standard"].items():
+            if measured[flash].get(n):
+                ax.annotate(f"{b / measured[flash][n]:.0f}x", (n, b), fontsize=7,
+                            textcoords="offset points", xytext=(-6, 6))
+    compulsory = sorted({(int(r["seqlen"]), float(r["compulsory_bytes"])) for r in rows})
+    ax.plot([c[0] for c in compulsory], [c[1] for c in compulsory], ":", color="black", lw=0.8,
+            label="Q, K, V read + O written")
+    ns = sorted({int(r["seqlen"]) for r in rows})
+    shapes = sorted({(r.get("batch", "?"), r.get("heads", "?"), r["head_dim"]) for r in rows
+                     if int(r["seqlen"]) == ns[-1]})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ns, [f"{n // 1024}k" if n >= 1024 else str(n) for n in ns])
+    ax.set_xlabel("sequence length (batch x seqlen fixed; "
+                  + ", ".join(f"{h} heads, d={d}" for _, h, d in shapes) + ")")
+    ax.set_ylabel("HBM bytes of one forward")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6)
+    _save(plt, fig, rows, "HBM traffic against sequence length", out)
+
+
 def memory(rows, out):
     """Peak memory a call allocates beyond its inputs (MiB, log scale) against seqlen (log 2), one
     line a kernel (ours in colour, peers in grey), one panel a (pass, head_dim, causal); over
@@ -274,7 +334,7 @@ def memory(rows, out):
 
 
 FIGURES = {"speed": speed, "ablation": ablation, "decode": decode, "traffic": traffic,
-           "memory": memory}
+           "traffic_seqlen": traffic_seqlen, "memory": memory}
 
 
 def main(argv=None):

@@ -124,3 +124,56 @@ def test_traffic(tmp_path):
     csv_path = write(tmp_path / "traffic.csv", rows)
     plot.main([str(csv_path), "--figure", "traffic"])
     assert (tmp_path / "traffic_traffic.png").stat().st_size > 1000
+
+
+def test_traffic_seqlen(tmp_path):
+    """The same CSV against seqlen: standard as measured, fa1 and fa2 at one block each, failed
+    rows left out."""
+    rows = [dict(variant="standard", seqlen=n, head_dim=64, batch=16384 // n, heads=32, block="",
+                 dram_bytes=2e9 * n / 1024, model_bytes=1.5e9 * n / 1024, compulsory_bytes=3e8,
+                 status="ok", gpu="GPU X") for n in (1024, 4096)]
+    rows += [dict(variant=v, seqlen=n, head_dim=64, batch=16384 // n, heads=32, block=b,
+                  dram_bytes=1e8 * b, model_bytes=2e8 * b, compulsory_bytes=3e8, status="ok",
+                  gpu="GPU X")
+             for v in ("fa1", "fa2") for n in (1024, 4096) for b in (64, 128)]
+    rows.append(dict(variant="fa2", seqlen=4096, head_dim=64, batch=4, heads=32, block=256,
+                     dram_bytes="", model_bytes=1e9, compulsory_bytes=3e8, status="error: refused",
+                     gpu="GPU X"))
+    out = plot.main([str(write(tmp_path / "traffic.csv", rows)), "--figure", "traffic_seqlen"])
+    assert out.endswith("traffic_traffic_seqlen.png")
+    assert (tmp_path / "traffic_traffic_seqlen.png").stat().st_size > 1000
+
+
+def test_traffic_seqlen_picks_and_annotates(monkeypatch):
+    """fa2 drawn at B_r = 128 (its default), fa1 at its fewest-bytes block when 256 is missing;
+    standard's measured bytes over fa2's written beside standard's points."""
+    calls = []
+
+    class Axes:
+        def __getattr__(self, name):
+            return lambda *a, **k: calls.append((name, a, k))
+
+    class Plt:
+        def subplots(self, *a, **k):
+            return object(), Axes()
+
+        def close(self, fig):
+            pass
+
+    monkeypatch.setattr(plot, "_pyplot", lambda: Plt())
+    monkeypatch.setattr(plot, "_save", lambda *a: None)
+    rows = [dict(variant="standard", seqlen=4096, head_dim=64, block="", dram_bytes="35e9",
+                 model_bytes="26e9", compulsory_bytes="2.7e8", status="ok")]
+    rows += [dict(variant="fa2", seqlen=4096, head_dim=64, block=str(b), dram_bytes=str(v),
+                  model_bytes="1e9", compulsory_bytes="2.7e8", status="ok")
+             for b, v in ((64, 2.7e8), (128, 2.5e8), (256, 6e9))]
+    rows += [dict(variant="fa1", seqlen=4096, head_dim=64, block=str(b), dram_bytes=str(v),
+                  model_bytes="1e9", compulsory_bytes="2.7e8", status="ok")
+             for b, v in ((64, 2e10), (128, 1e10))]
+    plot.traffic_seqlen(rows, "unused.png")
+    lines = {k["label"]: a[1] for name, a, k in calls if name == "plot" and "label" in k}
+    assert lines["fa2 (block 128) measured"] == [2.5e8]
+    assert lines["fa1 (block 128) measured"] == [1e10]
+    assert lines["standard measured"] == [35e9]
+    notes = [a[0] for name, a, k in calls if name == "annotate"]
+    assert notes == [f"{35e9 / 2.5e8:.0f}x"]
