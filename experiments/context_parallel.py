@@ -6,10 +6,11 @@
         [--masks causal-zigzag,causal-contiguous,full] [--csv cp.csv]
     python experiments/context_parallel.py plot cp.csv [--out cp.png]
 
-`check`: every rank builds the same full problem (bf16, GQA 8 query heads over 2 K/V heads), runs
-the ring on its part with NCCL and fa2, and compares its part of O, L and of dQ, dK, dV with a
-float64 answer (torch on the GPU) under the single-kernel tolerances of common/checks.py; the
-single-GPU fa2 errors are printed beside them. It ends with "all match" when every rank passed.
+`check [--variants fa2,fa3]`: every rank builds the same full problem (bf16, GQA 8 query heads over
+2 K/V heads), runs the ring on its part with NCCL and each variant (fa3: forward only), and
+compares its part of O, L and of dQ, dK, dV with a float64 answer (torch on the GPU) under the
+single-kernel tolerances of common/checks.py; the one-GPU variant's errors are printed beside
+them. It ends with "all match" when every rank passed.
 
 `bench`: for each total sequence length N (each GPU holds N / W), with B = 1 and H x d = 2048 as
 the FA2 paper's shapes, the time of the ring's forward and forward + backward (CUDA events, the
@@ -89,36 +90,13 @@ def check(args):
     from common import checks
     rank, world = dist.get_rank(), dist.get_world_size()
     all_ok = True
-    for mask in ("causal-zigzag", "causal-contiguous", "full"):
-        for head_dim in (64, 128):
-            causal, layout = mask_settings(mask)
-            n = 1024 * world
-            g = torch.Generator(device="cuda").manual_seed(head_dim + len(mask))
-            make = lambda h: torch.randn(2, n, h, head_dim, device="cuda", generator=g,  # noqa: E731
-                                         dtype=torch.bfloat16)
-            q, k, v, do = make(8), make(2), make(2), make(8)
-            scale = 1 / math.sqrt(head_dim)
-            o64, lse64, grads64 = float64_attention(torch, q, k, v, do, causal, scale)
-            part = lambda x, dim=1: cp.shard(x, rank, world, layout, dim)  # noqa: E731
-            # the ring, on this rank's part
-            ql, kl, vl = (part(x).contiguous().requires_grad_() for x in (q, k, v))
-            o = cp.attention(ql, kl, vl, variant="fa2", causal=causal, layout=layout)
-            grads = torch.autograd.grad(o, (ql, kl, vl), part(do).contiguous())
-            _, lse = cp.ring_forward(ql.detach(), kl.detach(), vl.detach(), cp.TorchRing(),
-                                     cp.kernels("fa2", scale)[0], causal=causal, layout=layout)
-            ring = _errors(torch, checks, o, part(o64), grads, [part(x) for x in grads64],
-                           lse, part(lse64, 2))
-            # one GPU: fa2 on the whole problem, the same part of it
-            q1, k1, v1 = (x.clone().requires_grad_() for x in (q, k, v))
-            o1 = variants.attention(q1, k1, v1, variant="fa2", causal=causal)
-            grads1 = torch.autograd.grad(o1, (q1, k1, v1), do)
-            one = _errors(torch, checks, part(o1), part(o64), [part(x) for x in grads1],
-                          [part(x) for x in grads64])
-            all_ok &= ring["ok"]
-            print(f"rank {rank}/{world} {mask:18s} d={head_dim:3d}  ring: O {ring['o']:.2e} "
-                  f"dQ {ring['dq']:.2e} dK {ring['dk']:.2e} dV {ring['dv']:.2e} "
-                  f"{'ok' if ring['ok'] else 'FAIL'}   one GPU: O {one['o']:.2e} "
-                  f"dQ {one['dq']:.2e} dK {one['dk']:.2e} dV {one['dv']:.2e}", flush=True)
+    for variant in args.variants.split(","):
+        has_backward = hasattr(variants.get(variant), "backward")
+        for mask in ("causal-zigzag", "causal-contiguous", "full"):
+            for head_dim in (64, 128):
+                ok = check_case(torch, cp, variants, checks, rank, world, variant, mask, head_dim,
+                                has_backward)
+                all_ok &= ok
     flag = torch.tensor([int(all_ok)], device="cuda")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if rank == 0:
@@ -127,18 +105,58 @@ def check(args):
     return 0 if flag.item() else 1
 
 
+def check_case(torch, cp, variants, checks, rank, world, variant, mask, head_dim, has_backward):
+    """One (variant, mask, head_dim): this rank's part of the ring's O, L (and dQ, dK, dV when the
+    variant has a backward) against float64, the one-GPU variant's errors printed beside them."""
+    causal, layout = mask_settings(mask)
+    n = 1024 * world
+    g = torch.Generator(device="cuda").manual_seed(head_dim + len(mask))
+    make = lambda h: torch.randn(2, n, h, head_dim, device="cuda", generator=g,  # noqa: E731
+                                 dtype=torch.bfloat16)
+    q, k, v, do = make(8), make(2), make(2), make(8)
+    scale = 1 / math.sqrt(head_dim)
+    o64, lse64, grads64 = float64_attention(torch, q, k, v, do, causal, scale)
+    part = lambda x, dim=1: cp.shard(x, rank, world, layout, dim).contiguous()  # noqa: E731
+    ql, kl, vl = (part(x).requires_grad_() for x in (q, k, v))
+    local_forward = cp.kernels(variant, scale)[0]
+    o, lse = cp.ring_forward(ql.detach(), kl.detach(), vl.detach(), cp.TorchRing(), local_forward,
+                             causal=causal, layout=layout)
+    o1, _ = variants.forward(q, k, v, variant=variant, causal=causal)
+    grads = grads1 = None
+    if has_backward:      # through the autograd Function, as a model calls it
+        o_fn = cp.attention(ql, kl, vl, variant=variant, causal=causal, layout=layout)
+        assert torch.equal(o_fn, o), "the autograd Function's O differs from ring_forward's"
+        grads = torch.autograd.grad(o_fn, (ql, kl, vl), part(do))
+        q1, k1, v1 = (x.clone().requires_grad_() for x in (q, k, v))
+        grads1 = torch.autograd.grad(variants.attention(q1, k1, v1, variant=variant,
+                                                        causal=causal), (q1, k1, v1), do)
+        grads1 = [part(x) for x in grads1]
+    grads64 = [part(x) for x in grads64] if has_backward else None
+    ring = _errors(torch, checks, o, part(o64), grads, grads64, lse, part(lse64, 2))
+    one = _errors(torch, checks, part(o1), part(o64), grads1, grads64)
+    text = lambda e: " ".join(f"{k} {e[k]:.2e}" for k in ("o", "lse", "dq", "dk", "dv")  # noqa: E731
+                              if k in e)
+    print(f"rank {rank}/{world} {variant} {mask:18s} d={head_dim:3d}  ring: {text(ring)} "
+          f"{'ok' if ring['ok'] else 'FAIL'}   one GPU: {text(one)}", flush=True)
+    return ring["ok"]
+
+
 def _errors(torch, checks, o, o_ref, grads, grads_ref, lse=None, lse_ref=None):
-    """Relative L2 errors of O and the gradients against float64 (and of L, when given), and
-    whether they pass common/checks.py's bounds."""
+    """Relative L2 errors of O (and of L, the gradients, when given) against float64, and whether
+    they pass common/checks.py's bounds."""
     import numpy as np
     host = lambda x: x.detach().double().cpu().numpy()  # noqa: E731
     no_lse = np.zeros(1)
     got = checks.compare(host(o), no_lse if lse is None else host(lse), host(o_ref),
                          no_lse if lse_ref is None else host(lse_ref), "bfloat16")
-    gr = checks.compare_gradients([host(x) for x in grads], [host(x) for x in grads_ref],
-                                  "bfloat16")
-    return {"o": got["rel_err"], "lse": got["lse_err"], "dq": gr["dq"], "dk": gr["dk"],
-            "dv": gr["dv"], "ok": got["ok"] and gr["ok"]}
+    out = {"o": got["rel_err"], "ok": got["ok"]}
+    if lse is not None:
+        out["lse"] = got["lse_err"]
+    if grads is not None:
+        gr = checks.compare_gradients([host(x) for x in grads], [host(x) for x in grads_ref],
+                                      "bfloat16")
+        out.update(dq=gr["dq"], dk=gr["dk"], dv=gr["dv"], ok=out["ok"] and gr["ok"])
+    return out
 
 
 class _NoTransfer:
@@ -327,7 +345,8 @@ def plot(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("check")
+    c = sub.add_parser("check")
+    c.add_argument("--variants", default="fa2", help="comma-separated; fa3 is checked forward only")
     b = sub.add_parser("bench")
     b.add_argument("--seqlens", default="8192,16384,32768,65536")
     b.add_argument("--masks", default="causal-zigzag,causal-contiguous,full")
