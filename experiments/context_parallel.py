@@ -314,7 +314,10 @@ def plot(args):
     fig, axes = plt.subplots(2, len(masks), figsize=(4.2 * len(masks), 7), squeeze=False)
     colours = {1: "tab:gray", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
     for col, mask in enumerate(masks):
-        sel = [r for r in rows if r["mask"] == mask and r["pass"] == "fwd_bwd"]
+        # a ring of one has no layout: its causal rows (under causal-zigzag) serve both panels
+        sel = [r for r in rows if r["pass"] == "fwd_bwd" and (
+            r["mask"] == mask or (int(r["world"]) == 1 and mask.startswith("causal")
+                                  and r["mask"].startswith("causal")))]
         for world in sorted({int(r["world"]) for r in sel}):
             pts = sorted((int(r["seqlen"]), r) for r in sel if int(r["world"]) == world)
             xs = [p[0] for p in pts]
@@ -328,7 +331,7 @@ def plot(args):
                                   label=f"{world} GPUs, transfers only")
             axes[1][col].plot(xs, [float(p[1]["peak_gb"]) for p in pts], "o-", color=c,
                               label=f"{world} GPU{'s' if world > 1 else ''}")
-        for row, label in ((0, "forward + backward, ms per step"), (1, "peak memory per GPU, GB")):
+        for row, label in ((0, "forward + backward, ms"), (1, "peak memory per GPU, GB")):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
