@@ -1,6 +1,7 @@
 """Figures redrawn from the CSVs the experiments write (no re-running to re-plot).
 
-    python experiments/plot.py <results.csv> --figure speed [--out speed.png] [--ceiling 790]
+    python experiments/plot.py <results.csv> --figure speed [--pass fwd|bwd|fwd_bwd] [--out speed.png]
+                               [--ceiling 790]
     python experiments/plot.py <results.csv> --figure ablation
     python experiments/plot.py <decode.csv> --figure decode
     python experiments/plot.py <compare_configs table .txt> --figure speed
@@ -112,6 +113,8 @@ def speed(rows, out, ceiling=None):
     kernels = [k for k in list(OURS) + list(PEERS) if any(r["variant"] == k for r in rows)]
     panels = _panels(rows)
     passes = sorted({r.get("pass") or "fwd" for r in rows})
+    if len(passes) > 1:
+        raise SystemExit(f"the rows hold the passes {', '.join(passes)}: choose one with --pass")
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
         mine = [r for r in rows if int(r["head_dim"]) == d and (r["causal"] == "True") == causal]
@@ -343,10 +346,16 @@ def main(argv=None):
     ap.add_argument("--figure", choices=sorted(FIGURES), required=True)
     ap.add_argument("--out", default=None, help="the PNG (default: beside the CSV)")
     ap.add_argument("--ceiling", type=float, default=None, help="speed: a dashed TFLOP/s line")
+    ap.add_argument("--pass", dest="pass_", default=None,
+                    help="speed: the rows of this pass only (fwd, bwd, fwd_bwd)")
     args = ap.parse_args(argv)
     rows = read(args.csv)
     if not rows:
         raise SystemExit(f"{args.csv} has no rows")
+    if args.pass_:
+        rows = [r for r in rows if (r.get("pass") or "fwd") == args.pass_]
+        if not rows:
+            raise SystemExit(f"{args.csv} has no rows of pass {args.pass_}")
     out = args.out or os.path.splitext(args.csv)[0] + f"_{args.figure}.png"
     if args.figure == "speed":
         speed(rows, out, args.ceiling)

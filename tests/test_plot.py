@@ -74,6 +74,18 @@ def test_each_figure_is_drawn_from_its_csv(tmp_path, figure, rows):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_speed_draws_one_pass_of_several(tmp_path):
+    rows = grid_rows() + [dict(r, **{"pass": "fwd_bwd"}) for r in grid_rows()]
+    path = write(tmp_path / "results.csv", rows)
+    with pytest.raises(SystemExit, match="choose one with --pass"):
+        plot.main([str(path), "--figure", "speed"])
+    out = plot.main([str(path), "--figure", "speed", "--pass", "fwd_bwd"])
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="no rows of pass bwd"):
+        plot.main([str(path), "--figure", "speed", "--pass", "bwd"])
+
+
 def test_memory_needs_a_measured_peak(tmp_path):
     path = write(tmp_path / "sim.csv", [dict(r, peak_mem_mib="") for r in memory_rows()])
     with pytest.raises(SystemExit, match="no row has a peak_mem_mib"):
