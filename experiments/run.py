@@ -314,7 +314,12 @@ def _quantise_fp8(set_, fp8_cfg, head_dim):
 
 
 def _options(node):
-    return {k: v for k, v in OmegaConf.to_container(node).items() if v is not None}
+    """A variant config's options (or backward_options) that are set; a variant file without the
+    key (or with it empty) has none."""
+    if node is None:
+        return {}
+    items = OmegaConf.to_container(node) if OmegaConf.is_config(node) else dict(node)
+    return {k: v for k, v in items.items() if v is not None}
 
 
 def pass_fn(pass_, forward, backward, sets):

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 import variants
 from common import tiles
-from experiments.run import COLUMNS, resolve_problem
+from experiments.run import COLUMNS, _options, resolve_problem
 from tests.conftest import MODE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +90,25 @@ def test_main_job_checks_and_writes_a_row(tmp_path):
         assert "mean nothing" in out.stdout and ours["fwd_tflops"] == ""
     # one screen: what ran and where, the table, where the CSV went (no library logs)
     assert len(out.stdout.splitlines()) <= 12 and "][INFO]" not in out.stdout, out.stdout[-3000:]
+
+
+@pytest.mark.parametrize("variant", list(variants.REGISTRY))
+def test_every_variant_file_gives_its_options(variant):
+    """run.py reads `options` and `backward_options` of every variant file (fa1's had no
+    backward_options: every fa1 job failed on it, forward ones too)."""
+    cfg = composed(f"variant={variant}")
+    assert cfg.variant.name == variant
+    options = _options(cfg.variant.get("options"))
+    assert set(options) <= set(getattr(variants.get(variant), "OPTIONS", ()))
+    assert isinstance(_options(cfg.variant.get("backward_options")), dict)
+
+
+def test_fa1_job_runs(tmp_path):
+    out = run(["variant=fa1", "problem.seqlen=16", "problem.heads=1",
+               f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    row = read_rows(tmp_path / "run" / "results.csv")[0]
+    assert row["variant"] == "fa1" and row["check"] == "ok"
 
 
 def test_numba_and_cupy_log_quietly_unless_asked():
