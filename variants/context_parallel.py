@@ -26,9 +26,10 @@ D = rowsum(dO o O) the full row's, so the block's dQ, dK, dV are exact contribut
 
 Causal attention and load balance (`layout`): with contiguous parts, rank r's queries see only
 ranks 0..r's keys, so rank 0 works one step in W and rank W - 1 every step. The zig-zag layout
-(Brandon et al. 2023 "Striped attention"'s cousin, used by Llama 3's context parallelism and
-ring-flash-attention) cuts the sequence into 2W chunks and gives rank r chunks r and 2W - 1 - r: then
-every step after the first costs every rank the same half block (`step_block`).
+(Llama 3's context parallelism, "The Llama 3 Herd of Models" 2024, sec. 3.3.2; ring-flash-attention's
+zigzag ring) cuts the sequence into 2W chunks and gives rank r chunks r and 2W - 1 - r: then every
+step after the first costs every rank the same half block (`step_block`). (Striped Attention,
+Brandon et al. 2023, balances the same way with a round-robin split of the tokens.)
 
 The ring itself is any object with `rank`, `world` and `exchange(tensors)`, which starts sending
 `tensors` to rank + 1 and receiving tensors of the same shapes from rank - 1, and returns a handle
