@@ -26,14 +26,14 @@ import threading
 import numpy as np
 
 _kernel = None              # numba.cuda.simulator.kernel, imported by install() (in the simulator
-                            # only: _ptx_sim, which the GPU's tests import too, takes Barrier here)
+                            # only: _sim_collectives, importable on a GPU too, takes Barrier here)
 SWITCH_INTERVAL_S = 5e-3    # Python's default: with no polling thread, a long interval is best
 
 
 class Barrier:
     """A reusable barrier of `size` threads, as threading.Barrier without its timeout, abort and
-    draining states (about half its cost a wait): the collectives of _ptx_sim that meet only their
-    own group (a warp, a warpgroup) wait on one; a thread block's barrier is one too (Block)."""
+    draining states (about half its cost a wait): the collectives of _sim_collectives that meet only
+    their own group (a warp, a warpgroup) wait on one; a thread block's barrier is one too (Block)."""
 
     def __init__(self, size):
         self.cond = threading.Condition()

@@ -1,7 +1,8 @@
 """Hopper (sm_90a) instructions: warpgroup MMA on shared-memory descriptors, mbarriers, bulk tensor
-copies (TMA). Each GPU intrinsic (inline PTX through `common/_ptx_gpu.py`'s helpers) stands beside
-its simulator stand-in, which has the instruction's semantics for the whole group of threads it
-involves; `common/ptx.py` is the same for the sm_80-style instructions (mma.sync, ldmatrix, cp.async).
+copies (TMA). Each GPU intrinsic (inline PTX through `common/_inline_asm.py`'s helpers) stands
+beside its simulator stand-in, which has the instruction's semantics for the whole group of threads
+it involves (built on common/_sim_collectives.py); `common/sm80.py` is the same for the sm_80-style
+instructions (mma.sync, ldmatrix, cp.async).
 
 | name                                     | PTX                                                       |
 |------------------------------------------|-----------------------------------------------------------|
@@ -117,7 +118,8 @@ def operand_addresses(desc, rows, k, mn_major, element_bytes=2):
 if SIMULATOR:
     from numba.cuda.simulator.kernel import _get_kernel_context
 
-    from common import _ptx_sim as sim
+    from common import _sim_collectives as sim
+    from common import lanes
 
     _DTYPES = {"bf16": "bfloat16", "f16": "float16", "e4m3": "e4m3"}
 
@@ -133,7 +135,7 @@ if SIMULATOR:
     def shared_address(smem, offset):
         """Byte offset of element `offset` of `smem` in the dynamic shared memory (on the GPU the
         real shared address; both are 1024-aligned where the dynamic buffer starts aligned)."""
-        ary = sim._unwrap(smem)
+        ary = sim.unwrap(smem)
         base = _dynamic_shared()
         addr = ary.ctypes.data + int(offset) * ary.itemsize - base.ctypes.data
         if not 0 <= addr < base.size:
@@ -148,9 +150,9 @@ if SIMULATOR:
         if a.size and (a.min() < 0 or a.max() + size > mem.size or (a % size).any()):
             raise ValueError("a wgmma operand reaches outside shared memory or is misaligned")
         if dtype == "e4m3":
-            return sim.bytes_to_float(mem[a])
-        return sim.halves_to_float(mem[a].astype(np.uint16) | (mem[a + 1].astype(np.uint16) << 8),
-                                   dtype)
+            return lanes.bytes_to_float(mem[a])
+        return lanes.halves_to_float(mem[a].astype(np.uint16) | (mem[a + 1].astype(np.uint16) << 8),
+                                     dtype)
 
     def _warpgroup():
         t = threading.current_thread()
@@ -179,9 +181,9 @@ if SIMULATOR:
             a = np.zeros((64, 32))
             for w in range(4):
                 bytes_ = np.ascontiguousarray(regs[32 * w:32 * w + 32]).view(np.uint8).reshape(32, 4, 4)
-                a[16 * w + _A8_ROW, _A8_COL] = sim.bytes_to_float(bytes_)
+                a[16 * w + _A8_ROW, _A8_COL] = lanes.bytes_to_float(bytes_)
             return a
-        return np.concatenate([sim.a_fragment_matrix(regs[32 * w:32 * w + 32], dtype)
+        return np.concatenate([lanes.a_fragment_matrix(regs[32 * w:32 * w + 32], dtype)
                                for w in range(4)])
 
     def _wgmma_apply(ops, n, dtype, a_regs, trans_b):
@@ -205,7 +207,7 @@ if SIMULATOR:
     # wgmma is asynchronous: a warpgroup's MMAs run between their issue and the wgmma_wait that
     # covers their commit group, reading their shared-memory operands and writing their
     # accumulators at some time in between. The stand-in does them at the latest, in the wait (as
-    # _ptx_sim's cp.async lands copies at their wait): an accumulator read before its wait sees
+    # sm80's cp.async lands copies at their wait): an accumulator read before its wait sees
     # the old value, and a tile overwritten (or a stage released to the producer) before the wait
     # is read after the change, deterministically, where a GPU would race. It also makes the
     # warpgroup meet once a wait rather than once an MMA (the simulator's cost). A thread whose
@@ -226,11 +228,11 @@ if SIMULATOR:
         if a_regs:
             def wgmma(acc, a0, a1, a2, a3, desc_b, scale_d):
                 _wgmma_state()[0].append(
-                    (compute, (sim._unwrap(acc), (a0, a1, a2, a3), int(desc_b), int(scale_d))))
+                    (compute, (sim.unwrap(acc), (a0, a1, a2, a3), int(desc_b), int(scale_d))))
         else:
             def wgmma(acc, desc_a, desc_b, scale_d):
                 _wgmma_state()[0].append(
-                    (compute, (sim._unwrap(acc), int(desc_a), int(desc_b), int(scale_d))))
+                    (compute, (sim.unwrap(acc), int(desc_a), int(desc_b), int(scale_d))))
         wgmma.__name__ = wgmma.__qualname__ = _wgmma_name(n, dtype, a_regs, trans_b)
         return wgmma
 
@@ -356,7 +358,7 @@ if SIMULATOR:
         first word names the array in a registry."""
         key = _next_map[0]
         _next_map[0] += 1
-        _TENSOR_MAPS[key] = (sim._unwrap(view.array), int(box_rows), int(box_cols))
+        _TENSOR_MAPS[key] = (sim.unwrap(view.array), int(box_rows), int(box_cols))
         words = np.zeros(16, np.uint64)
         words[0] = key
         return words
@@ -373,7 +375,7 @@ if SIMULATOR:
         """Box [c3, c2, c1:c1+rows, c0:c0+cols] of the map's (B, H, N, d) array (zeros past its
         end) into shared memory at dst with the 128-byte swizzle, then complete_tx of the box's
         bytes on the barrier."""
-        src, rows, cols = _TENSOR_MAPS[int(sim._unwrap(tmaps)[int(i), 0])]
+        src, rows, cols = _TENSOR_MAPS[int(sim.unwrap(tmaps)[int(i), 0])]
         box = np.zeros((rows, cols), src.dtype)
         r0, col0 = int(c1), int(c0)
         part = src[int(c3), int(c2), r0:r0 + rows, col0:col0 + cols]
@@ -393,7 +395,8 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from common._ptx_gpu import _as, _asm, _f32, _i32, _i64, _shared_address, _item_pointer
+    from common._inline_asm import (_as, _asm, _f32, _i32, _i64, _item_pointer, _make_statement,
+                                    _shared_address)
 
     @intrinsic
     def shared_address(typingctx, smem, offset):
@@ -467,18 +470,9 @@ else:
         wgmma.cache_name = _wgmma_name(n, dtype, a_regs, trans_b)
         return wgmma
 
-    def _simple(text):
-        @intrinsic
-        def instruction(typingctx):
-            def codegen(context, builder, sig, args):
-                _asm(builder, ir.VoidType(), [], text, "~{memory}", side_effect=True)
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return instruction
-
-    wgmma_fence = _simple("wgmma.fence.sync.aligned;")
-    wgmma_commit = _simple("wgmma.commit_group.sync.aligned;")
-    fence_mbarrier_init = _simple("fence.mbarrier_init.release.cluster;")
+    wgmma_fence = _make_statement("wgmma.fence.sync.aligned;")
+    wgmma_commit = _make_statement("wgmma.commit_group.sync.aligned;")
+    fence_mbarrier_init = _make_statement("fence.mbarrier_init.release.cluster;")
 
     def _make_wait(pending, counts):
         text = f"wgmma.wait_group.sync.aligned {pending};"
@@ -520,7 +514,7 @@ else:
         return wait
 
     def _make_setmaxnreg(direction, count):
-        instruction = _simple(f"setmaxnreg.{direction}.sync.aligned.u32 {count};")
+        instruction = _make_statement(f"setmaxnreg.{direction}.sync.aligned.u32 {count};")
         instruction.cache_name = f"setmaxnreg_{direction}_{count}"
         return instruction
 

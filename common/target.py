@@ -26,15 +26,15 @@ device_function = cuda.jit(device=True, inline="always")
 if SIMULATOR:
     def kernel(fn):
         """cuda.jit of `fn`, whose every simulated thread checks, once the body returns, that it
-        left no asynchronous copy or MMA in flight (_ptx_sim.check_at_exit). The simulator swaps the
-        `cuda` name in the kernel function's globals for its fake module, so the wrapper gets
-        `fn`'s globals (the kernel module's)."""
+        left no asynchronous copy or MMA in flight (_sim_collectives.check_at_exit). The simulator
+        swaps the `cuda` name in the kernel function's globals for its fake module, so the wrapper
+        gets `fn`'s globals (the kernel module's)."""
         import functools
         import types
 
-        from common import _ptx_sim
+        from common import _sim_collectives
 
-        check = _ptx_sim.check_at_exit
+        check = _sim_collectives.check_at_exit
 
         def body(*args):
             fn(*args)

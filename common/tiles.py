@@ -4,7 +4,7 @@ Vocabulary (used in all variants):
 - tile: a ROWS x COLS block of 16-bit elements (uint16 bit patterns) in shared memory, row-major
   with either a swizzled layout (each 16-byte chunk XOR-ed with row % 8, no padding) or padded rows
   (8 extra elements a row). Both make the 8 row addresses of one `ldmatrix` hit distinct banks.
-- fragment: the registers one lane holds of an mma.m16n8k16 operand (see `common/_ptx_sim.py` for
+- fragment: the registers one lane holds of an mma.m16n8k16 operand (see `common/lanes.py` for
   the exact lane layout). Register arrays are `cuda.local.array`s indexed only by loop counters that
   NVVM unrolls, so they live in registers:
     A operand  a[m, kk, 0:4]   uint32  rows 16m.., columns 16kk..    (two 16-bit values a register)

@@ -9,7 +9,7 @@ import pytest
 from numba import cuda, int32
 
 import variants
-from common import _ptx_sim as sem
+from common import lanes as sem
 from common import fp8, inputs, ptx
 from common.target import launch
 from tests.conftest import ON_GPU

@@ -1,6 +1,6 @@
 """Every PTX intrinsic in a kernel, on the GPU (real instruction) or in the simulator (stand-in).
 
-The expected answers come from the NumPy lane semantics in common/_ptx_sim.py, so on a GPU these
+The expected answers come from the NumPy lane semantics in common/lanes.py, so on a GPU these
 tests check each instruction against its stand-in; the lane semantics themselves are checked here
 against the PTX ISA's fragment tables, written out independently as loops.
 """
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
-from common import _ptx_sim as sem
+from common import lanes as sem
 from common import elements, inputs, ptx, target
 from tests.conftest import ON_GPU
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
-from common import _ptx_sim as sem
-from common import arrays, fp8, ptx, sm90, tiles
+from common import lanes as sem
+from common import arrays, fp8, ptx, sm80, sm90, tiles
 from common.target import launch
 from tests.conftest import ON_GPU
 from tests.test_ptx import random_halves
@@ -206,7 +206,7 @@ def handoff_kernel(out, spin):
     smem = cuda.shared.array(0, uint16)
     words = cuda.shared.array(0, uint32)
     if tid == 0:
-        sm90.mbarrier_init(smem, 0, 1)     # a warp-specialised block (see _ptx_sim.independent_groups)
+        sm90.mbarrier_init(smem, 0, 1)     # warp-specialised (_sim_collectives.independent_groups)
         sm90.fence_mbarrier_init()
     cuda.syncthreads()
     for rnd in range(3):                   # three phases of the same barrier
@@ -233,7 +233,7 @@ def test_bar_arrive_hands_stores_to_bar_sync():
 @pytest.mark.sim
 def test_named_barrier_that_cannot_complete_raises(monkeypatch):
     """A bar.sync whose partner never arrives hangs a GPU; the stand-in names it."""
-    monkeypatch.setattr(sem, "NAMED_BARRIER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(sm80, "NAMED_BARRIER_TIMEOUT_S", 0.5)
 
     @cuda.jit
     def lonely(flag):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
-from common import _ptx_sim as sem
+from common import lanes as sem
 from common import elements, inputs, ptx, tiles
 
 WARPS = 2
