@@ -22,7 +22,6 @@ def available():
 
 def forward_fn(name, causal, softmax_scale, gqa):
     """fn(q, k, v) -> o for torch tensors in flash_attn_func's (B, N, H, d) layout."""
-    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 

@@ -11,7 +11,6 @@ from numba import cuda, int32
 import variants
 from common import lanes as sem
 from common import fp8, inputs, ptx
-from common.target import launch
 from tests.conftest import ON_GPU
 
 U = fp8.UNIT_ROUNDOFF
