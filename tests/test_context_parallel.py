@@ -249,6 +249,30 @@ def test_ring_forward_and_backward_are_exact(rng, world, causal, layout, overlap
         np.testing.assert_allclose(got, ref[i], rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def test_timeline_marks_every_step(rng):
+    """The overlap measurement's marks (host clock here, CUDA events on a GPU): every step starts,
+    queues its kernel and, but for the last, receives the next K/V after it (overlap) or before
+    it (overlap=False)."""
+    world = 3
+    q, k, v, _ = ring_problem(rng, world, "zigzag")
+    fwd = float64_kernels(0.3)[0]
+    for overlap in (True, False):
+        def rank_body(ring):
+            timeline = cp.Timeline(torch_events=False)
+            cp.ring_forward(*(cp.shard(x, ring.rank, world) for x in (q, k, v)), ring, fwd,
+                            causal=True, overlap=overlap, timeline=timeline)
+            return timeline.steps()
+        for steps in run_ring(world, rank_body):
+            assert len(steps) == world
+            for i, marks in enumerate(steps):
+                assert marks["start"] == 0 and marks["computed"] >= 0
+                if i + 1 < world:
+                    after, before = ("received", "computed") if overlap else ("computed", "received")
+                    assert marks[after] >= marks[before]
+                else:
+                    assert "received" not in marks
+
+
 def test_ring_refuses_parts_of_different_lengths(rng):
     q, k, v, _ = ring_problem(rng, 1, "zigzag")
     with pytest.raises(ValueError, match="same length"):

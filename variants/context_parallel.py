@@ -343,9 +343,13 @@ def _pass_on(ring, kv, step, overlap, timeline):
 
 
 def _received(incoming, kv, step, timeline):
+    """After the step's kernel: the next K/V (waited for here, with overlap), or kv after the last
+    step."""
     _mark(timeline, step, "computed")
     if incoming is None:
         return kv
+    if isinstance(incoming, Done):      # a ring of one, or overlap=False (received before the kernel)
+        return incoming.wait()
     kv = incoming.wait()
     _mark(timeline, step, "received")
     return kv
