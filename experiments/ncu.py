@@ -2,7 +2,7 @@
 
     python experiments/ncu.py traffic [--variants standard,fa1,fa2] [--seqlens 4096]
                               [--head-dim 64] [--blocks 32,64,128,256] [--batch B] [--heads H]
-                              [--causal 0] [--csv traffic.csv]
+                              [--causal 0] [--pass fwd|fwd_bwd] [--csv traffic.csv]
 
 The shapes are the FA2 paper's unless --batch / --heads say otherwise: batch x seqlen = 16k
 tokens, heads x head_dim = 2048, so that Q, K, V and O (268 MB in bf16) are far larger than the
@@ -20,6 +20,10 @@ with no cache (experiments/io_model.py, times batch x heads) and the compulsory 
 read once, O written once). The block is what the IO model's count depends on: fa1's B_c
 (`block_n`: its K/V blocks are the outer loop, and O, l, m are re-read and re-written once per
 K/V block) and fa2's B_r (`block_m`: K and V are read once per query block); standard has none.
+`--pass fwd_bwd` profiles a forward and the backward after it instead (FA1 Fig. 3 counts both):
+the compulsory bytes are then the forward's plus the backward's (Q, K, V, O, dO read, dQ, dK, dV
+written: 12 N d elements a head), and the model column is empty (the IO model is the forward's).
+The CSV is written row by row, so a sweep cut short keeps what it measured.
 A block a variant's configuration refuses is recorded with the error, and a call that runs out
 of memory (standard's S and P at long sequences) as "out of memory". Without ncu on PATH the
 command stops with a message saying so.
@@ -88,20 +92,32 @@ def parse_csv(text):
     return list(launches.values())
 
 
-def model_bytes(variant, n, d, block, batch, heads):
+PASSES = ("fwd", "fwd_bwd")
+# elements of N x d a head that a pass must read or write at least once: the forward Q, K, V, O;
+# the backward also Q, K, V, O, dO and dQ, dK, dV
+COMPULSORY_ROWS = {"fwd": 4, "fwd_bwd": 4 + 8}
+
+
+def model_bytes(variant, n, d, block, batch, heads, pass_="fwd"):
     """(the loop order's bytes with no cache, the compulsory bytes) of a non-causal square
-    forward, bf16 (experiments/io_model.py)."""
+    forward, bf16 (experiments/io_model.py); the model is NaN for fwd_bwd (no backward model)."""
     from experiments import io_model
     per_head = {"standard": lambda: io_model.standard_bytes(n, d),
                 "fa1": lambda: io_model.fa1_bytes(n, d, block),
                 "fa2": lambda: io_model.fa2_bytes(n, d, block)}.get(variant)
-    compulsory = 4 * n * d * 2 * batch * heads
-    return (per_head() * batch * heads if per_head else float("nan")), compulsory
+    compulsory = COMPULSORY_ROWS[pass_] * n * d * 2 * batch * heads
+    model = per_head() * batch * heads if per_head and pass_ == "fwd" else float("nan")
+    return model, compulsory
 
 
-def call(variant, seqlen, head_dim, batch, heads, causal, options):
-    """One forward call under the profiler (after an untimed one); what `traffic` and `profile`
-    run. `variant` may be an SDPA peer (experiments/peers.py) on torch tensors."""
+def call(variant, seqlen, head_dim, batch, heads, causal, options, pass_="fwd"):
+    """One forward call (pass_="fwd_bwd": a forward and its backward) under the profiler, after an
+    untimed one; what `traffic` and `profile` run. `variant` may be an SDPA peer
+    (experiments/peers.py) on torch tensors, forward only."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+    if variant.startswith("sdpa_") and pass_ != "fwd":
+        raise ValueError(f"{variant}: the SDPA peers are profiled forward only")
     import common
     common.select_backend()
     import numpy as np
@@ -119,9 +135,16 @@ def call(variant, seqlen, head_dim, batch, heads, causal, options):
 
         def run():
             return sdpa(q, k, v)
-    else:
+    elif pass_ == "fwd":
         def run():
             return variants.forward(q, k, v, variant=variant, causal=causal, **options)
+    else:
+        do = inputs.to_device(inputs.random_qkv(np.random.default_rng(1), batch, seqlen, heads,
+                                                head_dim, "bfloat16")[0], library)
+
+        def run():
+            o, lse = variants.forward(q, k, v, variant=variant, causal=causal, **options)
+            return variants.backward(do, q, k, v, o, lse, variant=variant, causal=causal)
 
     run()
     cuda.synchronize()
@@ -133,16 +156,19 @@ def call(variant, seqlen, head_dim, batch, heads, causal, options):
         cuda.profile_stop()
 
 
-def measure(variant, n, d, block, batch, heads, causal, ncu="ncu", run=subprocess.run):
+def measure(variant, n, d, block, batch, heads, causal, ncu="ncu", run=subprocess.run,
+            pass_="fwd"):
     """The row of one configuration: its call profiled in a process of its own."""
     options = {BLOCK_OPTION[variant]: block} if variant in BLOCK_OPTION and block else {}
     argv = [sys.executable, os.path.abspath(__file__), "call", "--variant", variant,
             "--seqlen", str(n), "--head-dim", str(d), "--batch", str(batch), "--heads",
-            str(heads), "--causal", str(int(causal)), "--options", json.dumps(options)]
+            str(heads), "--causal", str(int(causal)), "--options", json.dumps(options),
+            "--pass", pass_]
     out = run(ncu_command(argv, ncu=ncu), capture_output=True, text=True)
     launches = parse_csv(out.stdout)
-    model, compulsory = model_bytes(variant, n, d, block, batch, heads)
-    row = dict(variant=variant, seqlen=n, head_dim=d, batch=batch, heads=heads, causal=causal,
+    model, compulsory = model_bytes(variant, n, d, block, batch, heads, pass_)
+    row = dict(variant=variant, **{"pass": pass_}, seqlen=n, head_dim=d, batch=batch,
+               heads=heads, causal=causal,
                block=block or "", options=json.dumps(options), kernels=len(launches),
                dram_read=sum(x.get(METRICS[0], 0) for x in launches),
                dram_write=sum(x.get(METRICS[1], 0) for x in launches),
@@ -267,8 +293,9 @@ def gpu_name():
 
 
 def traffic(variant_names, seqlens, head_dim, blocks, batch, heads, causal, ncu="ncu",
-            run=subprocess.run):
-    """The rows of every (variant, seqlen, block); standard once a seqlen (it has no block)."""
+            run=subprocess.run, pass_="fwd", csv_path=None):
+    """The rows of every (variant, seqlen, block); standard once a seqlen (it has no block);
+    each appended to csv_path (when given) as soon as it is measured."""
     if run is subprocess.run and shutil.which(ncu) is None:
         raise SystemExit(f"{ncu} (Nsight Compute) is not on PATH: this experiment reads DRAM bytes "
                          "from it; install Nsight Compute or run on the GPU host, which has it")
@@ -277,15 +304,26 @@ def traffic(variant_names, seqlens, head_dim, blocks, batch, heads, causal, ncu=
     for n in seqlens:
         for variant in variant_names:
             for block in (blocks if variant in BLOCK_OPTION else [None]):
-                row = measure(variant, n, head_dim, block, batch, heads, causal, ncu, run)
+                row = measure(variant, n, head_dim, block, batch, heads, causal, ncu, run, pass_)
                 row["gpu"] = gpu
                 rows.append(row)
+                if csv_path:
+                    _append(csv_path, row)
                 ratio = row["dram_bytes"] / row["model_bytes"] if row["model_bytes"] else math.nan
-                print(f"{variant:8s} N={n:<6} block={str(block or '-'):>4} "
+                print(f"{variant:8s} {pass_:7s} N={n:<6} block={str(block or '-'):>4} "
                       f"DRAM {row['dram_bytes'] / 1e9:8.3f} GB (model {row['model_bytes'] / 1e9:8.3f}, "
                       f"{ratio:5.2f}x; compulsory {row['compulsory_bytes'] / 1e9:.3f}) "
                       f"{row['gpu_ms']:8.3f} ms  {row['status']}", flush=True)
     return rows
+
+
+def _append(path, row):
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
 
 
 def main(argv=None):
@@ -299,8 +337,9 @@ def main(argv=None):
     t.add_argument("--batch", type=int, default=0, help="default: 16384 // seqlen")
     t.add_argument("--heads", type=int, default=0, help="default: 2048 // head_dim")
     t.add_argument("--causal", type=int, default=0)
+    t.add_argument("--pass", dest="pass_", default="fwd", choices=PASSES)
     t.add_argument("--ncu", default="ncu")
-    t.add_argument("--csv", default=None)
+    t.add_argument("--csv", default=None, help="appended to, a row as it is measured")
     c = sub.add_parser("call", help="one forward call in a cuProfilerStart/Stop range")
     c.add_argument("--variant", default="fa2")
     c.add_argument("--seqlen", type=int, default=4096)
@@ -309,6 +348,7 @@ def main(argv=None):
     c.add_argument("--heads", type=int, default=16)
     c.add_argument("--causal", type=int, default=0)
     c.add_argument("--options", default="{}")
+    c.add_argument("--pass", dest="pass_", default="fwd", choices=PASSES)
     pr = sub.add_parser("profile", help="where a kernel's time goes, beside a peer's (ncu sections)")
     pr.add_argument("--names", default="fa3,sdpa_cudnn")
     pr.add_argument("--seqlen", type=int, default=4096)
@@ -329,19 +369,15 @@ def main(argv=None):
         return results
     if args.command == "call":
         return call(args.variant, args.seqlen, args.head_dim, args.batch, args.heads,
-                    bool(args.causal), json.loads(args.options))
+                    bool(args.causal), json.loads(args.options), args.pass_)
     rows = []
     for n in (int(x) for x in args.seqlens.split(",")):
         rows += traffic(args.variants.split(","), [n], args.head_dim,
                         [int(x) for x in args.blocks.split(",")],
                         args.batch or max(1, 16384 // n), args.heads or 2048 // args.head_dim,
-                        bool(args.causal), args.ncu)
+                        bool(args.causal), args.ncu, pass_=args.pass_, csv_path=args.csv)
     if args.csv and rows:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        print(f"rows appended to {args.csv}")
     return rows
 
 

@@ -83,6 +83,20 @@ def _pyplot():
     return plt
 
 
+def _one_pass(rows):
+    """The pass all rows are of (a row without the column is a forward's); several: refused."""
+    passes = sorted({r.get("pass") or "fwd" for r in rows})
+    if len(passes) > 1:
+        raise SystemExit(f"the rows hold the passes {', '.join(passes)}: choose one with --pass")
+    return passes[0]
+
+
+# what the traffic figures call one call of a pass, and its compulsory bytes
+PASS_WORDS = {"fwd": ("one forward", "Q, K, V read + O written"),
+              "fwd_bwd": ("one forward + backward",
+                          "fwd: Q, K, V read, O written; bwd: Q, K, V, O, dO read, dQ, dK, dV written")}
+
+
 def _tflops(row):
     """The timed pass's TFLOP/s (pass=fwd rows keep theirs in fwd_tflops)."""
     value = row.get("tflops") or row.get("fwd_tflops") or ""
@@ -112,9 +126,7 @@ def speed(rows, out, ceiling=None):
     rows = [r for r in rows if r.get("check", "ok") == "ok" and r.get("status", "ok") == "ok"]
     kernels = [k for k in list(OURS) + list(PEERS) if any(r["variant"] == k for r in rows)]
     panels = _panels(rows)
-    passes = sorted({r.get("pass") or "fwd" for r in rows})
-    if len(passes) > 1:
-        raise SystemExit(f"the rows hold the passes {', '.join(passes)}: choose one with --pass")
+    passes = [_one_pass(rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
         mine = [r for r in rows if int(r["head_dim"]) == d and (r["causal"] == "True") == causal]
@@ -206,6 +218,7 @@ def traffic(rows, out):
     the compulsory bytes (Q, K, V read, O written) as horizontal lines; one panel a seqlen."""
     plt = _pyplot()
     rows = [r for r in rows if r.get("status", "ok") == "ok"]
+    call, compulsory_label = PASS_WORDS[_one_pass(rows)]
     seqlens = sorted({int(r["seqlen"]) for r in rows})
     fig, axes = plt.subplots(1, len(seqlens), figsize=(4.8 * len(seqlens), 3.8), squeeze=False)
     for ax, n in zip(axes[0], seqlens):
@@ -224,13 +237,13 @@ def traffic(rows, out):
                     ax.axhline(float(r["model_bytes"]), color=color, ls="--",
                                label=f"{variant} model")
         ax.axhline(float(mine[0]["compulsory_bytes"]), color="black", ls=":", lw=0.8,
-                   label="Q, K, V read + O written")
+                   label=compulsory_label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("block (fa1: B_c, fa2: B_r)")
         ax.set_title(f"seqlen {n}, head_dim {mine[0]['head_dim']}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("HBM bytes of one forward")
+    axes[0][0].set_ylabel(f"HBM bytes of {call}")
     axes[0][-1].legend(fontsize=6)
     _save(plt, fig, rows, "HBM traffic against block size", out)
 
@@ -250,6 +263,7 @@ def traffic_seqlen(rows, out):
             if r.get("status", "ok") == "ok" and r.get("dram_bytes") not in ("", None)]
     if not rows:
         raise SystemExit("no measured row (status ok): run experiments/ncu.py traffic on a GPU")
+    call, compulsory_label = PASS_WORDS[_one_pass(rows)]
     fig, ax = plt.subplots(figsize=(5.6, 4.0))
     measured = {}
     for variant in [v for v in OURS if any(r["variant"] == v for r in rows)]:
@@ -276,7 +290,7 @@ def traffic_seqlen(rows, out):
                             textcoords="offset points", xytext=(-6, 6))
     compulsory = sorted({(int(r["seqlen"]), float(r["compulsory_bytes"])) for r in rows})
     ax.plot([c[0] for c in compulsory], [c[1] for c in compulsory], ":", color="black", lw=0.8,
-            label="Q, K, V read + O written")
+            label=compulsory_label)
     ns = sorted({int(r["seqlen"]) for r in rows})
     shapes = sorted({(r.get("batch", "?"), r.get("heads", "?"), r["head_dim"]) for r in rows
                      if int(r["seqlen"]) == ns[-1]})
@@ -285,7 +299,7 @@ def traffic_seqlen(rows, out):
     ax.set_xticks(ns, [f"{n // 1024}k" if n >= 1024 else str(n) for n in ns])
     ax.set_xlabel("sequence length (batch x seqlen fixed; "
                   + ", ".join(f"{h} heads, d={d}" for _, h, d in shapes) + ")")
-    ax.set_ylabel("HBM bytes of one forward")
+    ax.set_ylabel(f"HBM bytes of {call}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=6)
     _save(plt, fig, rows, "HBM traffic against sequence length", out)
@@ -347,7 +361,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="the PNG (default: beside the CSV)")
     ap.add_argument("--ceiling", type=float, default=None, help="speed: a dashed TFLOP/s line")
     ap.add_argument("--pass", dest="pass_", default=None,
-                    help="speed: the rows of this pass only (fwd, bwd, fwd_bwd)")
+                    help="the rows of this pass only (fwd, bwd, fwd_bwd): speed, traffic")
     args = ap.parse_args(argv)
     rows = read(args.csv)
     if not rows:

@@ -2,7 +2,9 @@
 profiled run (the model's bytes beside the measured ones; errors and out-of-memory recorded), and
 the message when ncu is missing. The profiled call itself runs in the simulator (without the
 profiler range)."""
+import csv
 import json
+import math
 
 import pytest
 
@@ -64,6 +66,26 @@ def test_a_row_sums_the_call_and_puts_the_model_beside_it():
     assert std["options"] == "{}" and std["model_bytes"] == io_model.standard_bytes(1024, 64)
 
 
+def test_a_forward_and_backward_row_counts_both_passes_compulsory_bytes(tmp_path):
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return Done(ncu_output([("fa2_forward", 10, 20, 1000), ("fa2_backward_kv", 30, 40, 2000)]))
+
+    row = ncu.measure("fa2", 2048, 64, 128, 1, 4, False, run=run, pass_="fwd_bwd")
+    assert calls[0][calls[0].index("--pass") + 1] == "fwd_bwd"
+    assert row["pass"] == "fwd_bwd" and row["dram_bytes"] == 100 and row["kernels"] == 2
+    assert row["compulsory_bytes"] == 12 * 2048 * 64 * 2 * 4   # Q K V O; Q K V O dO; dQ dK dV
+    assert math.isnan(row["model_bytes"])                      # the IO model is the forward's
+    path = tmp_path / "t.csv"
+    rows = ncu.traffic(["fa2"], [512, 1024], 64, [64], 1, 1, False, run=run, pass_="fwd_bwd",
+                       csv_path=str(path))
+    with open(path) as f:
+        written = list(csv.DictReader(f))
+    assert len(written) == len(rows) == 2 and {r["pass"] for r in written} == {"fwd_bwd"}
+
+
 def test_errors_and_out_of_memory_are_recorded():
     oom = ncu.measure("standard", 65536, 64, None, 1, 16, False,
                       run=lambda cmd, **kw: Done(stderr="torch.OutOfMemoryError: CUDA out of "
@@ -98,6 +120,13 @@ def test_the_profiled_call_runs():
     """`ncu.py call`: the variant's forward with the block option, twice (the profiler range is
     the GPU's; the simulator runs the call alone)."""
     ncu.call("fa1", 16, 64, 1, 1, False, {"block_n": 64})
+
+
+@pytest.mark.sim
+def test_the_profiled_forward_and_backward_runs():
+    ncu.call("fa2", 16, 64, 1, 1, True, {}, pass_="fwd_bwd")
+    with pytest.raises(ValueError, match="forward only"):
+        ncu.call("sdpa_flash", 16, 64, 1, 1, False, {}, pass_="fwd_bwd")
 
 
 def raw_output(kernels):

@@ -156,6 +156,23 @@ def test_traffic_seqlen(tmp_path):
     assert (tmp_path / "traffic_traffic_seqlen.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("figure", ["traffic", "traffic_seqlen"])
+def test_traffic_of_forward_and_backward(tmp_path, figure):
+    """`ncu.py traffic --pass fwd_bwd` rows (no model: NaN) drawn on their own; a CSV that holds
+    both passes needs --pass."""
+    def rows(pass_, model):
+        return [dict(variant=v, **{"pass": pass_}, seqlen=n, head_dim=64, batch=16384 // n,
+                     heads=32, block="" if v == "standard" else 128, dram_bytes=1e9 * n / 1024,
+                     model_bytes=model, compulsory_bytes=3e8, status="ok", gpu="GPU X")
+                for v in ("standard", "fa2") for n in (1024, 4096)]
+    both = write(tmp_path / "t.csv", rows("fwd", 2e9) + rows("fwd_bwd", "nan"))
+    with pytest.raises(SystemExit, match="choose one with --pass"):
+        plot.main([str(both), "--figure", figure])
+    out = plot.main([str(both), "--figure", figure, "--pass", "fwd_bwd"])
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_traffic_seqlen_picks_and_annotates(monkeypatch):
     """fa2 drawn at B_r = 128 (its default), fa1 at its fewest-bytes block when 256 is missing;
     standard's measured bytes over fa2's written beside standard's points."""
