@@ -33,6 +33,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from experiments import append_row  # noqa: E402
 
 FIELDS = ["gpu", "world", "seqlen", "mask", "variant", "batch", "heads", "head_dim", "pass",
           "ms", "compute_ms", "comm_ms", "exposed_ms", "serial_ms", "tflops_per_gpu",
@@ -236,7 +237,7 @@ def bench(args):
             flops = 4 * args.batch * args.heads * seqlen * seqlen * args.head_dim \
                 / (2 if causal else 1) / world
             kv_mb = 2 * k.numel() * k.element_size() / 1e6
-            passes = {"fwd": (lambda **kw: forward(**kw), 1.0)}
+            passes = {"fwd": (forward, 1.0)}
             if args.variant != "fa3":           # fa3 is forward only
                 passes["fwd_bwd"] = (lambda **kw: (forward(**kw), backward(**kw)), 3.5)
             for name, (fn, flop_factor) in passes.items():
@@ -262,21 +263,12 @@ def bench(args):
                 if rank == 0:
                     print(_row_text(rows[-1]), flush=True)
                     if args.csv:                 # row by row: a run cut short keeps its rows
-                        _append(args.csv, rows[-1])
+                        append_row(args.csv, rows[-1], FIELDS)
             q = k = v = do = o = lse = dk32 = dv32 = None   # freed before the next length
             torch.cuda.empty_cache()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
-
-
-def _append(path, row):
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            w.writeheader()
-        w.writerow(row)
 
 
 def _exposed(torch, dist, forward):
@@ -305,8 +297,7 @@ def _row_text(r):
 def plot(args):
     """Per GPU, against the total sequence length: forward + backward time (solid: the ring;
     dotted: its compute alone; dashed: its transfers alone) and peak memory, one colour per W."""
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    from plot import _pyplot, _save
+    from experiments.plot import _pyplot, _save
     with open(args.csv) as f:
         rows = [r for r in csv.DictReader(f) if not r["gpu"].startswith("#")]
     plt = _pyplot()

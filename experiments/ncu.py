@@ -55,6 +55,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import append_row  # noqa: E402
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
 BLOCK_OPTION = {"fa1": "block_n", "fa2": "block_m"}   # the block the IO model's count depends on
@@ -308,22 +309,13 @@ def traffic(variant_names, seqlens, head_dim, blocks, batch, heads, causal, ncu=
                 row["gpu"] = gpu
                 rows.append(row)
                 if csv_path:
-                    _append(csv_path, row)
+                    append_row(csv_path, row)
                 ratio = row["dram_bytes"] / row["model_bytes"] if row["model_bytes"] else math.nan
                 print(f"{variant:8s} {pass_:7s} N={n:<6} block={str(block or '-'):>4} "
                       f"DRAM {row['dram_bytes'] / 1e9:8.3f} GB (model {row['model_bytes'] / 1e9:8.3f}, "
                       f"{ratio:5.2f}x; compulsory {row['compulsory_bytes'] / 1e9:.3f}) "
                       f"{row['gpu_ms']:8.3f} ms  {row['status']}", flush=True)
     return rows
-
-
-def _append(path, row):
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
 
 
 def main(argv=None):

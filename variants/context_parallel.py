@@ -140,9 +140,6 @@ class _Arrays:
         return self.xp.zeros(x.shape, dtype=self.acc_dtype, **({"device": x.device}
                                                                 if self.torch else {}))
 
-    def copy(self, x):
-        return x.clone() if self.torch else x.copy()
-
     def merge(self, o, lse, o_s, lse_s):
         """Two partial attentions over disjoint keys, as one: O (B, n, H, d) in the accumulator
         type, L (B, H, n) float32; a row no key reached (L = -inf) stays O = 0, L = -inf."""
