@@ -186,11 +186,14 @@ if SIMULATOR:
         return np.concatenate([lanes.a_fragment_matrix(regs[32 * w:32 * w + 32], dtype)
                                for w in range(4)])
 
-    def _wgmma_apply(ops, n, dtype, a_regs, trans_b):
-        """D = A B (+ D): ops[i] = (acc array, A registers or descriptor, B descriptor, scale_d)."""
+    def _wgmma_apply(ops, n, dtype, a_regs, trans_b, trans_a=False):
+        """D = A B (+ D): ops[i] = (acc array, A registers or descriptor, B descriptor, scale_d);
+        A read MN-major (M x K given as K rows of M) when trans_a."""
         k, size = (32, 1) if dtype == "e4m3" else (16, 2)
         if a_regs:
             a = _a_from_registers([op[1] for op in ops], dtype)
+        elif trans_a:
+            a = _values_at(operand_addresses(ops[0][1], 64, k, True, size), dtype).T
         else:
             a = _values_at(operand_addresses(ops[0][1], 64, k, False, size), dtype)
         b = _values_at(operand_addresses(ops[0][2], n, k, trans_b, size), dtype)
@@ -217,13 +220,13 @@ if SIMULATOR:
         """This thread's wgmmas: [open group (issued, not committed), committed groups]."""
         return sim.async_groups("wgmma")
 
-    def _make_wgmma(n, dtype, a_regs, trans_b):
+    def _make_wgmma(n, dtype, a_regs, trans_b, trans_a=False):
         dt = _DTYPES[dtype]
 
         def compute(ops):
             if len({(op[1] if not a_regs else None, op[2], bool(op[3])) for op in ops}) != 1:
                 raise RuntimeError("the threads of a warpgroup disagree on a wgmma's descriptors")
-            _wgmma_apply(ops, n, dt, a_regs, trans_b)
+            _wgmma_apply(ops, n, dt, a_regs, trans_b, trans_a)
 
         if a_regs:
             def wgmma(acc, a0, a1, a2, a3, desc_b, scale_d):
@@ -233,7 +236,7 @@ if SIMULATOR:
             def wgmma(acc, desc_a, desc_b, scale_d):
                 _wgmma_state()[0].append(
                     (compute, (sim.unwrap(acc), int(desc_a), int(desc_b), int(scale_d))))
-        wgmma.__name__ = wgmma.__qualname__ = _wgmma_name(n, dtype, a_regs, trans_b)
+        wgmma.__name__ = wgmma.__qualname__ = _wgmma_name(n, dtype, a_regs, trans_b, trans_a)
         return wgmma
 
     def wgmma_fence():
@@ -424,11 +427,12 @@ else:
         ary = context.make_array(aryty)(context, builder, aryval)
         return [builder.gep(ary.data, [ir.Constant(_i32, i)]) for i in range(count)]
 
-    def _make_wgmma(n, dtype, a_regs, trans_b):
+    def _make_wgmma(n, dtype, a_regs, trans_b, trans_a=False):
         count = n // 2
         d = ",".join(f"${i}" for i in range(count))
         # 8-bit types have no transpose immediates (imm-trans-a, imm-trans-b): K-major only
-        trans = "" if dtype == "e4m3" else (f", {int(trans_b)}" if a_regs else f", 0, {int(trans_b)}")
+        trans = "" if dtype == "e4m3" else \
+            (f", {int(trans_b)}" if a_regs else f", {int(trans_a)}, {int(trans_b)}")
         if a_regs:
             a = "{" + ",".join(f"${count + i}" for i in range(4)) + "}"
             b, scale = f"${count + 4}", f"${count + 5}"
@@ -467,7 +471,7 @@ else:
             @intrinsic
             def wgmma(typingctx, acc, desc_a, desc_b, scale_d):
                 return types.void(acc, desc_a, desc_b, scale_d), codegen
-        wgmma.cache_name = _wgmma_name(n, dtype, a_regs, trans_b)
+        wgmma.cache_name = _wgmma_name(n, dtype, a_regs, trans_b, trans_a)
         return wgmma
 
     wgmma_fence = _make_statement("wgmma.fence.sync.aligned;")
@@ -506,10 +510,18 @@ else:
             @intrinsic
             def wait(typingctx, acc, acc2):
                 return types.void(acc, acc2), codegen
-        else:
+        elif len(counts) == 3:
             @intrinsic
             def wait(typingctx, acc, acc2, acc3):
                 return types.void(acc, acc2, acc3), codegen
+        elif len(counts) == 4:
+            @intrinsic
+            def wait(typingctx, acc, acc2, acc3, acc4):
+                return types.void(acc, acc2, acc3, acc4), codegen
+        else:
+            @intrinsic
+            def wait(typingctx, acc, acc2, acc3, acc4, acc5):
+                return types.void(acc, acc2, acc3, acc4, acc5), codegen
         wait.cache_name = f"wgmma_wait{pending}_" + "_".join(map(str, counts))
         return wait
 
@@ -610,27 +622,28 @@ else:
         return sig, codegen
 
 
-def _wgmma_name(n, dtype, a_regs, trans_b):
+def _wgmma_name(n, dtype, a_regs, trans_b, trans_a=False):
     return (f"wgmma_m64n{n}k{K_STEP[dtype]}_{dtype}_{'rs' if a_regs else 'ss'}"
-            f"{'_tb' if trans_b else ''}")
+            f"{'_ta' if trans_a else ''}{'_tb' if trans_b else ''}")
 
 
-def _check_wgmma(n, dtype, trans_b):
+def _check_wgmma(n, dtype, trans_b, trans_a=False):
     if dtype not in K_STEP:
         raise ValueError(f"wgmma element type {dtype!r}: one of {', '.join(K_STEP)}")
-    if dtype == "e4m3" and trans_b:
-        raise ValueError("e4m3 wgmma reads B K-major only (no transpose for 8-bit types)")
+    if dtype == "e4m3" and (trans_b or trans_a):
+        raise ValueError("e4m3 wgmma reads A and B K-major only (no transpose for 8-bit types)")
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"wgmma N={n}: a multiple of 8 from 8 to 256")
 
 
 @lru_cache(maxsize=None)
-def wgmma_ss(n, dtype, trans_b=False):
+def wgmma_ss(n, dtype, trans_b=False, trans_a=False):
     """wgmma(acc, desc_a, desc_b, scale_d): acc (64 x n a warpgroup, fp32) = A B + (acc if scale_d
-    else 0), A (64 x k) and B (k x n) both read from shared memory through descriptors (B K-major,
-    i.e. given as n rows of k, unless trans_b); k = K_STEP[dtype]."""
-    _check_wgmma(n, dtype, trans_b)
-    return _make_wgmma(n, dtype, False, trans_b)
+    else 0), A (64 x k) and B (k x n) both read from shared memory through descriptors (A K-major,
+    i.e. given as 64 rows of k, unless trans_a: k rows of 64, the MN-major layout of the header;
+    B K-major, i.e. given as n rows of k, unless trans_b); k = K_STEP[dtype]."""
+    _check_wgmma(n, dtype, trans_b, trans_a)
+    return _make_wgmma(n, dtype, False, trans_b, trans_a)
 
 
 @lru_cache(maxsize=None)
@@ -648,9 +661,9 @@ def wgmma_wait(pending, *counts):
     flight), for register arrays of `counts` elements a thread: fp32 accumulators (n/2 for
     m64n{n}) or the uint32 A registers of an RS-wgmma. They pass through the instruction, so the
     compiler neither reads an accumulator nor reuses an operand's registers before it. At most
-    three arrays."""
-    if len(counts) > 3:
-        raise ValueError(f"wgmma_wait takes at most 3 register arrays, got {len(counts)}")
+    five arrays."""
+    if len(counts) > 5:
+        raise ValueError(f"wgmma_wait takes at most 5 register arrays, got {len(counts)}")
     return _make_wait(pending, counts)
 
 

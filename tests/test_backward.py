@@ -20,7 +20,7 @@ from tests.conftest import ON_GPU
 SMALL = {"standard": {}, "fa1": {} if ON_GPU else dict(block_n=32, warps=2),
          "fa2": {} if ON_GPU else dict(block_m=64, block_n=32, warps=2, dq_block_m=32, dq_warps=2,
                                        dq_block_n=32)}
-SMALL["fa3"] = SMALL["fa2"]   # fa3's backward is fa2's (variants/fa3.py)
+SMALL["fa3"] = {}   # fa3's own backward has one tile (B_r = 64, B_c = 128) in both
 BACKWARD_VARIANTS = ["standard", "fa1", "fa2"]
 
 
@@ -67,7 +67,7 @@ else:
 @pytest.mark.parametrize("variant, seqlen, causal, dtype, head_dim",
                          [(v, *c) if (v, *c) == ("fa2", 17, True, "bfloat16", 64)   # the quick loop's
                           else pytest.param(v, *c, marks=pytest.mark.slow)
-                          for v in BACKWARD_VARIANTS for c in CASES
+                          for v in BACKWARD_VARIANTS + ["fa3"] for c in CASES
                           if ON_GPU or v == "fa2" or c[0] < 70])
 def test_gradients_match_reference(rng, variant, seqlen, causal, dtype, head_dim):
     backward_and_check(rng, variant, seqlen=seqlen, causal=causal, dtype=dtype, head_dim=head_dim,
@@ -75,10 +75,37 @@ def test_gradients_match_reference(rng, variant, seqlen, causal, dtype, head_dim
 
 
 @pytest.mark.slow
-def test_fa3_forward_then_its_backward(rng):
-    """fa3 has no backward kernel of its own yet: variants.backward(variant="fa3") runs fa2's from
-    fa3's o and lse (the same quantities), and the gradients match float64."""
-    backward_and_check(rng, "fa3", seqlen=40, causal=True, forward_variant="fa3")
+@pytest.mark.parametrize("kernel", ["wgmma", "fa2"])
+def test_fa3_forward_then_its_backward(rng, kernel):
+    """fa3's forward, then its backward from its o and lse: its own kernel (wgmma), or FA2's
+    (kernel="fa2", which takes fa2's options)."""
+    options = dict(SMALL["fa2"], kernel="fa2") if kernel == "fa2" else {}
+    backward_and_check(rng, "fa3", seqlen=40, causal=True, forward_variant="fa3", small=False,
+                       **options)
+
+
+# fa3's own backward (variants/fa3_backward.py: wgmma, TMA, a producer warp) on the shapes that
+# exercise its schedule: ragged K/V and query blocks (70 keys: one block of 128, 70 queries: two
+# of 64), causal over two K/V blocks (the first sees every query block, the second skips two and
+# masks the diagonal ones), d=128 (two 64-column panels a tile, dQ's columns split across the
+# warpgroups), K/V heads shared by two query heads, N_q != N_k with a custom scale, two stages
+# against one.
+FA3_SHAPES = [dict(seqlen=200, causal=True, dtype="float16"),
+              dict(seqlen=150, causal=True, head_dim=128),
+              dict(seqlen=90, causal=False, heads=4, heads_kv=2),
+              dict(seqlen=17, seqlen_k=150, causal=False, softmax_scale=0.37, stages=1),
+              dict(seqlen=70, causal=True, block_n=64)]
+if ON_GPU:
+    FA3_SHAPES = [dict(shape, batch=2, seqlen=shape["seqlen"] * 7) for shape in FA3_SHAPES] + \
+        [dict(seqlen=2048, heads=4, head_dim=d, causal=c, batch=2) for d in (64, 128)
+         for c in (False, True)]
+
+
+@pytest.mark.parametrize("shape", [dict(seqlen=70, causal=False)]
+                         + [pytest.param(s, marks=pytest.mark.slow) for s in FA3_SHAPES],
+                         ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_fa3_backward_shapes(rng, shape):
+    backward_and_check(rng, "fa3", **shape)
 
 
 # fa1's backward is fa2's kernel in another schedule: in the simulator the matrix above covers it.

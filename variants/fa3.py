@@ -790,17 +790,29 @@ def _fp8_scales(prob, descales, block):
     return views, counts[1] > 1, (block if counts[0] > 1 else 1 << 30, block)
 
 
-def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, **options):
-    """fa3 has no backward of its own yet: FA2's backward (Algorithm 2, variants/fa2_backward.py) from fa3's
-    o and lse, which are the same quantities (options: fa2's BackwardConfig and the mask)."""
-    from variants import fa2_backward
-    return fa2_backward.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale, **options)
+BACKWARD_KERNELS = ("wgmma", "fa2")
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel="wgmma", **options):
+    """fa3's backward from its o and lse: `kernel="wgmma"` (variants/fa3_backward.py: FA2's
+    Algorithm 2 with wgmma, TMA and a producer warp; options: its BackwardConfig) or "fa2" (FA2's
+    kernels, variants/fa2_backward.py, which also take sliding windows, softcap and bottom-right
+    rectangles; options: fa2's BackwardConfig)."""
+    if kernel == "fa2":
+        from variants import fa2_backward
+        return fa2_backward.backward(do, q, k, v, o, lse, causal=causal,
+                                     softmax_scale=softmax_scale, **options)
+    if kernel != "wgmma":
+        raise ValueError(f"fa3's backward kernel must be one of {BACKWARD_KERNELS}, got {kernel!r}")
+    from variants import fa3_backward
+    return fa3_backward.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
+                                 **options)
 
 
 def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
-    launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), and FP8 at
-    d=128 non-causal (one scale a head)."""
+    launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), FP8 at d=128
+    non-causal (one scale a head), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32, types.int32,
                 types.int32, types.int32, types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
                 types.int32)
@@ -817,3 +829,5 @@ def compile_targets():
         total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
         yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}", build(cfg), argtypes, \
             (total, qk + pv)
+    from variants import fa3_backward
+    yield from fa3_backward.compile_targets()
