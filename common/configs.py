@@ -61,3 +61,77 @@ def mask_fields(prob):
     if prob.varlen is not None:   # a packed batch (prepare_varlen): where its diagonal sits
         fields += (("varlen", True), ("bottom_right", prob.varlen.bottom_right))
     return fields
+
+
+def resolved_defaults(default_config, head_dims, flags=()):
+    """{(head_dim, causal, flag): Config} of every problem `default_config` resolves by itself (no
+    options): each head dim, causal or not, and for each problem field in `flags` (those with
+    defaults of their own, DEFAULTS[(head_dim, field)]: fa3's "fp8") that field set (flag None:
+    none set). Problems the variant refuses (fa3's FP8 at d=64) are left out. The element type
+    does not choose defaults: bfloat16 stands for every one."""
+    configs = {}
+    for head_dim in head_dims:
+        for causal in (False, True):
+            for flag in (None,) + tuple(flags):
+                try:
+                    configs[head_dim, causal, flag] = default_config(
+                        head_dim, "bfloat16", causal, () if flag is None else ((flag, True),))
+                except ValueError:
+                    continue
+    return configs
+
+
+def default_flags(defaults):
+    """The problem fields that have defaults of their own in a DEFAULTS dict: the field names of
+    its (head_dim, field) keys (fa3: "fp8")."""
+    return tuple(sorted({k[1] for k in defaults if isinstance(k, tuple) and isinstance(k[1], str)}))
+
+
+def describe_default(option, configs, head_dims):
+    """One option's default over `configs` (resolved_defaults) in a line, as the variant files
+    state it: "128", or the exceptions and then the rest, "1 at d=128 non-causal, else 2"."""
+    values = {key: show_value(getattr(cfg, option)) for key, cfg in configs.items()}
+    counts = {}
+    for v in values.values():
+        counts[v] = counts.get(v, 0) + 1
+    common = max(counts, key=lambda v: (counts[v], -list(counts).index(v)))
+    if len(counts) == 1:
+        return common
+    parts = [f"{v} at {_where([k for k in values if values[k] == v], configs, head_dims)}"
+             for v in counts if v != common]
+    return "; ".join(parts) + f"; else {common}"
+
+
+def show_value(value):
+    """A value as YAML writes it (true, false, null, 128, atomic)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+def _where(keys, configs, head_dims):
+    """The problems `keys` (of configs' keys) in words: head dims (runs of three or more as
+    a..b), each with causal / non-causal where only one of the two is among them, and the flag."""
+    groups = {}   # (flag, qualifier) -> head dims
+    for head_dim in head_dims:
+        for flag in dict.fromkeys(f for _, _, f in configs):
+            inside = {c for c in (False, True) if (head_dim, c, flag) in keys}
+            possible = {c for c in (False, True) if (head_dim, c, flag) in configs}
+            if not inside:
+                continue
+            qualifier = "" if inside == possible else " causal" if True in inside else " non-causal"
+            groups.setdefault((flag, qualifier), []).append(head_dim)
+    return ", ".join(f"d={_runs(dims, head_dims)}{q}{'' if flag is None else ' ' + flag}"
+                     for (flag, q), dims in groups.items())
+
+
+def _runs(dims, head_dims):
+    """Head dims as runs of consecutive entries of head_dims: '32, 48, 80..112'."""
+    index = [head_dims.index(d) for d in dims]
+    runs, start = [], 0
+    for n in range(1, len(dims) + 1):
+        if n == len(dims) or index[n] != index[n - 1] + 1:
+            run = dims[start:n]
+            runs.append(f"{run[0]}..{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)))
+            start = n
+    return ", ".join(runs)

@@ -68,6 +68,9 @@ SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
+    if cfg.dry_run:
+        common.select_backend()
+        return dry_run(cfg, "sim" if cfg.device == "sim" else "gpu")
     _pin_parallel_worker()
     mode = _select_backend(cfg.device)
     rows = run_job(cfg, mode)
@@ -350,10 +353,12 @@ def _workspace(module, prob, backward):
     return total
 
 
-def resolved_config(module, prob, dtype, options, k_block_scales=False):
-    """The forward's configuration for this problem as 'name=value;...' over the variant's OPTIONS
-    (its defaults where the config left an option null), or '' for a variant without one."""
-    default_config = getattr(module, "default_config", None)
+def resolved_config(module, prob, dtype, options, k_block_scales=False, backward=False):
+    """The forward's configuration for this problem (backward=True: the backward's) as
+    'name=value;...' over the variant's OPTIONS (BACKWARD_OPTIONS), its defaults where the config
+    left an option null, or '' for a variant without one (default_config, default_backward_config)."""
+    default_config = getattr(module, "default_backward_config" if backward else "default_config",
+                             None)
     if default_config is None:
         return ""
     problem = (("fp8", True), ("k_block_scales", k_block_scales)) if dtype == FP8 else ()
@@ -363,8 +368,30 @@ def resolved_config(module, prob, dtype, options, k_block_scales=False):
     problem += tuple((f, True) for f, on in (("window", band.windowed), ("softcap", band.softcap))
                      if on and hasattr(module.Config, f))   # (fa3 refuses them when called)
     element = "float16" if dtype == FP8 else dtype   # FP8 runs write fp16 (_quantise_fp8)
+    if backward:
+        problem = tuple(p for p in problem if p[0] in ("window", "softcap"))
     chosen = default_config(prob["head_dim"], element, band.banded, problem, **options)
-    return ";".join(f"{k}={getattr(chosen, k)}" for k in module.OPTIONS)
+    names = module.BACKWARD_OPTIONS if backward else module.OPTIONS
+    return ";".join(f"{k}={getattr(chosen, k)}" for k in names)
+
+
+def dry_run(cfg, mode):
+    """dry_run=true: the job's problem and its resolved configuration (the variant's defaults
+    where the variant file leaves an option null; the backward's too with pass=bwd or fwd_bwd),
+    printed; nothing is drawn, compiled or run. The problem is the GPU's (device=sim: the
+    simulator's small one)."""
+    import variants
+    prob = resolve_problem(cfg, mode)
+    pass_ = cfg.get("pass") or "fwd"
+    module = variants.get(cfg.variant.name)
+    print(f"{cfg.variant.name} | {prob} | {cfg.dtype.name} | pass {pass_}")
+    passes = [("forward", False)] + ([("backward", True)] if pass_ in ("bwd", "fwd_bwd") else [])
+    for name, backward in passes:
+        options = _options(cfg.variant.get("backward_options" if backward else "options"))
+        config = resolved_config(module, prob, cfg.dtype.name, options,
+                                 cfg.fp8.scaling == "block", backward=backward)
+        print(f"{name} configuration: " + (config.replace(";", " ") if config else
+                                           "(no options)" if not options else str(options)))
 
 
 def measure(name, fn, ctx, options=None, workspace=0):

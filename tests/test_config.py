@@ -2,6 +2,7 @@
 import csv
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +46,107 @@ def test_variant_configs_name_registered_variants_and_real_options():
         assert set(cfg.variant.options) <= accepted, (name, set(cfg.variant.options) - accepted)
         # and every option is there, so that one override flips it (variant.options.<name>=...)
         assert accepted <= set(cfg.variant.options), (name, accepted - set(cfg.variant.options))
+        # the backward's too, where the variant resolves them itself (fa1, fa2)
+        if hasattr(module, "default_backward_config"):
+            assert set(cfg.variant.backward_options) == set(module.BACKWARD_OPTIONS), name
     fa2 = variants.get("fa2")
     from variants import fa2_backward
     assert set(fa2.OPTIONS) <= {f.name for f in dataclasses.fields(fa2.Config)}
-    assert set(composed("variant=fa2").variant.backward_options) <= set(fa2_backward.BACKWARD_OPTIONS)
     assert set(fa2_backward.BACKWARD_OPTIONS) <= {
         f.name for f in dataclasses.fields(fa2_backward.BackwardConfig)}
+
+
+def annotated_defaults(path):
+    """{(section, option): the text of its `[default: ...]`, or None} of every null option of a
+    variant file (section: options, backward_options); a comment may continue on the lines below
+    its option's, indented."""
+    found, section, option = {}, None, None
+    comments = {}
+    for line in path.read_text().splitlines():
+        top = re.match(r"^(\w+):", line)
+        if top:
+            section, option = top.group(1), None
+            continue
+        entry = re.match(r"^  (\w+): null\s*(?:#(.*))?$", line)
+        if entry and section in ("options", "backward_options"):
+            option = (section, entry.group(1))
+            comments[option] = entry.group(2) or ""
+            continue
+        more = re.match(r"^\s{3,}#(.*)$", line)
+        if more and option:
+            comments[option] += " " + more.group(1)
+        else:
+            option = None
+    for key, text in comments.items():
+        m = re.search(r"\[default: ([^\]]*)\]", " ".join(text.split()))
+        found[key] = m.group(1) if m else None
+    return found
+
+
+def resolved_defaults_of(name):
+    """{(section, option): its default over the variant's head dims, causal or not, and the
+    problem fields with defaults of their own, in the variant file's words} from the code."""
+    from common import configs
+    from variants import fa2_backward
+    module = variants.get(name)
+    sections = []
+    if hasattr(module, "default_config"):
+        sections.append(("options", module.default_config, module.OPTIONS,
+                         configs.default_flags(module.DEFAULTS)))
+    if hasattr(module, "default_backward_config"):   # fa1, fa2: fa2's backward kernels
+        sections.append(("backward_options", module.default_backward_config,
+                         module.BACKWARD_OPTIONS,
+                         configs.default_flags(fa2_backward.BACKWARD_DEFAULTS)))
+    want = {}
+    for section, default_config, options, flags in sections:
+        resolved = configs.resolved_defaults(default_config, module.HEAD_DIMS, flags)
+        for option in options:
+            want[section, option] = configs.describe_default(option, resolved,
+                                                             list(module.HEAD_DIMS))
+    return want
+
+
+@pytest.mark.parametrize("name", group("variant"))
+def test_variant_files_state_the_real_defaults(name):
+    """Every option a variant file leaves null says, as `[default: ...]` in its comment, what the
+    code resolves it to (per head dim, causal, fp8: common/configs.describe_default), so the file
+    and the DEFAULTS cannot drift apart; the backward's too where the variant resolves it."""
+    stated = annotated_defaults(CONF / "variant" / f"{name}.yaml")
+    want = resolved_defaults_of(name)
+    wrong = {f"{s}.{o}": (stated.get((s, o)), text) for (s, o), text in want.items()
+             if stated.get((s, o)) != text and (s, o) in stated}
+    assert not wrong, "variant file's [default: ...] (stated, resolved): " + repr(wrong)
+    assert all(text is not None for (s, o), text in stated.items() if (s, o) in want), \
+        [k for k, text in stated.items() if text is None and k in want]
+
+
+def test_stated_defaults_follow_the_code(monkeypatch):
+    """The check above sees a change of default: fa2's kv_stages at d=128 non-causal made 2."""
+    from common import configs
+    fa2 = variants.get("fa2")
+    resolved = configs.resolved_defaults(fa2.default_config, fa2.HEAD_DIMS)
+    assert configs.describe_default("kv_stages", resolved, list(fa2.HEAD_DIMS)) == \
+        "1 at d=128 non-causal; else 2"
+    resolved[128, False, None] = dataclasses.replace(resolved[128, False, None], kv_stages=2)
+    assert configs.describe_default("kv_stages", resolved, list(fa2.HEAD_DIMS)) == "2"
+    assert configs.describe_default("swizzle", resolved, list(fa2.HEAD_DIMS)) == \
+        "true at d=64, 128, 256; else false"
+
+
+def test_dry_run_prints_the_resolved_configuration(tmp_path):
+    """dry_run=true: the job's configuration with the defaults filled in, forward and backward,
+    and nothing run (no results.csv)."""
+    out = run(["dry_run=true", "variant=fa2", "problem.head_dim=128", "pass=fwd_bwd",
+               "variant.options.warps=8", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    fa2 = variants.get("fa2")
+    forward = fa2.default_config(128, "bfloat16", False, warps=8)
+    backward = fa2.default_backward_config(128, "bfloat16", False)
+    assert "forward configuration: " + " ".join(
+        f"{k}={getattr(forward, k)}" for k in fa2.OPTIONS) in out.stdout
+    assert "backward configuration: " + " ".join(
+        f"{k}={getattr(backward, k)}" for k in fa2.BACKWARD_OPTIONS) in out.stdout
+    assert "'head_dim': 128" in out.stdout and not (tmp_path / "run" / "results.csv").exists()
 
 
 def test_fa2_grid_sweeps_the_paper_grid():

@@ -417,23 +417,32 @@ BACKWARD_OPTIONS = ("block_m", "block_n", "warps", "query_warps", "causal_skip",
                     "kv_in_registers", "dq_reduce")
 
 
-def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-             softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
-    """FA1 backward (Algorithm 4's schedule); arguments as variants.fa2_backward.backward. options: the tile
-    of fa2's backward kernel (BACKWARD_OPTIONS), causal_skip False unless set."""
+def default_backward_config(head_dim, element, causal, problem=(), **options):
+    """The configuration of fa2's backward kernel that `backward` launches: Algorithm 4's schedule
+    (kv_blocks="sequential", dq="atomic"), causal_skip False unless set, the rest fa2's backward
+    defaults (variants/fa2_backward.py), overridden by the options (BACKWARD_OPTIONS) not None."""
     from variants import fa2_backward
     unknown = set(options) - set(BACKWARD_OPTIONS)
     if unknown:
         raise ValueError(f"fa1 backward has no option {', '.join(sorted(unknown))}; its options: "
                          f"{', '.join(BACKWARD_OPTIONS)}")
+    tiles.check_head_dim(head_dim, "fa1 backward", HEAD_DIMS)
+    options = {k: v for k, v in options.items() if v is not None}
+    options.setdefault("causal_skip", False)
+    return fa2_backward.default_backward_config(head_dim, element, causal, problem, dq="atomic",
+                                                kv_blocks="sequential", **options)
+
+
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+             softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
+    """FA1 backward (Algorithm 4's schedule); arguments as variants.fa2_backward.backward. options: the tile
+    of fa2's backward kernel (BACKWARD_OPTIONS), causal_skip False unless set."""
+    from variants import fa2_backward
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa1",
                              window_size=window_size, softcap=softcap, align=align)
-    options = {k: v for k, v in options.items() if v is not None}
-    options.setdefault("causal_skip", False)
-    cfg = fa2_backward.default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
-                                               configs.mask_fields(g.prob), dq="atomic",
-                                               kv_blocks="sequential", **options)
+    cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
+                                  configs.mask_fields(g.prob), **options)
     return fa2_backward.run_backward(g, cfg)
 
 
@@ -459,6 +468,5 @@ def compile_targets():
                     yield f"fa1 d={head_dim} {element.tag} causal={causal}{tag}", \
                         build(cfg), argtypes, mma
     from variants import fa2_backward
-    cfg = fa2_backward.default_backward_config(128, BFLOAT16, False, dq="atomic", kv_blocks="sequential",
-                                      causal_skip=False)
+    cfg = default_backward_config(128, BFLOAT16, False)
     yield from fa2_backward.backward_compile_targets(cfg, "fa1 backward d=128 bf16 causal=False")

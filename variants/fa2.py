@@ -35,9 +35,13 @@ from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE,
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 from variants import fa2_backward
-from variants.fa2_backward import backward, backward_varlen  # noqa: F401  (Algorithm 2)
 
 HEAD_DIMS = tiles.HEAD_DIMS
+
+# Algorithm 2, FA2's backward (variants/fa2_backward.py), as fa2's own: its calls and its options
+backward, backward_varlen = fa2_backward.backward, fa2_backward.backward_varlen
+BACKWARD_OPTIONS, default_backward_config = (fa2_backward.BACKWARD_OPTIONS,
+                                             fa2_backward.default_backward_config)
 
 
 @dataclass(frozen=True)
