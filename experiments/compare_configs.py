@@ -8,6 +8,13 @@ Each configuration is a dict of fa2 options; "hd" / "causal" keys restrict it to
 causal setting. --peers sdpa_flash,sdpa_cudnn times those SDPA backends first (ratios to the first).
 Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 2048), bf16 (--dtype float16 for
 fp16).
+
+--pass bwd times the backward alone instead (the configurations are the variant's backward
+options; o and lse from fa2's forward, made once), the papers' FLOPs (2.5x the forward's); each
+configuration's gradients are checked against fa2's backward on the same tensors (max error within
+2^-6 of the largest gradient: a wrong kernel is far off), the peers' backward timed by autograd.
+
+    python experiments/compare_configs.py '[{}, {"kernel": "fa2"}]' --variant fa3 --pass bwd
 """
 import argparse
 import json
@@ -31,6 +38,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--peers", default="sdpa_flash",
                     help="torch SDPA backends timed first (the first is the ratios' base)")
+    ap.add_argument("--pass", dest="pass_", default="fwd", choices=("fwd", "bwd"))
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -50,9 +58,12 @@ def main(argv=None):
                 n_sets = max(1, math.ceil(128e6 / (3 * b * n * h * hd * 2)))
                 hosts = [inputs.random_qkv(rng, b, n, h, hd, args.dtype) for _ in range(n_sets)]
                 sets = [tuple(inputs.to_device(x, "torch") for x in host) for host in hosts]
+                total = flops.attention_flops(b, h, n, n, hd, causal)
+                if args.pass_ == "bwd":
+                    backward_configs(args, module, configs, sets, causal, hd, n, 2.5 * total)
+                    continue
                 rows = np.unique(rng.choice(n, 64))
                 ref = reference.attention(*hosts[0], causal=causal, rows=rows)
-                total = flops.attention_flops(b, h, n, n, hd, causal)
                 candidates = [(p, peers.forward_fn(p, causal, None, gqa=False))
                               for p in args.peers.split(",") if p]
                 for options in configs:
@@ -71,6 +82,45 @@ def main(argv=None):
                     base = base or tflops
                     print(f"{hd} {int(causal)} {n} {tflops:.1f} ({tflops / base:.2f}) {t.median_ms:.4f} "
                           f"{'ok' if ok else 'FAIL'} {name}", flush=True)
+
+
+def backward_configs(args, module, configs, sets, causal, hd, n, total):
+    """--pass bwd: the peers' backward and each backward configuration of `module`, timed on the
+    same tensors (o, lse from fa2's forward, dO random), checked against fa2's backward."""
+    import torch
+
+    from common import timing
+    from experiments import peers
+    import variants
+    dos = [torch.randn_like(s[0]) for s in sets]
+    outs = [variants.forward(*s, variant="fa2", causal=causal) for s in sets]
+    ref = [x.float() for x in variants.backward(dos[0], *sets[0], *outs[0], variant="fa2",
+                                                 causal=causal)]
+    candidates = []
+    for p in args.peers.split(","):
+        if p:
+            fn = peers.pass_fn("bwd", peers.forward_fn(p, causal, None, gqa=False),
+                               [s + (d,) for s, d in zip(sets, dos)])
+            fn.prime()
+            candidates.append((p, lambda i, fn=fn: fn(i)[2]))
+    for options in configs:
+        options = dict(options)
+        if options.pop("hd", hd) != hd or options.pop("causal", causal) != causal:
+            continue
+        candidates.append((json.dumps(options, separators=(",", ":")),
+                           lambda i, o=options: module.backward(
+                               dos[i % len(sets)], *sets[i % len(sets)], *outs[i % len(sets)],
+                               causal=causal, **o)))
+    base = None
+    for name, fn in candidates:
+        got = [x.float() for x in fn(0)]
+        ok = all(float((g - r).abs().max()) <= 2 ** -6 * float(r.abs().max())
+                 for g, r in zip(got, ref))
+        t = timing.benchmark(fn, warmup=3, target_ms=200)
+        tflops = total / t.median_ms / 1e9
+        base = base or tflops
+        print(f"{hd} {int(causal)} {n} {tflops:.1f} ({tflops / base:.2f}) {t.median_ms:.4f} "
+              f"{'ok' if ok else 'FAIL'} {name}", flush=True)
 
 
 if __name__ == "__main__":

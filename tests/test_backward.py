@@ -88,11 +88,13 @@ def test_fa3_forward_then_its_backward(rng, kernel):
 # exercise its schedule: ragged K/V and query blocks (70 keys: one block of 128, 70 queries: two
 # of 64), causal over two K/V blocks (the first sees every query block, the second skips two and
 # masks the diagonal ones), d=128 (two 64-column panels a tile, dQ's columns split across the
-# warpgroups), K/V heads shared by two query heads, N_q != N_k with a custom scale, two stages
-# against one.
+# warpgroups), dQ's product at the end of its step or deferred to the next (dq_deferred: the
+# default at d=64, not at 128), K/V heads shared by two query heads, N_q != N_k with a custom
+# scale, one stage, one consumer warpgroup (block_n=64).
 FA3_SHAPES = [dict(seqlen=200, causal=True, dtype="float16"),
               dict(seqlen=150, causal=True, head_dim=128),
-              dict(seqlen=90, causal=False, heads=4, heads_kv=2),
+              dict(seqlen=130, causal=True, dq_deferred=False),
+              dict(seqlen=90, causal=False, heads=4, heads_kv=2, head_dim=128, dq_deferred=True),
               dict(seqlen=17, seqlen_k=150, causal=False, softmax_scale=0.37, stages=1),
               dict(seqlen=70, causal=True, block_n=64)]
 if ON_GPU:

@@ -73,6 +73,8 @@ class BackwardConfig:
     stages: int = 2         # Q_i / dO_i buffers in the ring (2: the copy of step i+1 overlaps step i)
     setmaxnreg: bool = True  # a producer warpgroup that gives its registers to the consumers
                              # (False: a producer warp beside them)
+    dq_deferred: bool = False    # issue step i's dQ product with step i+1's S^T, dP^T (its terms
+                                 # written out while dP^T runs) rather than at the end of step i
 
     @property
     def consumers(self):
@@ -135,7 +137,8 @@ class BackwardConfig:
 BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
 # FA3's own tile for head_dim 64 and 128 (flash_attn/cute's sm90 backward): B_r = 64, B_c = 128,
 # two consumer warpgroups; 194 KB of shared memory at d = 128.
-BACKWARD_DEFAULTS = {64: dict(block_n=128), 128: dict(block_n=128)}
+# dq_deferred at d=128 holds dQ_{i-1} (32 registers) beside S^T, dP^T, dK, dV (192): ptxas spills.
+BACKWARD_DEFAULTS = {64: dict(block_n=128, dq_deferred=True), 128: dict(block_n=128)}
 default_backward_config = configs.default_config_function(
     "fa3 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
 
@@ -170,8 +173,12 @@ def build_backward(cfg):
     MMA_ST = sm90.wgmma_ss(BR, DTYPE)                      # S^T, dP^T   (m64 n=B_r k16)
     MMA_KV = sm90.wgmma_rs(D, DTYPE, True)                 # dV, dK      (m64 n=d, B transposed)
     MMA_DQ = sm90.wgmma_ss(DQ_COLS, DTYPE, True, True)     # dQ          (A and B transposed)
-    WAIT1_ST = sm90.wgmma_wait(1, BR // 2)      # the older of two groups (S^T, or dP^T) landed
+    WAIT1_ST = sm90.wgmma_wait(1, BR // 2)      # all but the last group (dP^T, or dV) landed
+    WAIT1_ST_DQ = sm90.wgmma_wait(1, BR // 2, DQ_COLS // 2)   # dQ_{i-1} and S^T (not dP^T)
+    WAIT_KV = sm90.wgmma_wait(0, D // 2, D // 2, 4 * K_Q, 4 * K_Q)   # dK, dV and their A registers
+    WAIT_DQ = sm90.wgmma_wait(0, DQ_COLS // 2)
     WAIT_ALL = sm90.wgmma_wait(0, DQ_COLS // 2, D // 2, D // 2, 4 * K_Q, 4 * K_Q)
+    DQ_DEFERRED = cfg.dq_deferred
     ST_ACC, KV_ACC, DQ_ACC, A_FRAG = (1, BR // 8, 4), (1, D // 8, 4), (1, DQ_COLS // 8, 4), \
         (1, K_Q, 4)
 
@@ -211,6 +218,21 @@ def build_backward(cfg):
             MMA_DQ(acc, sm90.descriptor_advance(ds_desc, kk * 16 * ROW_BYTES),
                    sm90.descriptor_advance(k_desc, kk * 16 * ROW_BYTES), kk)
         sm90.wgmma_commit()
+
+    @device_function
+    def write_dq(smem_f32, dq_acc, dq, dqf, b, h, row, lane):
+        """l.15's terms of this warp into dQ's fp32 accumulator in HBM: staged in the warp's slice
+        of the dQ buffer (fragment order), added by one bulk reduction that lane 0 issues; `row`:
+        the slice's first row of head h's (contiguous) accumulator."""
+        if lane == 0:
+            ptx.bulk_wait_read(0)   # the warp's previous reduction has read its slice
+        ptx.syncwarp()
+        tiles.stage_accumulator_fragments_f32(smem_f32[dqf:dqf + DQF_WARP], dq, lane)
+        ptx.fence_proxy_async_shared()    # the copy engine reads what these stores wrote
+        ptx.syncwarp()
+        if lane == 0:
+            ptx.bulk_reduce_add_f32(dq_acc[b, h], row, smem_f32, dqf, 4 * DQF_WARP)
+            ptx.bulk_commit()
 
     @device_function
     def produce(smem, smem_f32, tiles0, tmaps, lse, d_vec, b, h_kv, h0, key0, i0, n_i, n_steps,
@@ -318,6 +340,7 @@ def build_backward(cfg):
         stats0 = (2 * tiles0 + STATS_BYTES) >> 2
         dq_slice = wg_warp * NWG + wg                    # this warp's slice of a query block's dQ
         dqf = ((2 * tiles0 + DQF_BYTES) >> 2) + dq_slice * DQF_WARP
+        dq_row = dq_slice * (DQF_WARP // D)              # ... its first row in the block
 
         dk = cuda.local.array(KV_ACC, float32)
         dv = cuda.local.array(KV_ACC, float32)
@@ -330,18 +353,31 @@ def build_backward(cfg):
         tiles.fill(dv, float32(0))
         sm90.mbarrier_wait(smem, BAR_KV, 0)
 
+        # The tensor cores' queue a step: S^T, dP^T, then dV, dK, dQ. With `dq_deferred`: dQ of the
+        # previous step (its dS^T is staged), S^T, dP^T, then dV, dK; so the dQ terms of step i-1
+        # are written out while dP^T of step i runs. Either way nothing is in flight across the
+        # loop's back edge (ptxas would serialise every wgmma).
+        h_prev, q0_prev = h0, int32(0)
         for step in range(n_steps):                                                # l.8
             h, i = position(step, n_i, i0, h0)
             q0 = int32(i * BR)
             stage, parity = slot(step)
             stage_bytes = stage * 4 * Q_ELEMS                  # a stage: Q_i then dO_i
             st = stats0 + stage * 2 * BR
+            buf = step & 1
             sm90.mbarrier_wait(smem, BAR_FULL + 4 * stage, parity)                 # l.9
             sm90.wgmma_fence()
+            if DQ_DEFERRED and step > 0:                       # l.15 of the previous step
+                dq_product(dq, sm90.descriptor_advance(ds_desc, (1 - buf) * 2 * DS_ELEMS), kd_desc)
             transposed_scores(s, k_desc, sm90.descriptor_advance(qk_desc, stage_bytes))      # l.10
             transposed_scores(dp, v_desc,
                               sm90.descriptor_advance(qk_desc, stage_bytes + Q_BYTES))   # l.13
-            WAIT1_ST(s)                                       # S^T landed; dP^T may still run
+            if DQ_DEFERRED:
+                WAIT1_ST_DQ(s, dq)            # dQ_{i-1} and S^T landed; dP^T may still run
+                if step > 0:
+                    write_dq(smem_f32, dq_acc, dq, dqf, b, h_prev, q0_prev + dq_row, lane)
+            else:
+                WAIT1_ST(s)                   # S^T landed; dP^T may still run
             if CAUSAL and key0 + wg * WG_KEYS + WG_KEYS - 1 > q0:   # keys past a query's diagonal
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, True, BAND_LO, 0,
                                              lane, False)
@@ -352,31 +388,32 @@ def build_backward(cfg):
             WAIT1_ST(dp)                                      # dP^T landed; dV may still run
             softmax.grad_columns(s, dp, smem_f32[st + BR:st + 2 * BR], lane)             # l.14
             tiles.accumulator_to_a(ds, dp, ELEM)
-            buf = step & 1
             tiles.stage_accumulator(smem32[(tiles0 + DS0) // 2 + buf * (DS_ELEMS // 2):
                                            (tiles0 + DS0) // 2 + (buf + 1) * (DS_ELEMS // 2)],
                                     dp, warp_key, lane, BR, True, ELEM)
             sm90.wgmma_fence()
             accumulate(dk, ds, sm90.descriptor_advance(qmn_desc, stage_bytes))          # l.16
-            # l.15: every warpgroup's dS^T is staged (and visible to the tensor cores' async
-            # proxy); this warpgroup's columns of dS K_j.
+            # every warpgroup's dS^T is staged (and visible to the tensor cores' async proxy)
+            # for l.15's product: this warpgroup's columns of dS K_j, now or at the next step
             ptx.fence_proxy_async_shared()
             ptx.bar_sync(DS_BARRIER, CONSUMERS)
-            sm90.wgmma_fence()
-            dq_product(dq, sm90.descriptor_advance(ds_desc, buf * 2 * DS_ELEMS), kd_desc)
-            WAIT_ALL(dq, dk, dv, p, ds)
+            if DQ_DEFERRED:
+                WAIT_KV(dk, dv, p, ds)
+            else:
+                sm90.wgmma_fence()
+                dq_product(dq, sm90.descriptor_advance(ds_desc, buf * 2 * DS_ELEMS), kd_desc)
+                WAIT_ALL(dq, dk, dv, p, ds)
             if lane == 0:   # Q_i, dO_i, L_i, D_i read for the last time: the stage is free
                 sm90.mbarrier_arrive(smem, BAR_EMPTY + 4 * stage)
-            if lane == 0:
-                ptx.bulk_wait_read(0)   # the warp's previous reduction has read its slice
-            ptx.syncwarp()
-            tiles.stage_accumulator_fragments_f32(smem_f32[dqf:dqf + DQF_WARP], dq, lane)
-            ptx.fence_proxy_async_shared()    # the copy engine reads what these stores wrote
-            ptx.syncwarp()
-            if lane == 0:   # rows q0 + (the warp's slice) of the contiguous query block
-                ptx.bulk_reduce_add_f32(dq_acc[b, h], int32(q0 + dq_slice * (DQF_WARP // D)),
-                                        smem_f32, dqf, 4 * DQF_WARP)
-                ptx.bulk_commit()
+            if not DQ_DEFERRED:
+                write_dq(smem_f32, dq_acc, dq, dqf, b, h, q0 + dq_row, lane)
+            h_prev, q0_prev = h, q0
+        if DQ_DEFERRED and n_steps > 0:                                            # l.15, the last
+            sm90.wgmma_fence()
+            dq_product(dq, sm90.descriptor_advance(ds_desc, ((n_steps - 1) & 1) * 2 * DS_ELEMS),
+                       kd_desc)
+            WAIT_DQ(dq)
+            write_dq(smem_f32, dq_acc, dq, dqf, b, h_prev, q0_prev + dq_row, lane)
 
         # l.17: dK_j = softmax_scale dK_j and dV_j, staged in K_j's and V_j's room once every
         # warpgroup is done reading them (the last dQ product reads all of K_j).
