@@ -2,15 +2,20 @@
 
     python experiments/decode.py [--batches 1,4,8] [--lengths 16384,65536,131072] [--heads 32]
                                  [--heads-kv 8] [--head-dim 128] [--page-size 256] [--csv PATH]
-                                 [--only-decode]
+                                 [--only-decode] [--combine kernel,fused]
 
 One new token a sequence (q: (B, 1, H, d), bf16) against caches of L tokens a sequence, paged
 (pages of --page-size tokens, a shuffled block table). Each row is checked against float64 on one
 sequence, then timed (CUDA events, median; two input sets when the caches fit in L2 twice):
-- decode: variants.decode, split-KV with the heuristic's num_splits (the column says how many);
+- decode: variants.decode, split-KV with the heuristic's num_splits (the column says how many),
+  the splits merged by the combine kernel (combine="kernel");
 - decode, CUDA graph: the same call captured once in a CUDA graph and replayed (torch on a GPU):
   the kernels without the host's time a call, what a serving loop that replays its decoding step
   pays (check=False and a fixed num_splits read nothing back, so the step captures);
+- decode, fused (and its CUDA graph): the same with combine="fused", the splits merged by the
+  split kernel's last block of each sequence and K/V head (one launch, not two); timed beside the
+  rows above in the same run (--combine picks either or both; no fused rows where num_splits = 1,
+  which has nothing to merge);
 - no split: the same kernel with split_kv=False (one thread block a sequence and K/V head);
 - contiguous: decode on a (B, L, H_kv, d) cache, no block table;
 - fa2: variants.forward with seqlen_q = 1 (FA2's grid: one query block a sequence and head);
@@ -37,10 +42,12 @@ def copy_bandwidth(torch):
 
 
 def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size=256,
-                 extra_splits=(), peers_on=True, copy_gbs=float("nan"), rng=None, others=True):
+                 extra_splits=(), peers_on=True, copy_gbs=float("nan"), rng=None, others=True,
+                 combines=("kernel", "fused")):
     """The rows of one (batch, cache length): each kernel checked on one sequence against float64
-    (decode's), then timed. Returns dicts with kernel, ms, gbs, of_copy, vs_fa2, splits, host_us.
-    others=False: decode and its CUDA-graph replay only (no split, contiguous, fa2, peers)."""
+    (decode's, with each combine), then timed. Returns dicts with kernel, ms, gbs, of_copy, vs_fa2,
+    splits, host_us. others=False: decode and its CUDA-graph replay only (no split, contiguous,
+    fa2, peers). combines: the ways of merging the splits timed (decoding.COMBINES)."""
     import numpy as np
     from numba import cuda
 
@@ -91,31 +98,51 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
             lens = inputs.to_device(np.full(batch, length, np.int32), library)
         sets.append((q, kc, vc, table, lens, kcont, vcont))
 
-    # check one sequence of set 0 against float64
-    q, kc, vc, table, lens, kcont, vcont = sets[0]
-    o, lse = variants.decode(q, kc, vc, lens, block_table=table)
-    b = batch - 1
-    ref = reference.attention(inputs.to_host(q[b:b + 1]), inputs.to_host(kcont[b:b + 1]),
-                              inputs.to_host(vcont[b:b + 1]))
-    got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
-                         dtype)
-    ok = "ok" if got["ok"] else "FAIL"
     splits = decoding.num_splits_heuristic(batch, h_kv, length,
                                            target.multiprocessor_count(),
                                            decoding.Config.block_n)
+    unknown = set(combines) - set(decoding.COMBINES)
+    if unknown:
+        raise ValueError(f"combines: {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(decoding.COMBINES)}")
+    if splits == 1:   # nothing to merge: one kernel whichever way
+        combines = [c for c in combines if c == "kernel"] or ["kernel"]
+    # check one sequence of set 0 against float64, with each combine
+    q, kc, vc, table, lens, kcont, vcont = sets[0]
+    b = batch - 1
+    ref = reference.attention(inputs.to_host(q[b:b + 1]), inputs.to_host(kcont[b:b + 1]),
+                              inputs.to_host(vcont[b:b + 1]))
+    verdict = {}
+    for combine in combines:
+        o, lse = variants.decode(q, kc, vc, lens, block_table=table, combine=combine)
+        got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
+                             dtype)
+        verdict[combine] = "ok" if got["ok"] else "FAIL"
+    ok = "ok" if all(v == "ok" for v in verdict.values()) else "FAIL"
 
     def timed(fn):
         return timing.benchmark(lambda i: fn(*sets[i % n_sets]), **bench).median_ms
 
-    def step(q, kc, vc, t, n, *_):
-        return variants.decode(q, kc, vc, n, block_table=t, check=False, num_splits=splits)
+    def step(q, kc, vc, t, n, *_, combine="kernel"):
+        return variants.decode(q, kc, vc, n, block_table=t, check=False, num_splits=splits,
+                               combine=combine)
 
-    rows = {f"decode (splits={splits})": timed(step)}
-    if torch is not None and not target.SIMULATOR:
-        graphs = [timing.capture_cuda_graph(lambda s=s: step(*s))[0] for s in sets]
-        rows["decode, CUDA graph"] = timing.benchmark(lambda i: graphs[i % n_sets].replay(),
-                                                      **bench).median_ms
-        del graphs
+    rows, row_check = {}, {}
+    for combine in combines:   # "decode (splits=S)" / "decode, fused (splits=S)", then graphs
+        tag = "" if combine == "kernel" else f", {combine}"
+        name = f"decode{tag} (splits={splits})"
+        rows[name] = timed(lambda *s, c=combine: step(*s, combine=c))
+        row_check[name] = verdict[combine]
+
+    def replayed(combine):   # the step captured once per input set, the graphs replayed in turn
+        graphs = [timing.capture_cuda_graph(lambda s=s: step(*s, combine=combine))[0]
+                  for s in sets]
+        return timing.benchmark(lambda i: graphs[i % n_sets].replay(), **bench).median_ms
+
+    for combine in combines if torch is not None and not target.SIMULATOR else ():
+        name = "decode" + ("" if combine == "kernel" else f", {combine}") + ", CUDA graph"
+        rows[name] = replayed(combine)
+        row_check[name] = verdict[combine]
     if others:
         rows["decode, no split"] = timed(lambda q, kc, vc, t, n, *_:
                                          variants.decode(q, kc, vc, n, block_table=t,
@@ -131,7 +158,7 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     calls = 1 if target.SIMULATOR else 50
     start = time.perf_counter()
     for _ in range(calls):
-        step(*sets[0])
+        step(*sets[0], combine=combines[0])
     host_us = (time.perf_counter() - start) / calls * 1e6
     cuda.synchronize()
     if others:
@@ -153,9 +180,10 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
                         head_dim=d, page_size=ps, ms=round(ms, 4), gbs=round(gbs, 1),
                         of_copy=round(gbs / copy_gbs, 3), vs_fa2=round(base / ms, 2),
                         host_us=round(host_us, 1) if name.startswith("decode (") else "",
-                        check=ok, gpu=target.describe()))
-        print(f"B={batch:<2} L={length:<7} {name:22} {ms:8.3f} ms {gbs:7.0f} GB/s "
-              f"{gbs / copy_gbs:6.1%} of copy  {base / ms:5.2f}x fa2  {ok}", flush=True)
+                        check=row_check.get(name, ok), gpu=target.describe()))
+        print(f"B={batch:<2} L={length:<7} {name:29} {ms:8.3f} ms {gbs:7.0f} GB/s "
+              f"{gbs / copy_gbs:6.1%} of copy  {base / ms:5.2f}x fa2  "
+              f"{row_check.get(name, ok)}", flush=True)
     sets.clear()   # free the caches before the next size
     if torch is not None:
         torch.cuda.empty_cache()
@@ -176,6 +204,9 @@ def main(argv=None):
     ap.add_argument("--plot", default=None, help="a PNG: GB/s against cache length, per batch")
     ap.add_argument("--only-decode", action="store_true",
                     help="decode and its CUDA-graph replay only (no split, contiguous, fa2, peers)")
+    ap.add_argument("--combine", default="kernel,fused",
+                    help="how the splits are merged, timed side by side: kernel (a second kernel), "
+                         "fused (the split kernel's last block), or both (default)")
     args = ap.parse_args(argv)
 
     import common
@@ -198,7 +229,8 @@ def main(argv=None):
             out += measure_size(batch, length, heads=h, heads_kv=h_kv, head_dim=d, page_size=ps,
                                 extra_splits=[x for x in args.splits.split(",") if x],
                                 peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng,
-                                others=not args.only_decode)
+                                others=not args.only_decode,
+                                combines=[c for c in args.combine.split(",") if c])
     if args.plot and out:
         from experiments import plot
         plot.decode(out, args.plot)

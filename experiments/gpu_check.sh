@@ -14,6 +14,11 @@
 #   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
 #   fa3      the sm90 instruction tests and every fa3 test (tests/test_sm90.py, test_variants -k fa3)
 #   fa3_quick  fa3 and fa2 with the SDPA peers, d 64/128, causal and not (FA3_SEQLENS, default 4k,16k)
+#   decode   decoding (issue 22): tests/test_decode.py on the GPU (both combines, the CUDA-graph
+#            replay, the fused combine under load), then experiments/decode.py --only-decode: split-KV
+#            with combine=kernel and combine=fused, eager and replayed from a CUDA graph, in one run
+#            (DECODE_BATCHES, default 1,4,8; DECODE_LENGTHS, default 16384,131072) into
+#            $OUT/decode.csv; about 10 minutes cold at most (TESTS_TIMEOUT 330 s, DECODE_TIMEOUT 240 s)
 #   memcheck compute-sanitizer memcheck (--report-api-errors no) over one call of every variant's
 #            forward and backward, masks and fa2's packed batch (experiments/every_kernel.py)
 #   compile  registers / spills / mma counts of every kernel (python -m experiments.compile_report), and
@@ -85,6 +90,24 @@ for step in $steps; do
         python3 experiments/backward_profile.py ${BWD_NCU:-128 4096 0} \
         > "$OUT/bwd_ncu.csv" 2> "$OUT/bwd_ncu.log" || status=1
       tail -3 "$OUT/bwd_ncu.log"; wc -l "$OUT/bwd_ncu.csv" ;;
+    decode)
+      # three pytest processes at once (cold compiles dominate; the d=128 group compiles the timed
+      # kernels into FA_KERNEL_CACHE for the timing after it), then the timing
+      groups=("ref|matches_reference" "rest|not matches_reference and not head_dim_128 and not graph and not load"
+              "d128|head_dim_128 or graph or load")
+      pids=()
+      for g in "${groups[@]}"; do
+        timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider --durations=5 -m "not slow" \
+          tests/test_decode.py -k "${g#*|}" > "$OUT/tests_decode_${g%%|*}.log" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      for g in "${groups[@]}"; do echo "decode ${g%%|*}: $(tail -1 "$OUT/tests_decode_${g%%|*}.log")"; done
+      grep -h "^FAILED\|^ERROR" "$OUT"/tests_decode_*.log | head -20
+      timeout "${DECODE_TIMEOUT:-240}" python3 experiments/decode.py --only-decode \
+        --batches "${DECODE_BATCHES:-1,4,8}" --lengths "${DECODE_LENGTHS:-16384,131072}" \
+        --csv "$OUT/decode.csv" > "$OUT/decode.log" 2>&1 || status=1
+      grep -h "^B=\|copy bandwidth\|Error" "$OUT/decode.log" ;;
     memcheck)
       timeout "${TESTS_TIMEOUT:-900}" compute-sanitizer --tool memcheck --report-api-errors no \
         python3 experiments/every_kernel.py > "$OUT/memcheck.log" 2>&1 || status=1

@@ -41,8 +41,8 @@ OTHER_HEAD_DIMS = r"^fa2 (backward )?d=(96|256) "
 #   d=64 non-causal (B_r = 192: three consumer warpgroups, its own configuration).
 # - fa2's backward K/V kernel with dq="separate": the atomic one (`kv`), the same builder with the
 #   dQ product and its atomics added (the separate path's own kernel, `dq=separate dq`, compiles).
-# Kept whole: fa1's ladder rungs and backward, fa2's dQ kernel, fa3's FP8, decoding (split and
-# not, and the combine).
+# Kept whole: fa1's ladder rungs and backward, fa2's dQ kernel, fa3's FP8, decoding (split with
+# either combine and not, and the combine kernel).
 CAUSAL_TWINS = r"^(fa1|fa2) d=128 bf16 causal=True|^fa2 backward d=128 bf16 causal=True kv" \
     r"|^standard softmax(_backward)? causal=True"
 SEPARATE_KV_TWIN = r"^fa2 backward d=128 bf16 causal=False dq=separate kv"
@@ -89,7 +89,8 @@ def test_every_kernel_is_covered(listing):
     assert sum(n.startswith("standard") for n in names) == 16
     assert sum(n.startswith("backward ") for n in names) == 6   # D = rowsum(dO o O), dQ's casts
     assert sum(n.startswith("fa3 d=") for n in names) == 6    # and FP8 (e4m3) at d=128
-    assert sum(n.startswith("decode") for n in names) == 3    # split and not, and the combine
+    assert sum(n.startswith("decode") for n in names) == 4    # split (combine kernel or fused)
+    #                                                             and not, and the combine kernel
     compiled = {r["kernel"] for r in listing if not r.get("skipped")}
     for r in listing:   # only twins are skipped, each for a target that was compiled
         if r.get("skipped"):
@@ -102,6 +103,7 @@ def test_every_kernel_is_covered(listing):
                  "fa1 backward", "fa2 d=128 bf16 causal=False", "fa2 backward d=128 bf16 causal=False kv",
                  "dq=separate dq", "fa3 d=64 bf16 causal=False", "fa3 d=128 bf16 causal=False",
                  "fa3 d=128 bf16 causal=True", "e4m3", "split=True", "split=False", "decode combine",
+                 "combine=fused",
                  "standard softmax causal", "standard softmax_backward", "standard scores",
                  "standard output", "standard transposed_output", "backward preprocess",
                  "backward convert_dq d=", "backward convert_dq fragments"):

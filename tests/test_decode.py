@@ -1,7 +1,9 @@
 """Decoding against a KV cache (variants/decoding.py, common/kvcache.py): each sequence's output and
 LSE against the float64 reference over the keys its cache holds (after the append), for ragged
 lengths, paged caches with random block tables, grouped-query heads, several new tokens with the
-causal diagonal, and any number of splits; and the errors for bad calls.
+causal diagonal, and any number of splits, with the splits merged by the combine kernel
+(combine="kernel") or by the split kernel's last block (combine="fused": equal to the kernel's,
+its counters back at zero after every call); and the errors for bad calls.
 
 In the simulator the tiles are small (2 warps, 32-key tiles) and the lengths short, so that splits
 with no tile, tiles past a sequence's end, pages that cut a tile and a sequence of one key all
@@ -44,7 +46,11 @@ def sequence_keys(cache, table, b, n, page_size):
 
 
 def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, dtype="bfloat16",
-             page_size=16, causal=False, n_new=0, num_splits=0, split_kv=True, options=SMALL):
+             page_size=16, causal=False, n_new=0, num_splits=0, split_kv=True, options=SMALL,
+             combine="kernel"):
+    """One decode call on random inputs drawn from rng, checked against float64 sequence by
+    sequence; returns its (o, lse) on the host."""
+    options = dict(options, combine=combine)
     capacity = max(lengths) + n_new
     if page_size is not None:
         capacity = -(-capacity // page_size) * page_size + page_size   # a spare page a sequence
@@ -83,32 +89,117 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
             vs = sequence_keys(v_cache, table, b, n_k, page_size)
         ref_o, ref_lse = reference.attention(q[b:b + 1], ks, vs, causal=causal)
         got = checks.compare(o[b:b + 1], lse[b:b + 1], ref_o, ref_lse, dtype)
-        where = f"sequence {b} (N_k={n_k}, N_q={n_q}, causal={causal}, splits={num_splits})"
+        where = f"sequence {b} (N_k={n_k}, N_q={n_q}, causal={causal}, splits={num_splits}, " \
+            f"combine={combine})"
         assert got["ok"], where + ": " + checks.describe_failure(got)
+    return o, lse
 
 
+def assert_same_merge(fused, kernel):
+    """combine="fused" against combine="kernel" on the same inputs: the same merge arithmetic
+    (decoding.build_merge), so the same bits in the simulator; on a GPU within one bf16 rounding
+    (the two kernels are compiled apart), far below any race's damage."""
+    (o_f, lse_f), (o_k, lse_k) = fused, kernel
+    if ON_GPU:
+        np.testing.assert_allclose(o_f.astype(np.float32), o_k.astype(np.float32), rtol=2 ** -7,
+                                   atol=1e-6)
+        np.testing.assert_allclose(lse_f, lse_k, rtol=1e-6, atol=1e-6)
+    else:
+        assert np.array_equal(o_f.view(np.uint16), o_k.view(np.uint16))
+        assert np.array_equal(lse_f, lse_k)
+
+
+def counters_are_zero():
+    """Every ticket counter of the fused combine is back at zero (the last block's reset)."""
+    from variants import decoding
+    return all(not inputs.to_host(arr).any() for _, arr, _ in decoding._COUNTERS.values())
+
+
+COMBINES = ["kernel", "fused"]
+
+
+@pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("page_size", [16, None] + ([256] if ON_GPU else []))
-@pytest.mark.parametrize("num_splits", [1, 3] + ([0, 64] if ON_GPU else []))
-def test_decode_matches_reference(rng, page_size, num_splits):
-    run_case(rng, page_size=page_size, num_splits=num_splits)
+@pytest.mark.parametrize("num_splits", [1, 2, 3] + ([0, 64] if ON_GPU else []))
+def test_decode_matches_reference(rng, page_size, num_splits, combine):
+    run_case(rng, page_size=page_size, num_splits=num_splits, combine=combine)
 
 
+@pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("n_q, heads, heads_kv, causal", [(3, 4, 2, True), (2, 4, 4, False)] +
                          ([(4, 32, 8, True), (1, 32, 8, False)] if ON_GPU else []))
-def test_decode_new_tokens_and_groups(rng, n_q, heads, heads_kv, causal):
-    run_case(rng, n_q=n_q, heads=heads, heads_kv=heads_kv, causal=causal, num_splits=2)
+def test_decode_new_tokens_and_groups(rng, n_q, heads, heads_kv, causal, combine):
+    run_case(rng, n_q=n_q, heads=heads, heads_kv=heads_kv, causal=causal, num_splits=2,
+             combine=combine)
 
 
-@pytest.mark.parametrize("split_kv", [True, False])
-def test_decode_appends_new_tokens(rng, split_kv):
+@pytest.mark.parametrize("split_kv, combine", [(True, "kernel"), (True, "fused"), (False, "kernel")])
+def test_decode_appends_new_tokens(rng, split_kv, combine):
     run_case(rng, n_q=2, n_new=2, causal=True, num_splits=2, split_kv=split_kv,
-             dtype="float16")
+             dtype="float16", combine=combine)
+
+
+@pytest.mark.parametrize("num_splits, page_size, n_q, causal", [(3, 16, 1, False), (2, None, 3, True)])
+def test_decode_fused_combine_equals_the_kernel(rng, num_splits, page_size, n_q, causal):
+    """The same inputs through both combines: the same result (assert_same_merge), both right."""
+    seed = int(rng.integers(2 ** 31))
+    got = {c: run_case(np.random.default_rng(seed), num_splits=num_splits, page_size=page_size,
+                       n_q=n_q, causal=causal, combine=c) for c in COMBINES}
+    assert_same_merge(got["fused"], got["kernel"])
+
+
+def test_decode_fused_combine_reuses_its_counters(rng):
+    """The fused combine's ticket counters are made once and reset by each (sequence, K/V head)'s
+    last block, with no launch and no host read: consecutive calls of other batches, splits and
+    lengths (more sequences x K/V heads than the last call, fewer, a split of one) all come out
+    right and equal to the combine kernel's, and leave every counter at zero."""
+    calls = [dict(num_splits=3), dict(num_splits=2, lengths=[40, 9], heads_kv=1, heads=2),
+             dict(num_splits=3, lengths=[5, 64, 33, 1], n_q=2, causal=True),
+             dict(num_splits=1), dict(num_splits=2, page_size=None)]
+    for kw in calls:
+        seed = int(rng.integers(2 ** 31))
+        fused = run_case(np.random.default_rng(seed), combine="fused", **kw)
+        assert counters_are_zero(), kw
+        assert_same_merge(fused, run_case(np.random.default_rng(seed), combine="kernel", **kw))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="d=128 and the default tiles: GPU sizes")
+@pytest.mark.parametrize("combine", COMBINES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_decode_head_dim_128(rng, dtype):
-    run_case(rng, head_dim=128, heads=32, heads_kv=8, dtype=dtype, page_size=256)
+def test_decode_head_dim_128(rng, dtype, combine):
+    run_case(rng, head_dim=128, heads=32, heads_kv=8, dtype=dtype, page_size=256, combine=combine)
+
+
+@pytest.mark.gpu
+def test_decode_fused_combine_under_load(rng):
+    """The fused combine's memory ordering on a real GPU (the simulator runs the blocks of a grid
+    one after another, so it cannot race): many splits finishing close together, over and over,
+    shapes changing between calls (the counters' slots reused), each call against the combine
+    kernel's result on the same inputs, and the counters at zero at the end."""
+    torch = pytest.importorskip("torch")
+    from variants import decoding
+    d, page = 128, 256
+    for batch, length, splits in ((1, 16384, 128), (1, 16384, 32), (4, 4096, 16), (8, 8192, 0)):
+        k_cache, v_cache, table = make_cache(rng, [length] * batch, 8, d, "bfloat16", page,
+                                             length + page)
+        kc, vc, tbl = (inputs.to_device(x, "torch") for x in (k_cache, v_cache, table))
+        lens = inputs.to_device(np.array(rng.integers(length // 2, length + 1, batch),
+                                         dtype=np.int32), "torch")
+        q = torch.randn(batch, 1, 32, d, device="cuda").to(torch.bfloat16)
+
+        def call(combine):
+            return variants.decode(q, kc, vc, lens, block_table=tbl, check=False,
+                                   num_splits=splits, combine=combine)
+        o_k, lse_k = call("kernel")
+        for _ in range(25):
+            o_f, lse_f = call("fused")
+        torch.cuda.synchronize()
+        assert_same_merge((inputs.to_host(o_f), inputs.to_host(lse_f)),
+                          (inputs.to_host(o_k), inputs.to_host(lse_k)))
+        outs = [call("fused") for _ in range(25)]   # queued back to back, then all checked
+        for o, lse in outs:
+            assert torch.equal(o, o_f) and torch.equal(lse, lse_f), (batch, length, splits)
+    assert counters_are_zero() and decoding._COUNTERS
 
 
 def test_decode_errors_name_the_problem(rng):
@@ -146,6 +237,8 @@ def test_decode_errors_name_the_problem(rng):
                         block_table=inputs.to_device(table, lib))
     with pytest.raises(ValueError, match="decode has no option"):
         call(block_m=64)
+    with pytest.raises(ValueError, match="combine must be one of kernel, fused, got 'last'"):
+        call(combine="last")
     with pytest.raises(ValueError, match=r"out must be \(o: bfloat16 \(2, 1, 2, 64\)"):
         call(out=(kc, inputs.to_device(np.zeros((2, 2, 1), np.float32), lib)))
     # check=False reads nothing back: a bad entry is clamped into the cache, never read past it
@@ -205,11 +298,13 @@ def test_decode_grid_experiment_writes_its_rows(tmp_path):
 
 
 @pytest.mark.gpu
-def test_decode_step_replays_from_a_cuda_graph(rng):
+@pytest.mark.parametrize("combine", COMBINES)
+def test_decode_step_replays_from_a_cuda_graph(rng, combine):
     """A decoding step (append the new token's K and V, split-KV attention, combine) with
     check=False and a fixed num_splits reads nothing back on the host, so torch.cuda.graph captures
     it; replayed after the caller writes the next token and advances the lengths in place, it
-    gives what the same call gives eagerly on the same state, bit for bit."""
+    gives what the same call gives eagerly on the same state, bit for bit. combine="fused": the
+    graph is one launch less, and its counters, made in the warm-up, are zero after each replay."""
     torch = pytest.importorskip("torch")
     from common import timing
     # d=128, 4 query heads a K/V head, pages of 256: experiments/decode.py's kernels
@@ -224,7 +319,7 @@ def test_decode_step_replays_from_a_cuda_graph(rng):
 
     def step(k_cache, v_cache):
         return variants.decode(q, k_cache, v_cache, lens, block_table=tbl, k=kn, v=vn,
-                               check=False, num_splits=4)
+                               check=False, num_splits=4, combine=combine)
 
     graph, (o, lse) = timing.capture_cuda_graph(lambda: step(kc, vc))
     for _ in range(2):
@@ -237,6 +332,7 @@ def test_decode_step_replays_from_a_cuda_graph(rng):
         torch.cuda.synchronize()
         assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
         assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)   # the same append
+        assert counters_are_zero()
     # and the eager result is right: against float64 over each sequence's keys
     for b, n in enumerate(lens.tolist()):   # the cache's n keys and the appended one
         ks = sequence_keys(inputs.to_host(kc), table, b, n + 1, page)

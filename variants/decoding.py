@@ -9,7 +9,10 @@ HBM bandwidth, not by the tensor cores. Flash-Decoding's three steps:
 1. split the keys and values of each sequence into `num_splits` contiguous chunks;
 2. attend to each chunk in parallel, one thread block each, writing the chunk's O (normalised by
    its own l) and its log-sum-exp L;
-3. combine: L = log sum_s e^(L_s), O = sum_s e^(L_s - L) O_s (a second, small kernel).
+3. combine: L = log sum_s e^(L_s), O = sum_s e^(L_s - L) O_s: a second, small kernel
+   (`combine="kernel"`), or (`combine="fused"`) the split kernel itself, in whichever of a
+   (sequence, K/V head)'s split blocks finishes last, which one atomic counter a (sequence, K/V
+   head) elects: one launch a decoding step, not two (the protocol: `build`, after step 2).
 `split_kv=False` (the ablation) runs step 2 over the whole sequence and writes O, L directly.
 
 What the thread block does (decode_split): grouped-query heads share their K/V head, so the G
@@ -36,6 +39,7 @@ from common.target import device_function, kernel, launch
 HEAD_DIMS = (64, 128)
 MAX_ROWS = 64          # query rows of a tile: kv_group * N_q (4 m16 tiles)
 MAX_SPLITS = 128
+COMBINES = ("kernel", "fused")   # step 3 in a second kernel, or in the split kernel's last block
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,12 @@ class Config:
     block_n: int = 64      # keys a K/V tile holds (block_n / warps a warp)
     warps: int = 4
     stages: int = 3        # K/V tiles in flight (cp.async groups)
+    combine: str = "kernel"  # SPLIT: merge the splits in a second kernel ("kernel") or in the
+    #                          split kernel's last block to finish a (sequence, K/V head) ("fused")
+
+    @property
+    def fused(self):
+        return self.split and self.combine == "fused"
 
     @property
     def threads(self):
@@ -78,6 +88,8 @@ class Config:
                             ("stats", 2 * self.warps * self.rows, 4))
 
     def validate(self):
+        if self.combine not in COMBINES:
+            raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {self.combine!r}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"decode supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
         if self.keys_per_warp % 16 or self.keys_per_warp < 16:
@@ -96,7 +108,7 @@ class Config:
         return self
 
 
-OPTIONS = ("block_n", "warps", "stages")
+OPTIONS = ("block_n", "warps", "stages", "combine")
 
 
 def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **options):
@@ -110,6 +122,8 @@ def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **option
                          f"rows into one tile: at most {MAX_ROWS}; use variants.forward for long "
                          "queries")
     chosen = {k: v for k, v in options.items() if v is not None}
+    if not split and chosen.get("combine") in COMBINES:
+        chosen.pop("combine")   # nothing to combine: one kernel whichever way
     return _config(head_dim, element, kv_group, (rows + 15) // 16, causal, paged, split,
                    tuple(sorted(chosen.items())))
 
@@ -149,12 +163,78 @@ def checked_page(block_table, b, key, page_shift, last_page):
     return min(max(block_table[b, j], int32(0)), last_page)
 
 
+if target.SIMULATOR:   # the simulator has one coherent memory and no ld.global.cg
+    @device_function
+    def load_through_l2(a, at):
+        return a[at]
+else:
+    # numba's cuda.ldcg is an @overload (compiled as a device function, which asks for a current
+    # device: no compile_ptx without a GPU) and emits its asm without side effects, which LLVM may
+    # move across the fence before it; this one is volatile, as common/_inline_asm.py's loads are.
+    from numba.core import cgutils
+    from numba.cuda.extending import intrinsic
+
+    from common._inline_asm import _asm, _f32, _global_address
+
+    @intrinsic
+    def load_through_l2(typingctx, a, at):
+        """a[at] (float32, `at` a tuple of int32 indices) by ld.global.cg: cached in L2 only. The
+        fused combine reads partials that blocks on other SMs stored during this launch; a SM's
+        L1 is not coherent with their stores and may hold a line of lse_part that an earlier
+        merge on this SM read before they landed."""
+        sig = types.float32(a, at)
+
+        def codegen(context, builder, sig, args):
+            aryty, atty = sig.args
+            indices = cgutils.unpack_tuple(builder, args[1], atty.count)
+            addr = _global_address(context, builder, aryty, args[0], indices,
+                                   [atty.dtype] * atty.count)
+            return _asm(builder, _f32, [addr], "ld.global.cg.f32 $0, [$1];", "=f,l",
+                        side_effect=True)
+
+        return sig, codegen
+
+
+@lru_cache(maxsize=None)
+def build_merge(through_l2):
+    """Step 3 for one output element pair: (O[2 c2], O[2 c2 + 1], max_s L_s, sum_s e^(L_s - max))
+    of row (b, h, i) over the splits' o_part, lse_part; the combine kernel's loads are ordinary,
+    the fused combine's go through L2 (`load_through_l2`). One arithmetic for both paths, so
+    combine="fused" gives combine="kernel"'s bits."""
+
+    @device_function
+    def load(a, at):
+        if through_l2:
+            return load_through_l2(a, at)
+        return a[at]
+
+    @device_function
+    def merge_pair(o_part, lse_part, b, h, i, c2, n_splits):
+        b, h, i, c2 = int32(b), int32(h), int32(i), int32(c2)
+        mx = float32(-math.inf)
+        for s in range(n_splits):
+            mx = max(mx, load(lse_part, (int32(s), b, h, i)))
+        total, x0, x1 = float32(0), float32(0), float32(0)
+        if mx != float32(-math.inf):
+            for s in range(n_splits):
+                w = math.exp(load(lse_part, (int32(s), b, h, i)) - mx)
+                total += w
+                x0 += w * load(o_part, (int32(s), b, h, i, int32(2 * c2)))
+                x1 += w * load(o_part, (int32(s), b, h, i, int32(2 * c2 + 1)))
+        inv = float32(1) / total if total > float32(0) else float32(0)
+        return x0 * inv, x1 * inv, mx, total
+
+    return merge_pair
+
+
 @lru_cache(maxsize=None)
 def build(cfg):
-    """The split kernel of one configuration (steps 1-2)."""
+    """The split kernel of one configuration (steps 1-2; with combine="fused", step 3 too)."""
     D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
     M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
     ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
+    FUSED = cfg.fused
+    merge_pair = build_merge(True)
     STRIDE = tiles.tile_row_stride(D, True)
     Q_TILE, KV_TILE = RT * STRIDE, BN * STRIDE
     LAYOUT = cfg.smem_layout()
@@ -228,11 +308,13 @@ def build(cfg):
 
     @kernel
     def decode_split(q, k_cache, v_cache, block_table, cache_seqlens, o32, lse, o_part, lse_part,
-                     n_q, n_new, page_shift, softmax_scale, scale_log2):
+                     counters, n_q, n_new, page_shift, softmax_scale, scale_log2):
         """q: (B, N_q, H, d) uint16; k_cache, v_cache: (pages, page_size, H_kv, d) uint16;
         block_table (B, max_blocks) int32 (PAGED); cache_seqlens (B,) int32. Writes o32 (B, N_q,
         H, d/2) uint32 pairs and lse (B, H, N_q), or (SPLIT) o_part (S, B, H, N_q, d) fp32 and
-        lse_part (S, B, H, N_q) for split s = blockIdx.x of the keys."""
+        lse_part (S, B, H, N_q) for split s = blockIdx.x of the keys, and then (FUSED) the last
+        split block of (b, h_kv) to finish merges them into o32, lse; counters (>= B * H_kv,)
+        int32, zero between launches (FUSED only)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         split, b, h_kv = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
@@ -349,6 +431,53 @@ def build(cfg):
                 else:
                     lse[b, h, i] = value
 
+        if FUSED:
+            # Step 3 in the split kernel (combine="fused"; Flash-Decoding's second kernel folded
+            # into the first, as CUDA's threadFenceReduction sample folds a reduction's last pass):
+            # the S split blocks of (b, h_kv) each take a ticket from counters[b, h_kv] once their
+            # O_s, L_s are stored; the block that draws ticket S - 1 is the last to finish, sees
+            # every split's O_s, L_s, and merges them. The protocol, on a GPU's memory model:
+            # (a) each thread has stored its share of O_s, L_s above (st.global);
+            # (b) every thread fences (membar.gl / fence.sc.gpu): its stores are visible to the
+            #     whole GPU before anything it does next (the release half);
+            # (c) the block barrier: every thread's fence comes before (d);
+            # (d) thread 0 takes the ticket (atom.add, in L2) and publishes "last" in shared
+            #     memory; the last block resets the counter to 0 (every ticket is taken, nothing in
+            #     this launch touches it again, and the next launch on the stream, or the next
+            #     node of a CUDA graph, starts after this one ends): no memset, no host sync;
+            # (e) the block barrier broadcasts "last" to the block;
+            # (f) the last block's threads fence again (the acquire half: the other blocks' stores,
+            #     ordered before their tickets by their fences (b), come before its loads) and read
+            #     every split's partials through L2 (ld.global.cg: another block on this SM may
+            #     have cached a line of lse_part in L1 before they landed), then merge exactly as
+            #     the combine kernel does (build_merge).
+            # The other S - 1 blocks return without waiting: no block ever spins on another.
+            flag = cuda.shared.array(0, int32)                 # stats' first word, free after (c)
+            cuda.threadfence()                                                        # (b)
+            cuda.syncthreads()                                                        # (c)
+            if tid == 0:                                                              # (d)
+                slot = b * int32(cuda.gridDim.z) + h_kv
+                ticket = cuda.atomic.add(counters, slot, int32(1))
+                last = ticket == int32(cuda.gridDim.x) - int32(1)
+                flag[STATS0] = int32(1) if last else int32(0)
+                if last:
+                    counters[slot] = int32(0)
+            cuda.syncthreads()                                                        # (e)
+            if flag[STATS0] != int32(0):
+                cuda.threadfence()                                                    # (f)
+                n_splits = int32(cuda.gridDim.x)
+                for at in range(tid, RT * HALF, THREADS):
+                    row = int32(at // HALF)
+                    c2 = int32(at - row * HALF)
+                    i = row // G
+                    if i < n_q:
+                        h = int32(h_kv * G + row - i * G)
+                        y0, y1, mx, total = merge_pair(o_part, lse_part, b, h, i, c2, n_splits)
+                        o32[b, i, h, c2] = tiles.pack_pair(y0, y1, ELEM)
+                        if c2 == 0:
+                            lse[b, h, i] = mx + math.log(total) if total > float32(0) \
+                                else float32(-math.inf)
+
     return decode_split
 
 
@@ -356,23 +485,14 @@ def build(cfg):
 def build_combine(head_dim, element):
     """Step 3: O = sum_s e^(L_s - L) O_s, L = log sum_s e^(L_s); one thread a column pair."""
     ELEM = element.code
+    merge_pair = build_merge(False)
 
     @kernel
     def decode_combine(o_part, lse_part, o32, lse, n_splits):
-        i, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        c2 = cuda.threadIdx.x
-        mx = float32(-math.inf)
-        for s in range(n_splits):
-            mx = max(mx, lse_part[s, b, h, i])
-        total, x0, x1 = float32(0), float32(0), float32(0)
-        if mx != float32(-math.inf):
-            for s in range(n_splits):
-                w = math.exp(lse_part[s, b, h, i] - mx)
-                total += w
-                x0 += w * o_part[s, b, h, i, 2 * c2]
-                x1 += w * o_part[s, b, h, i, 2 * c2 + 1]
-        inv = float32(1) / total if total > float32(0) else float32(0)
-        o32[b, i, h, c2] = tiles.pack_pair(x0 * inv, x1 * inv, ELEM)
+        i, h, b = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
+        c2 = int32(cuda.threadIdx.x)
+        y0, y1, mx, total = merge_pair(o_part, lse_part, b, h, i, c2, n_splits)
+        o32[b, i, h, c2] = tiles.pack_pair(y0, y1, ELEM)
         if c2 == 0:
             lse[b, h, i] = mx + math.log(total) if total > float32(0) else float32(-math.inf)
 
@@ -403,6 +523,43 @@ def build_append(paged):
     return decode_append
 
 
+_COUNTERS = {}        # (library, device) -> (kernel view, the array that owns it, its length)
+MIN_COUNTERS = 4096   # 16 KB: enough for batch x heads_kv <= 4096 without growing
+
+
+def _torch_capturing():
+    import torch
+    return torch.cuda.is_current_stream_capturing()
+
+
+def split_counters(library, like, needed):
+    """The fused combine's tickets (int32, >= `needed` = batch x heads_kv, zero between calls: the
+    last block of each (sequence, K/V head) resets its own), made once per library and device and
+    kept: a call allocates nothing, so a CUDA graph may capture it, and replays need no memset.
+    For torch they are the driver's memory, not the caching allocator's (arrays.placeholder's
+    reason). They are not allocated inside a stream capture, where the driver may not: the first
+    call (a warm-up, as timing.capture_cuda_graph makes) must come before, at this batch or larger.
+    One set a device: two fused decodes running at the same time on two streams of one device
+    would mix their tickets (the same holds for two replays of one graph on two streams)."""
+    device = like.device.index if library == "torch" else None
+    key = (library, device)
+    hit = _COUNTERS.get(key)
+    if hit is None or hit[2] < needed:
+        if library == "torch" and _torch_capturing():
+            raise RuntimeError(
+                f"decode(combine='fused') needs {needed} zeroed counters (batch x heads_kv) kept "
+                "between calls; they are allocated at the first call and cannot be inside a CUDA "
+                "graph capture: call decode once with this batch before capturing (a warm-up)")
+        size = max(MIN_COUNTERS, 1 << (needed - 1).bit_length())
+        if library == "torch":
+            with cuda.gpus[device]:
+                arr = cuda.to_device(np.zeros(size, dtype=np.int32))
+        else:
+            arr = arrays.zeros(library, (size,), "int32", like=like)
+        hit = _COUNTERS[key] = (arrays.bits_view(arrays.describe(arr), np.int32), arr, size)
+    return hit[0]
+
+
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
            softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None, **options):
     """Attention of q's N_q new tokens against each sequence's cache (common/kvcache.py has the
@@ -411,7 +568,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     by `num_splits_heuristic`; split_kv=False runs one thread block a (sequence, K/V head) over
     all its keys. check: read the lengths and block table back and refuse bad ones (False: no
     host read, e.g. inside a CUDA graph; then pass num_splits). Returns (o like q, lse (B, H, N_q)
-    float32). options: Config's block_n, warps, stages."""
+    float32). options: Config's block_n, warps, stages, combine ("kernel": the splits merged by
+    a second kernel; "fused": by the split kernel's last block of a sequence and K/V head, one
+    launch; `split_counters` says what that keeps between calls)."""
     prob = kvcache.prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v,
                                   block_table=block_table, causal=causal,
                                   softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check)
@@ -450,36 +609,41 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     args = (prob.q, prob.k_cache, prob.v_cache, prob.block_table, prob.cache_seqlens)
     scalars = (np.int32(prob.n_q), np.int32(prob.n_new), np.int32(prob.page_shift), scale,
                scale_log2)
+    counters = split_counters(lib, like, prob.batch * prob.heads_kv) if cfg.fused \
+        else arrays.placeholder(lib, 1, like, "int32")
     if splits == 1:
         part = arrays.placeholder(lib, 5, like)
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
-               lse_v, part, arrays.placeholder(lib, 4, like), *scalars)
+               lse_v, part, arrays.placeholder(lib, 4, like), counters, *scalars)
     else:
         part = arrays.empty_view(lib, (splits, prob.batch, prob.heads, prob.n_q, prob.head_dim),
                                  "float32", np.float32, like=like)[1]
         lse_part = arrays.empty_view(lib, (splits, prob.batch, prob.heads, prob.n_q), "float32",
                                      np.float32, like=like)[1]
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
-               lse_v, part, lse_part, *scalars)
-        launch(build_combine(prob.head_dim, prob.element), (prob.n_q, prob.heads, prob.batch),
-               prob.head_dim // 2, 0, prob.stream, part, lse_part, o32, lse_v, np.int32(splits))
+               lse_v, part, lse_part, counters, *scalars)
+        if not cfg.fused:
+            launch(build_combine(prob.head_dim, prob.element), (prob.n_q, prob.heads, prob.batch),
+                   prob.head_dim // 2, 0, prob.stream, part, lse_part, o32, lse_v,
+                   np.int32(splits))
     return o, lse
 
 
 def compile_targets():
     """(name, kernel, argument types, mma count a K/V tile) of the split kernel as decoding
     Llama-3-8B's shapes runs it (32 query heads on 8 K/V heads, one token, d=128, bf16, paged),
-    with and without the split, and the combine kernel."""
+    with and without the split (the split with either combine), and the combine kernel."""
     u16_4 = types.Array(types.uint16, 4, "A")
     i32_2, i32_1 = types.Array(types.int32, 2, "A"), types.Array(types.int32, 1, "A")
     o32 = types.Array(types.uint32, 4, "A")
     f32 = {n: types.Array(types.float32, n, "A") for n in (3, 4, 5)}
     scalars = (types.int32, types.int32, types.int32, types.float32, types.float32)
-    for split in (True, False):
-        cfg = make_config(128, BFLOAT16, 4, 1, False, True, split)
+    for split, combine in ((True, "kernel"), (True, "fused"), (False, "kernel")):
+        cfg = make_config(128, BFLOAT16, 4, 1, False, True, split, combine=combine)
         # a warp's S = Q K^T and O += P~ V over its keys of a tile: m_tiles * d * keys / 64
         mma = cfg.m_tiles * 128 * cfg.keys_per_warp // 64
-        yield f"decode d=128 bf16 G=4 paged split={split}", build(cfg), \
-            (u16_4, u16_4, u16_4, i32_2, i32_1, o32, f32[3], f32[5], f32[4]) + scalars, mma
+        name = f"decode d=128 bf16 G=4 paged split={split}" + (" combine=fused" if cfg.fused else "")
+        yield name, build(cfg), \
+            (u16_4, u16_4, u16_4, i32_2, i32_1, o32, f32[3], f32[5], f32[4], i32_1) + scalars, mma
     yield "decode combine d=128 bf16", build_combine(128, BFLOAT16), \
         (f32[5], f32[4], o32, f32[3], types.int32), 0
