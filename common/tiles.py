@@ -488,6 +488,22 @@ def stage_accumulator(tile32, acc, row0, lane, row_stride, swizzle, elem, col0=0
 
 
 @device_function
+def stage_accumulator_panels(tile32, acc, row0, lane, panel_rows, elem):
+    """Write acc (as 16-bit pairs) into a tile laid out as wgmma reads its operands (common/sm90.py):
+    panels of 64 columns, each panel_rows rows of 128 bytes with the 128-byte swizzle (chunk ^
+    row % 8; the tile 1024-byte aligned), one after another; row0: the warp's first row. Readers
+    need a barrier first, and wgmma (the async proxy) a fence.proxy.async before it."""
+    g, t2 = lane >> 2, 2 * (lane & 3)
+    for m in range(acc.shape[0]):
+        for h in range(2):
+            base = smem_offset(row0 + m * 16 + g + 8 * h, t2, 64, True)   # in the first panel
+            for n in range(acc.shape[1]):
+                w = pack_pair(acc[m, n, 2 * h], acc[m, n, 2 * h + 1], elem)
+                ptx.st_shared_u32(tile32, (chunk_step(base, n & 7, True)
+                                           + (n >> 3) * panel_rows * 64) >> 1, w)
+
+
+@device_function
 def stage_accumulator_f32(tile, acc, row0, lane, row_stride):
     """Write acc as fp32 into a row-major float32 shared tile (rows row0.., row_stride floats a
     row; a stride of 8 mod 32 keeps the float2 stores of the 8 row groups in distinct banks)."""

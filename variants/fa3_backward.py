@@ -6,7 +6,8 @@ copies.
 
 The grid: a thread block per K/V block j of B_c keys (batch, K/V head), as FA2. Its consumer
 warpgroups each own 64 keys of K_j, V_j (the M of wgmma.m64nNk16) and their rows of dK_j, dV_j in
-registers; the query blocks i (B_r = 64 queries) come round the ring. Per step, warpgroup w:
+registers; the query blocks i (B_r = 64 queries at d = 128, 128 at d = 64) come round the ring.
+Per step, warpgroup w:
 
   l.10   S^T = K_j[w] Q_i^T            SS-wgmma m64 n=B_r, both operands K-major (TMA tiles)
   l.13   dP^T = V_j[w] dO_i^T          SS-wgmma, issued right behind S^T
@@ -17,8 +18,9 @@ registers; the query blocks i (B_r = 64 queries) come round the ring. Per step, 
   l.16   dK_j[w] += dS^T Q_i           RS-wgmma, dS^T from registers, Q_i MN-major
   l.15   dQ_i += dS K_j                needs every warpgroup's keys: dS^T is staged in shared memory
                                        (two buffers, alternate steps), the warpgroups meet at a
-                                       named barrier, and warpgroup w computes columns
-                                       [w d/W, (w+1) d/W) of dS K_j with an SS-wgmma whose A (dS)
+                                       named barrier, and warpgroup w computes its share of
+                                       dS K_j (B_r = 64: columns [w d/W, (w+1) d/W); B_r = 128:
+                                       the rows of queries 64 w..) with an SS-wgmma whose A (dS)
                                        is read M-major (imm-trans-a) and B (K_j) MN-major; its
                                        warps stage the fp32 product in shared memory and add it to
                                        dQ's accumulator in HBM with one bulk reduction each
@@ -32,9 +34,12 @@ stage with its 32 lanes; the stage's "full" mbarrier completes on the bytes and 
 Masks: fa3's causal (the diagonal from the top-left corner; query blocks above it are skipped,
 those across it masked), ragged N_q and N_k (TMA fills zeros past the ends; rows past N_k are not
 stored). GQA: the block loops over its K/V head's query heads, accumulating dK_j, dV_j.
-Not yet: a second consumer schedule (FA3's overlap of the softmax of one step with the GEMMs of
-the next), sliding windows, softcap, bottom-right rectangles, FP8 (fa2's backward takes the masks:
-`kernel="fa2"`).
+`dq_deferred` issues step i's dQ product with step i+1's S^T and dP^T instead (the dQ terms are
+written out while dP^T runs): +1-3% at d=64, B_r=64; it holds 32 more registers, and ptxas spills
+in the other configurations (docs/results/fa3_backward_h200.txt), so it is off by default.
+Not yet: the warpgroups out of phase (FA3's ping-pong: one's softmax while the other's GEMMs run;
+here they meet every step at the dS^T barrier), a persistent tile scheduler, sliding windows,
+softcap, bottom-right rectangles, FP8 (fa2's backward takes the masks: `kernel="fa2"`).
 """
 import math
 from dataclasses import dataclass
@@ -68,7 +73,8 @@ class BackwardConfig:
     head_dim: int
     element: Element
     causal: bool
-    block_m: int = 64       # B_r
+    block_m: int = 64       # B_r: 64, or 128 with two consumer warpgroups (each then computes
+                            # dQ's rows of its 64 queries, rather than half of dQ's columns)
     block_n: int = 128      # B_c: 64 per consumer warpgroup
     stages: int = 2         # Q_i / dO_i buffers in the ring (2: the copy of step i+1 overlaps step i)
     setmaxnreg: bool = True  # a producer warpgroup that gives its registers to the consumers
@@ -89,10 +95,15 @@ class BackwardConfig:
         """(consumer, producer) registers a thread after setmaxnreg: 65536 a block."""
         return {1: (256, 56), 2: (240, 24)}[self.consumers]
 
+    @property
+    def dq_row_groups(self):
+        """Consumer warpgroups across dQ_i's rows (B_r / 64); the others split its columns."""
+        return self.block_m // 64
+
     def regions(self):
         """Byte offsets (from the 1024-aligned start of the tiles) and sizes of shared memory: K_j,
         V_j (TMA panels of B_c rows x 128 bytes), the stages' Q_i and dO_i (B_r-row panels), two
-        dS^T buffers (B_c keys x B_r queries, one 128-byte panel row a key), dQ's fp32 staging
+        dS^T buffers (B_c keys x B_r queries, panels of 64 queries), dQ's fp32 staging
         (B_r x d), the stages' L_i log2(e) and D_i (2 B_r floats each)."""
         d, br, bc = self.head_dim, self.block_m, self.block_n
         sizes = [("k", bc * d * 2), ("v", bc * d * 2), ("qdo", self.stages * 2 * br * d * 2),
@@ -108,23 +119,26 @@ class BackwardConfig:
 
     def dq_layout(self):
         """dQ's accumulator as the warps stage it: a query block's B_r x d floats contiguous, warp
-        (row tile r, column tile w) = consumer warp r of warpgroup w holding rows 16r.. and
-        columns w d/W.. (common/backward.py: DqLayout)."""
+        (row tile 4 r + v, column tile c) = warp v of the warpgroup in row group r, column group
+        c, holding rows 16 (4 r + v).. and columns c d / (W / B_r * 64).. (common/backward.py:
+        DqLayout)."""
         return bwd.DqLayout(rows=self.block_m, cols=self.head_dim,
-                            threads=WG_THREADS * self.consumers, warps_across=self.consumers)
+                            threads=WG_THREADS * self.consumers,
+                            warps_across=self.consumers // self.dq_row_groups)
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"fa3's backward supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
-        if self.block_m != 64:
-            raise ValueError(f"fa3's backward: block_m={self.block_m} must be 64 (the queries a "
-                             "step, one 128-byte panel row of dS^T)")
+        if self.block_m not in (64, 128) or self.consumers % self.dq_row_groups:
+            raise ValueError(f"fa3's backward: block_m={self.block_m} must be 64, or 128 with "
+                             "block_n=128 (two consumer warpgroups, one a 64-row half of dQ_i)")
         if self.block_n not in (64, 128):
             raise ValueError(f"fa3's backward: block_n={self.block_n} must be 64 or 128 (64 keys "
                              "a consumer warpgroup, one or two)")
-        if (self.head_dim // self.consumers) % 16:
+        if (self.head_dim * self.dq_row_groups // self.consumers) % 16:
             raise ValueError(f"fa3's backward: head_dim {self.head_dim} does not split into "
-                             f"{self.consumers} dQ column blocks of a multiple of 16")
+                             f"{self.consumers // self.dq_row_groups} dQ column blocks of a "
+                             "multiple of 16")
         if not 1 <= self.stages <= 4:
             raise ValueError(f"stages must be 1 to 4, got {self.stages}")
         if self.smem_bytes() > MAX_SHARED_BYTES:
@@ -135,10 +149,14 @@ class BackwardConfig:
 
 
 BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
-# FA3's own tile for head_dim 64 and 128 (flash_attn/cute's sm90 backward): B_r = 64, B_c = 128,
-# two consumer warpgroups; 194 KB of shared memory at d = 128.
-# dq_deferred at d=128 holds dQ_{i-1} (32 registers) beside S^T, dP^T, dK, dV (192): ptxas spills.
-BACKWARD_DEFAULTS = {64: dict(block_n=128, dq_deferred=True), 128: dict(block_n=128)}
+# Two consumer warpgroups of 64 keys (B_c = 128); B_r = 64 at d = 128 (194 KB of shared memory),
+# 128 at d = 64, measured on an H200 (docs/results/fa3_backward_h200.txt, bf16, backward TFLOP/s at
+# 1k / 4k / 16k, non-causal | causal):
+#   d=64   B_r 64: 254 / 335 / 364 | 185 / 291 / 350;  + dq_deferred (its default then): +1-3%
+#          B_r 128: 276 / 369 / 398 | 185 / 310 / 381;  + dq_deferred: 233 / 309 / 339 (spills)
+#   d=128  B_r 64: 358 / 467 / 499 | 253 / 398 / 481;  + dq_deferred: 269 / 325 / 341 (spills:
+#          dQ_{i-1}'s 32 registers beside S^T, dP^T, dK and dV's 192)
+BACKWARD_DEFAULTS = {64: dict(block_m=128, block_n=128), 128: dict(block_m=64, block_n=128)}
 default_backward_config = configs.default_config_function(
     "fa3 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
 
@@ -164,7 +182,9 @@ def build_backward(cfg):
     # mbarriers (8 bytes = 4 elements each): K_j and V_j landed; per stage, full and empty.
     BAR_KV, BAR_FULL, BAR_EMPTY = 0, 4, 4 + 4 * STAGES
     DS_BARRIER = 1 + NWG                        # named: the warpgroups' dS^T halves are staged
-    DQ_COLS = D // NWG                          # dQ columns of a warpgroup
+    RG = cfg.dq_row_groups                      # warpgroups across dQ_i's rows (64 each)
+    CG = NWG // RG                              # ... across its columns
+    DQ_COLS = D // CG                           # dQ columns of a warpgroup
     DQF_WARP = BR * D // (4 * NWG)              # floats of one warp's dQ terms
     SBO = 8 * ROW_BYTES
     K_D = D // 16                               # k-steps of S^T, dP^T (16 of d each)
@@ -320,14 +340,16 @@ def build_backward(cfg):
 
         # ---- a consumer warpgroup: keys key0 + 64 wg .. + 63 of K_j, V_j
         wg, wg_warp = warp >> 2, warp & 3
+        rg, cg = wg % RG, wg // RG     # its row group (queries 64 rg.. of dQ_i: dS^T's panel rg)
+                                       # and column group of dQ_i
         # Descriptors of this warpgroup's operands, built once from addresses broadcast from lane
         # 0 (uniform registers, as fa3's forward), advanced by a step's offsets.
         kw_addr = ptx.broadcast_u32(sm90.shared_address(smem, tiles0 + K0 + wg * WG_KEYS * ROW))
         vw_addr = ptx.broadcast_u32(sm90.shared_address(smem, tiles0 + V0 + wg * WG_KEYS * ROW))
         qdo_addr = sm90.shared_address(smem, tiles0 + QDO0)
-        ds_addr = sm90.shared_address(smem, tiles0 + DS0)
-        # this warpgroup's dQ columns of K_j (MN-major: 64-column panels B_c x 128 bytes apart)
-        c0 = wg * DQ_COLS
+        ds_addr = ptx.broadcast_u32(sm90.shared_address(smem, tiles0 + DS0 + rg * BC * ROW))
+        # this warpgroup's dQ columns (of K_j, MN-major: 64-column panels B_c x 128 bytes apart)
+        c0 = cg * DQ_COLS
         kd_addr = ptx.broadcast_u32(sm90.shared_address(
             smem, tiles0 + K0 + (c0 // PANEL_COLS) * BC * ROW + c0 % PANEL_COLS))
         k_desc = sm90.smem_descriptor(kw_addr, 16, SBO)                # K-major A of S^T
@@ -338,7 +360,7 @@ def build_backward(cfg):
         kd_desc = sm90.smem_descriptor(kd_addr, BC * ROW_BYTES, SBO)  # MN-major B: K_j's columns
         warp_key = wg * WG_KEYS + 16 * wg_warp          # this warp's first key in K_j
         stats0 = (2 * tiles0 + STATS_BYTES) >> 2
-        dq_slice = wg_warp * NWG + wg                    # this warp's slice of a query block's dQ
+        dq_slice = (4 * rg + wg_warp) * CG + cg          # this warp's slice of a query block's dQ
         dqf = ((2 * tiles0 + DQF_BYTES) >> 2) + dq_slice * DQF_WARP
         dq_row = dq_slice * (DQF_WARP // D)              # ... its first row in the block
 
@@ -388,9 +410,10 @@ def build_backward(cfg):
             WAIT1_ST(dp)                                      # dP^T landed; dV may still run
             softmax.grad_columns(s, dp, smem_f32[st + BR:st + 2 * BR], lane)             # l.14
             tiles.accumulator_to_a(ds, dp, ELEM)
-            tiles.stage_accumulator(smem32[(tiles0 + DS0) // 2 + buf * (DS_ELEMS // 2):
-                                           (tiles0 + DS0) // 2 + (buf + 1) * (DS_ELEMS // 2)],
-                                    dp, warp_key, lane, BR, True, ELEM)
+            tiles.stage_accumulator_panels(
+                smem32[(tiles0 + DS0) // 2 + buf * (DS_ELEMS // 2):
+                       (tiles0 + DS0) // 2 + (buf + 1) * (DS_ELEMS // 2)], dp, warp_key, lane, BC,
+                ELEM)
             sm90.wgmma_fence()
             accumulate(dk, ds, sm90.descriptor_advance(qmn_desc, stage_bytes))          # l.16
             # every warpgroup's dS^T is staged (and visible to the tensor cores' async proxy)
@@ -472,7 +495,9 @@ def compile_targets():
     for head_dim in HEAD_DIMS:
         for causal in (False, True):
             cfg = default_backward_config(head_dim, BFLOAT16, causal)
-            count = 2 * head_dim // 16 + 2 * cfg.block_m // 16 + cfg.block_n // 16
+            # deferred, the dQ product is issued in the loop and once more after it
+            count = 2 * head_dim // 16 + 2 * cfg.block_m // 16 + \
+                (2 if cfg.dq_deferred else 1) * cfg.block_n // 16
             yield f"fa3 backward d={head_dim} bf16 causal={causal}", build_backward(cfg), \
                 argtypes, count
 
