@@ -97,7 +97,7 @@ FA3_SHAPES = [dict(seqlen=200, causal=True, dtype="float16"),
               dict(seqlen=130, causal=True, dq_deferred=False),
               dict(seqlen=90, causal=False, heads=4, heads_kv=2, head_dim=128, dq_deferred=True),
               dict(seqlen=17, seqlen_k=150, causal=False, softmax_scale=0.37, stages=1),
-              dict(seqlen=70, causal=True, block_n=64),
+              dict(seqlen=70, causal=True, block_n=64, block_m=64),
               dict(seqlen=200, causal=True, block_m=128),
               dict(seqlen=150, causal=False, heads=2, heads_kv=1, block_m=128, dq_deferred=False)]
 if ON_GPU:
