@@ -38,7 +38,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import configs, masks, ptx, softmax, splitk, target, tiles
+from common import configs, masks, pipeline, softmax, splitk, target, tiles
 from common import backward as bwd
 from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
@@ -155,6 +155,7 @@ def build(cfg):
     # live addresses spill inside it (compile report, loop_local).
     ADDRESS_ONCE = D < 128
     KV_TILE, Q_TILE, WARP_KEYS = BC * STRIDE, BR * STRIDE, KW * STRIDE
+    Q_STAGES = cfg.q_buffers                         # outer_loop="kv": Q_{i+1} copied during step i
     LAYOUT = cfg.smem_layout()                       # K_j | V_j | Q tile(s) | fp32 exchange area
     K0, V0, Q_START = LAYOUT.start("k"), LAYOUT.start("v"), LAYOUT.start("q")
     O_PART, RED_MAX, RED_SUM = ((LAYOUT.start(r), LAYOUT.end(r))    # in floats
@@ -282,17 +283,16 @@ def build(cfg):
                                           tid, THREADS, ADDRESS_ONCE)
                     tiles.load_tile_async(smem[Q_START:Q_START + Q_TILE], q_bh, i_first * BR, n_q,
                                           0, BR, D, STRIDE, True, tid, THREADS, ADDRESS_ONCE)
-                    ptx.cp_async_commit()
+                    pipeline.commit()
                 for i in range(i_first, i_stop):                   # l.7
                     row0 = i * BR
-                    q0 = Q_START + ((i - i_first) & 1) * Q_TILE
-                    ptx.cp_async_wait(0)   # Q_i landed; every warp is done with step i-1
-                    cuda.syncthreads()
+                    q0 = pipeline.slot_start(Q_START, i - i_first, Q_STAGES, Q_TILE)   # Q_i's tile
+                    pipeline.wait_and_release(0)   # Q_i landed; every warp is done with step i-1
                     if i + 1 < i_stop:     # Q_{i+1} into the other tile while step i computes
-                        nxt = Q_START + ((i + 1 - i_first) & 1) * Q_TILE
+                        nxt = pipeline.slot_start(Q_START, i + 1 - i_first, Q_STAGES, Q_TILE)
                         tiles.load_tile_async(smem[nxt:nxt + Q_TILE], q_bh, row0 + BR, n_q, 0, BR, D,
                                               STRIDE, True, tid, THREADS, ADDRESS_ONCE)
-                    ptx.cp_async_commit()
+                    pipeline.commit()
                     # l.8: O_i, l_i, m_i from HBM; their first visit (j = 0, or the first block
                     # of the band) starts from l.2's values.
                     grow = row0 + row
@@ -340,35 +340,33 @@ def build(cfg):
                                   tid, THREADS, ADDRESS_ONCE)
             tiles.load_tile_async(k_s, k_h, j0 * BC, n_k, 0, BC, D, STRIDE, True,
                                   tid, THREADS, ADDRESS_ONCE)
-            ptx.cp_async_commit()
+            pipeline.commit()
             tiles.load_tile_async(v_s, v_h, j0 * BC, n_k, 0, BC, D, STRIDE, True,
                                   tid, THREADS, ADDRESS_ONCE)
-            ptx.cp_async_commit()
+            pipeline.commit()
             m_row, l_row = NEG_INF, float32(0)
             for c in range(CHUNK):
                 o_own[c] = float32(0)
             for j in range(j0, j1):   # l.9-12 for K_j, V_j as in the other loop order
                 col0 = j * BC
-                ptx.cp_async_wait(1)   # K_j landed; every warp is done with step j-1
-                cuda.syncthreads()
+                pipeline.wait_and_release(1)   # K_j landed; every warp is done with step j-1
                 scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, lo, hi,
                                        softcap, warp, lane)
-                ptx.cp_async_wait(0)   # V_j landed
-                cuda.syncthreads()     # ... and every warp is done with K_j: copy K_{j+1}
-                if j + 1 < j1:
+                pipeline.wait_and_release(0)   # V_j landed; every warp is done with K_j: copy
+                if j + 1 < j1:                 # K_{j+1}
                     tiles.load_tile_async(k_s, k_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
                                           THREADS, ADDRESS_ONCE)
-                ptx.cp_async_commit()
+                pipeline.commit()
                 exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
                                    scale_log2)
-                cuda.syncthreads()     # every warp is done with V_j: copy V_{j+1}
+                pipeline.release()     # every warp is done with V_j: copy V_{j+1}
                 if j + 1 < j1:
                     tiles.load_tile_async(v_s, v_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
                                           THREADS, ADDRESS_ONCE)
-                ptx.cp_async_commit()
+                pipeline.commit()
                 m_row, l_row = update_rows(o_own, m_row, l_row, o_part, red_max, red_sum, row, c0,
                                            scale_log2)
-            ptx.cp_async_wait(0)   # a block that visits no K/V block (j1 <= j0): Q, K, V in flight
+            pipeline.wait(0)   # a block that visits no K/V block (j1 <= j0): Q, K, V in flight
             grow = row0 + row
             if grow < n_q:
                 write_output(o_bh, lse_bh, m_bh, l_bh, o_own, grow, c0, m_row, l_row, softmax_scale)

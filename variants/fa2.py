@@ -28,7 +28,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import arrays, configs, masks, ptx, softmax, tiles
+from common import arrays, configs, masks, pipeline, ptx, softmax, tiles
 from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
                             prepare_varlen)
@@ -165,12 +165,12 @@ def build(cfg):
     def refill_after_use(tile, src, j, j_end, n_rows, tid):
         """One K/V buffer (FA2's schedule): once every warp has passed the barrier, block j is no
         longer needed; start copying block j+1 (if before j_end) into the same tile."""
-        cuda.syncthreads()
+        pipeline.release()
         if j + 1 < j_end:
             load_kv_tile(tile, src, (j + 1) * BC, n_rows, tid)
-        ptx.cp_async_commit()
+        pipeline.commit()
         if not PIPELINE:
-            ptx.cp_async_wait(0)
+            pipeline.wait(0)
 
     @kernel
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
@@ -215,11 +215,10 @@ def build(cfg):
         tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
                               tid, THREADS, ADDRESS_ONCE)
         load_kv_tile(smem[KV_START:KV_START + KV_TILE], k_h, j0 * BC, n_k, tid)
-        ptx.cp_async_commit()
+        pipeline.commit()
         load_kv_tile(smem[KV_START + KV_TILE:KV_START + 2 * KV_TILE], v_h, j0 * BC, n_k, tid)
-        ptx.cp_async_commit()
-        ptx.cp_async_wait(1)
-        cuda.syncthreads()
+        pipeline.commit()
+        pipeline.wait_and_release(1)   # Q_i and K_j0 landed (V_j0 may still be in flight)
         q_frag = cuda.local.array(Q_FRAG, uint32)
         if Q_IN_REGISTERS:
             for m in range(M):
@@ -236,23 +235,23 @@ def build(cfg):
 
         for j in range(j0, j1):  # Alg.1 l.6
             col0 = j * BC
-            kv0 = KV_START + ((j - j0) & (STAGES - 1)) * 2 * KV_TILE   # this step's K/V buffers
+            kv0 = pipeline.slot_start(KV_START, j - j0, STAGES, 2 * KV_TILE)   # this step's K, V
             k_s = smem[kv0:kv0 + KV_TILE]
             v_s = smem[kv0 + KV_TILE:kv0 + 2 * KV_TILE]
             # l.7: K_j (two stages: and V_j) in SRAM; their copies were issued one step earlier.
             if STAGES == 2:
-                ptx.cp_async_wait(0)
-                cuda.syncthreads()  # ... and every warp is done with step j-1's buffers: refill
-                if j + 1 < j1:      # them with K_{j+1} and V_{j+1} while this step computes
-                    nxt = KV_START + ((j + 1 - j0) & 1) * 2 * KV_TILE
+                # ... and every warp is done with step j-1's buffers: refill them with K_{j+1}
+                # and V_{j+1} while this step computes.
+                pipeline.wait_and_release(0)
+                if j + 1 < j1:
+                    nxt = pipeline.slot_start(KV_START, j + 1 - j0, STAGES, 2 * KV_TILE)
                     load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, tid)
                     load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k, tid)
-                ptx.cp_async_commit()
+                pipeline.commit()
                 if not PIPELINE:
-                    ptx.cp_async_wait(0)
+                    pipeline.wait(0)
             else:
-                ptx.cp_async_wait(1)
-                cuda.syncthreads()
+                pipeline.wait_and_release(1)   # K_j landed (V_j may still be in flight)
             # l.8: S_ij = Q_i K_j^T.
             tiles.fill(s, float32(0))
             tiles.gemm_abt_held_or_streamed(s, q_frag, Q_IN_REGISTERS, q_s, warp_row, D // 16, k_s,
@@ -275,8 +274,7 @@ def build(cfg):
                     tiles.load_a_fragments(p, m, p_s, warp_row + 16 * m, lane, P_STRIDE, SWIZZLE)
             # l.10, second half: O_i += P~_ij V_j, with V_j in SRAM.
             if STAGES == 1:
-                ptx.cp_async_wait(1)
-                cuda.syncthreads()
+                pipeline.wait_and_release(1)   # V_j landed (K_{j+1} may still be in flight)
             tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, ELEM)
             if STAGES == 1:  # every warp is done with V_j: refill the tile with V_{j+1}
                 refill_after_use(v_s, v_h, j, j1, n_k, tid)
@@ -285,9 +283,9 @@ def build(cfg):
         inv_l = cuda.local.array(ROWS, float32)
         lse_rows = cuda.local.array(ROWS, float32)
         softmax.finalize(m_i, l_i, inv_l, lse_rows, softmax_scale)
-        ptx.cp_async_wait(0)   # a block that visits no K/V block (j1 <= j0): V_j0 in flight
-        # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores.
-        cuda.syncthreads()
+        # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores (every
+        # copy waited for: a block that visits no K/V block, j1 <= j0, has V_j0 in flight).
+        pipeline.wait_and_release(0)
         q_s32 = cuda.shared.array(0, uint32)[Q_START // 2:(Q_START + Q_TILE) // 2]
         tiles.scale_rows(o_acc, inv_l)
         tiles.stage_accumulator(q_s32, o_acc, warp_row, lane, STRIDE, SWIZZLE, ELEM)

@@ -10,7 +10,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
-from common import arrays, configs, masks, ptx, softmax, tiles
+from common import arrays, configs, masks, pipeline, ptx, softmax, tiles
 from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
 from common.smem import SharedLayout
@@ -405,7 +405,7 @@ def build_backward(cfg):
         h, i = uint32(h_kv * kv_group), int32(i0)   # the first step's query head and block
         q0 = int32(i * BR)                 # first query of Q_i
         load_q_do(smem, 0, q, do, b, h, i, n_q, first_q, tid)
-        ptx.cp_async_commit()
+        pipeline.commit()
         for r in range(tid, BR, THREADS):
             lse2_0, d_0 = load_stats(lse, d_vec, b, h, i, n_q, first_q, r)
             stats[STAT0 + r] = lse2_0
@@ -427,14 +427,13 @@ def build_backward(cfg):
         next_lse2 = cuda.local.array(STATS_PER_THREAD, float32)
         next_d = cuda.local.array(STATS_PER_THREAD, float32)
         if KV_IN_REGISTERS:                 # K_j, V_j's A fragments of the warp's keys, once
-            ptx.cp_async_wait(0)
-            cuda.syncthreads()
+            pipeline.wait_and_release(0)
             for m in range(M):
                 tiles.load_a_fragments(kf, m, k_s, warp_key + 16 * m, lane, STRIDE, SWIZZLE)
                 tiles.load_a_fragments(vf, m, v_s, warp_key + 16 * m, lane, STRIDE, SWIZZLE)
 
         for step in range(n_steps):     # l.8 (over the group's query heads too, for GQA)
-            stage = step & 1
+            stage = pipeline.slot(step, 2)   # Q_i, dO_i, L_i, D_i: two stages
             qo = QO0 + stage * 2 * QO_TILE
             q_s = smem[qo:qo + QO_TILE]
             do_s = smem[qo + QO_TILE:qo + 2 * QO_TILE]
@@ -443,26 +442,26 @@ def build_backward(cfg):
             d_s = stats[st + BR:st + 2 * BR]
             # l.9: Q_i, dO_i (and K_j, V_j at the first step) have landed and every warp is done
             # with the other stage: start copying step+1's Q, dO there (and read its L, D).
-            ptx.cp_async_wait(0)
-            cuda.syncthreads()
+            pipeline.wait_and_release(0)
             h_prev = h
             if step > 0:
                 h, i = next_position(h, i, i0, i1)
             more = int32(step + 1) < n_steps
             if more:
                 h_next, i_next = next_position(h, i, i0, i1)
-                load_q_do(smem, 1 - stage, q, do, b, h_next, i_next, n_q, first_q, tid)
+                load_q_do(smem, pipeline.other(stage), q, do, b, h_next, i_next, n_q, first_q,
+                          tid)
                 for r in range(STATS_PER_THREAD):
                     next_lse2[r], next_d[r] = load_stats(lse, d_vec, b, h_next, i_next, n_q,
                                                          first_q, tid + r * THREADS)
-            ptx.cp_async_commit()
+            pipeline.commit()
             if ATOMIC and step > 0:
                 # l.15 of the previous step, its dS^T now visible to all warps. After the copies
                 # are issued: with dq_reduce="red" its 16 reductions a thread would otherwise
                 # queue ahead of them in the load/store unit (5% of the kernel's time at d=128 on
                 # an H100).
                 update_dq(smem, smem_f32, k_s, rows_of(dq_acc, b, h_prev, first_q, n_q),
-                          1 - stage, q0, n_q, dq, dsa, warp, lane)
+                          pipeline.other(stage), q0, n_q, dq, dsa, warp, lane)
             q0 = int32(i * BR)
 
             # l.10: S^T = K_j Q_i^T (keys x queries); l.11: P^T = exp(S^T - L_i). The warp's keys
@@ -515,7 +514,7 @@ def build_backward(cfg):
                 tiles.accumulator_to_a(pa, dp, ELEM)
                 tiles.gemm_ab(dk, pa, q_s, lane, STRIDE, SWIZZLE, ELEM)
             if more:   # step+1's L, D: its stage's statistics are free since the barrier
-                nst = STAT0 + (1 - stage) * 2 * BR
+                nst = STAT0 + pipeline.other(stage) * 2 * BR
                 for r in range(STATS_PER_THREAD):
                     if tid + r * THREADS < BR:
                         stats[nst + tid + r * THREADS] = next_lse2[r]
@@ -523,11 +522,10 @@ def build_backward(cfg):
 
         # A block no query sees (n_steps = 0: keys past a top-left band, a sequence with no
         # queries) still has K_j, V_j in flight: they land before dK_j = dV_j = 0 is staged there.
-        ptx.cp_async_wait(0)
-        cuda.syncthreads()
+        pipeline.wait_and_release(0)
         if ATOMIC and n_steps > 0:   # l.15 of the last step
             update_dq(smem, smem_f32, k_s, rows_of(dq_acc, b, h, first_q, n_q),
-                      (n_steps - 1) & 1, q0, n_q, dq, dsa, warp, lane)
+                      pipeline.slot(n_steps - 1, 2), q0, n_q, dq, dsa, warp, lane)
             cuda.syncthreads()   # every warp is done reading K_j: its tile stages dK_j next
         # l.17: write dK_j = softmax_scale * dK_j and dV_j, staged through the K, V tiles.
         tiles.scale_accumulator(dk, softmax_scale)
@@ -625,7 +623,7 @@ def build_backward_dq(cfg):
                               tid, THREADS)
         tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, j0 * BC, n_k, 0, BC, D,
                               STRIDE, SWIZZLE, tid, THREADS)
-        ptx.cp_async_commit()
+        pipeline.commit()
         # L_i * log2(e) and D_i of the lane's rows, in registers.
         lse2 = cuda.local.array(ROWS, float32)
         d_rows = cuda.local.array(ROWS, float32)
@@ -642,18 +640,18 @@ def build_backward_dq(cfg):
         tiles.fill(dq, float32(0))
         for j in range(j0, j1):
             col0 = j * BC
-            kv = KV0 + ((j - j0) & 1) * 2 * KV_TILE
+            kv = pipeline.slot_start(KV0, j - j0, 2, 2 * KV_TILE)   # K_j, V_j: two stages
             k_s = smem[kv:kv + KV_TILE]
             v_s = smem[kv + KV_TILE:kv + 2 * KV_TILE]
-            ptx.cp_async_wait(0)
-            cuda.syncthreads()
+            # K_j, V_j landed, and every warp is done with the other stage: K_{j+1}, V_{j+1} there
+            pipeline.wait_and_release(0)
             if j + 1 < j1:
-                nxt = KV0 + ((j + 1 - j0) & 1) * 2 * KV_TILE
+                nxt = pipeline.slot_start(KV0, j + 1 - j0, 2, 2 * KV_TILE)
                 tiles.load_tile_async(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, 0, BC, D,
                                       STRIDE, SWIZZLE, tid, THREADS)
                 tiles.load_tile_async(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k,
                                       0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
-            ptx.cp_async_commit()
+            pipeline.commit()
             # l.10-11: S = Q_i K_j^T, P = exp(S - L_i); l.13-14: dP = dO_i V_j^T, dS = P o (dP - D_i)
             tiles.fill(s, float32(0))
             tiles.gemm_abt_streamed(s, a, q_s, warp_row, D // 16, k_s, lane, STRIDE, SWIZZLE,
@@ -674,8 +672,7 @@ def build_backward_dq(cfg):
             tiles.gemm_ab(dq, pa, k_s, lane, STRIDE, SWIZZLE, ELEM)
         # dQ_i = softmax_scale * dQ_i to HBM, staged through the Q tile (for rows that see no key,
         # j1 <= j0, once their own Q_i copy has landed there).
-        ptx.cp_async_wait(0)
-        cuda.syncthreads()
+        pipeline.wait_and_release(0)
         q_s32 = cuda.shared.array(0, uint32)[Q0 // 2:(Q0 + Q_TILE) // 2]
         tiles.scale_accumulator(dq, softmax_scale)
         tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, ELEM)
