@@ -91,7 +91,21 @@ def ptxas_resources(ptx, arch="sm_90"):
         row.update(loop_instructions=len(loop), loop_HMMA=loop.count("HMMA"),
                    loop_HGMMA=loop.count("HGMMA"),
                    loop_local=loop.count("LDL") + loop.count("STL"))
+        if "USETMAXREG" in ops:
+            row["consumer_local"] = consumer_local(ops)
     return row
+
+
+def consumer_local(ops):
+    """Local-memory accesses (LDL, STL) of a warp-specialised kernel's consumers: the opcodes from
+    the consumers' setmaxnreg.inc to the producer's setmaxnreg.dec, as ptxas lays the two roles
+    out (fa3's kernels: the consumers' code first, the producer's after it); None when the kernel
+    does not have exactly that shape."""
+    marks = [i for i, op in enumerate(ops) if op == "USETMAXREG"]
+    if len(marks) != 2:
+        return None
+    part = ops[marks[0]:marks[1]]
+    return part.count("LDL") + part.count("STL")
 
 
 _SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([^;]*)")
@@ -180,7 +194,7 @@ def main(argv=None):
     cols = ["kernel", "mma", "ldmatrix", "cp_async", "f64_ops", "registers", "spill_stores", "stack_bytes"]
     if "--sass" in argv:
         cols += [f"sass_{op}" for op in SASS_OPS] + ["sass_total", "loop_instructions", "loop_HMMA",
-                                                     "loop_local"]
+                                                     "loop_local", "consumer_local"]
     widths = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:

@@ -81,6 +81,9 @@ class BackwardConfig:
                              # (False: a producer warp beside them)
     dq_deferred: bool = False    # issue step i's dQ product with step i+1's S^T, dP^T (its terms
                                  # written out while dP^T runs) rather than at the end of step i
+    early_dv: bool = True   # issue dV += P^T dO as soon as P^T is ready, so that it runs while dS
+                            # is computed (P^T's registers live beside S^T's and dP^T's); False:
+                            # with dK once dS is done (FA3's order, fewer registers at once)
 
     @property
     def consumers(self):
@@ -156,7 +159,10 @@ BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
 #          B_r 128: 276 / 369 / 398 | 185 / 310 / 381;  + dq_deferred: 233 / 309 / 339 (spills)
 #   d=128  B_r 64: 358 / 467 / 499 | 253 / 398 / 481;  + dq_deferred: 269 / 325 / 341 (spills:
 #          dQ_{i-1}'s 32 registers beside S^T, dP^T, dK and dV's 192)
-BACKWARD_DEFAULTS = {64: dict(block_m=128, block_n=128), 128: dict(block_m=64, block_n=128)}
+#   d=64, B_r 128 with early_dv (dV issued before dS is computed): ptxas serialises every wgmma
+#          for want of registers (C7512: P^T's 32 beside S^T's and dP^T's 64 each); off, none.
+BACKWARD_DEFAULTS = {64: dict(block_m=128, block_n=128, early_dv=False),
+                     128: dict(block_m=64, block_n=128)}
 default_backward_config = configs.default_config_function(
     "fa3 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
 
@@ -196,6 +202,8 @@ def build_backward(cfg):
     WAIT1_ST = sm90.wgmma_wait(1, BR // 2)      # all but the last group (dP^T, or dV) landed
     WAIT1_ST_DQ = sm90.wgmma_wait(1, BR // 2, DQ_COLS // 2)   # dQ_{i-1} and S^T (not dP^T)
     WAIT_KV = sm90.wgmma_wait(0, D // 2, D // 2, 4 * K_Q, 4 * K_Q)   # dK, dV and their A registers
+    WAIT0_ST = sm90.wgmma_wait(0, BR // 2)
+    EARLY_DV = cfg.early_dv
     WAIT_DQ = sm90.wgmma_wait(0, DQ_COLS // 2)
     WAIT_ALL = sm90.wgmma_wait(0, DQ_COLS // 2, D // 2, D // 2, 4 * K_Q, 4 * K_Q)
     DQ_DEFERRED = cfg.dq_deferred
@@ -404,17 +412,24 @@ def build_backward(cfg):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, True, BAND_LO, 0,
                                              lane, False)
             softmax.recompute_p_columns(s, smem_f32[st:st + BR], lane, scale_log2)       # l.11
-            tiles.accumulator_to_a(p, s, ELEM)
-            sm90.wgmma_fence()
-            accumulate(dv, p, sm90.descriptor_advance(qmn_desc, stage_bytes + Q_BYTES))  # l.12
-            WAIT1_ST(dp)                                      # dP^T landed; dV may still run
+            if EARLY_DV:
+                tiles.accumulator_to_a(p, s, ELEM)
+                sm90.wgmma_fence()
+                accumulate(dv, p, sm90.descriptor_advance(qmn_desc, stage_bytes + Q_BYTES))  # l.12
+                WAIT1_ST(dp)                                  # dP^T landed; dV may still run
+            else:
+                WAIT0_ST(dp)                                  # dP^T landed
             softmax.grad_columns(s, dp, smem_f32[st + BR:st + 2 * BR], lane)             # l.14
+            if not EARLY_DV:
+                tiles.accumulator_to_a(p, s, ELEM)
             tiles.accumulator_to_a(ds, dp, ELEM)
             tiles.stage_accumulator_panels(
                 smem32[(tiles0 + DS0) // 2 + buf * (DS_ELEMS // 2):
                        (tiles0 + DS0) // 2 + (buf + 1) * (DS_ELEMS // 2)], dp, warp_key, lane, BC,
                 ELEM)
             sm90.wgmma_fence()
+            if not EARLY_DV:
+                accumulate(dv, p, sm90.descriptor_advance(qmn_desc, stage_bytes + Q_BYTES))  # l.12
             accumulate(dk, ds, sm90.descriptor_advance(qmn_desc, stage_bytes))          # l.16
             # every warpgroup's dS^T is staged (and visible to the tensor cores' async proxy)
             # for l.15's product: this warpgroup's columns of dS K_j, now or at the next step
