@@ -21,7 +21,7 @@ flash_attn's conventions (flash_attn_func's `causal`, `window_size=(left, right)
 """
 from dataclasses import dataclass
 
-from numba import int32
+from numba import cuda, int32
 
 from common.target import device_function
 
@@ -88,6 +88,14 @@ def band(causal, window_size, align, n_q, n_k, softcap, softmax_scale):
 
 # --------------------------------------------------------------------------- device side
 # Block ranges in 32-bit integers (the band's UNBOUNDED sides keep every sum inside int32).
+
+@device_function
+def query_block(longest_first):
+    """The query block this thread block owns when the grid's x runs over query blocks: blockIdx.x,
+    or counted from the end when longest_first (under a causal band the last query blocks meet the
+    most key blocks: launched first, they do not start in the grid's last wave)."""
+    return cuda.gridDim.x - 1 - cuda.blockIdx.x if longest_first else cuda.blockIdx.x
+
 
 @device_function
 def key_blocks(row0, rows, n_q, n_k, block, lo, hi):

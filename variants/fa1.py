@@ -330,7 +330,7 @@ def build(cfg):
                                 l_bh[grow] = l_new
         else:
             # FA2's loop order: this thread block is query block i; O_i, l_i, m_i stay on chip.
-            i = cuda.gridDim.x - 1 - cuda.blockIdx.x if SKIP else cuda.blockIdx.x  # longest first
+            i = masks.query_block(SKIP)   # skipping blocks: the longest first
             row0 = i * BR
             j0, j1 = int32(0), int32(t_c)
             if SKIP:

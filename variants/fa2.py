@@ -183,7 +183,7 @@ def build(cfg):
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
         # K/V blocks to visit are started first.
-        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if BANDED else cuda.blockIdx.x
+        i = masks.query_block(BANDED)
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
         row0 = i * BR                       # first query row of Q_i
         if VARLEN:   # sequence b of the packed batch: its rows, and its own band

@@ -592,7 +592,7 @@ def build_backward_dq(cfg):
                         softmax_scale, scale_log2, cu_q, cu_k):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
-        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if BANDED else cuda.blockIdx.x
+        i = masks.query_block(BANDED)   # with a band, the blocks with the most K/V blocks first
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
         row0 = i * BR
         first_q, first_k = int32(0), int32(0)
