@@ -160,7 +160,9 @@ BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
 #   d=128  B_r 64: 358 / 467 / 499 | 253 / 398 / 481;  + dq_deferred: 269 / 325 / 341 (spills:
 #          dQ_{i-1}'s 32 registers beside S^T, dP^T, dK and dV's 192)
 #   d=64, B_r 128 with early_dv (dV issued before dS is computed): ptxas serialises every wgmma
-#          for want of registers (C7512: P^T's 32 beside S^T's and dP^T's 64 each); off, none.
+#          for want of registers (C7512: P^T's 32 beside S^T's and dP^T's 64 each); off, none:
+#          289 / 419 / 462 | 207 / 364 / 449 (third run; with early_dv 275 / 367 / 398)
+#   d=128  early_dv off: within 1% of on.
 BACKWARD_DEFAULTS = {64: dict(block_m=128, block_n=128, early_dv=False),
                      128: dict(block_m=64, block_n=128)}
 default_backward_config = configs.default_config_function(
