@@ -280,8 +280,9 @@ def traffic_seqlen(rows, out):
         color = OURS[variant]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color,
                 label=f"{label} measured")
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=color,
-                label=f"{variant} model")
+        if any(p[2] == p[2] for p in pts):   # a model (fwd_bwd has none: NaN)
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=color,
+                    label=f"{variant} model")
     flash = next((k for k in ("fa2", "fa3", "fa1") if k in measured), None)
     if "standard" in measured and flash:
         for n, b in measured["standard"].items():
