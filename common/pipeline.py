@@ -1,7 +1,8 @@
 """The stage ring of a cp.async pipeline (sm_80-style): a tile's copies for step j+1 land in one
 buffer while step j computes on another, every thread of the block both producing (issuing copies)
 and consuming (reading the tiles). fa3's ring (TMA copies into stages guarded by full/empty
-mbarriers, a producer warp) is variants/fa3.py's, over common/sm90.py's instructions.
+mbarriers, a producer warp) is variants/fa3.py's and fa3_backward.py's, over common/sm90.py's
+instructions; they take the step arithmetic of such a ring from `phase_slot`.
 
     slot(j, stages), slot_start(start, j, stages, size)    which buffer step j uses, where it starts
     commit()                   produce: the copies issued since the last commit are one group
@@ -11,6 +12,8 @@ mbarriers, a producer warp) is variants/fa3.py's, over common/sm90.py's instruct
     wait_and_release(pending)  wait, then the barrier: every thread's copies of those groups are
                                visible to all, and the buffer read before it released
     other(slot)                the other slot of a ring of two
+
+    phase_slot(j, stages)      an mbarrier ring's (stage, parity) of step j (fa3's TMA rings)
 
 A ring of `stages` buffers (a power of two): step j uses slot j mod stages. A kernel whose copies
 for step j+1 are issued at the top of step j (after its wait_and_release) keeps one group in flight
@@ -73,3 +76,13 @@ def wait_and_release(pending):
     this call refill."""
     ptx.cp_async_wait(pending)
     cuda.syncthreads()
+
+
+@device_function
+def phase_slot(step, stages):
+    """(stage, parity) of step `step` through a ring of `stages` buffers guarded by mbarriers
+    (stages: 1 to 4, any): its buffer, step mod stages, and the parity of that buffer's fill (and
+    release) phase, the number of times the ring has gone round mod 2. A consumer waits on the
+    buffer's full barrier with that parity; a producer refilling it waits on its empty barrier
+    with the other parity (the release of the fill before)."""
+    return step % stages, (step // stages) & 1

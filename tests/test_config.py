@@ -1,6 +1,7 @@
 """The Hydra configs compose, name real variants, and drive experiments/run.py end to end."""
 import csv
 import dataclasses
+import importlib
 import os
 import re
 import subprocess
@@ -46,9 +47,13 @@ def test_variant_configs_name_registered_variants_and_real_options():
         assert set(cfg.variant.options) <= accepted, (name, set(cfg.variant.options) - accepted)
         # and every option is there, so that one override flips it (variant.options.<name>=...)
         assert accepted <= set(cfg.variant.options), (name, accepted - set(cfg.variant.options))
-        # the backward's too, where the variant resolves them itself (fa1, fa2)
+        # the backward's too, where the variant resolves them itself (fa1, fa2), and fa3's: its
+        # kernel switch and its own kernel's options
         if hasattr(module, "default_backward_config"):
             assert set(cfg.variant.backward_options) == set(module.BACKWARD_OPTIONS), name
+        if name in BACKWARD_KERNEL_OF:
+            kernel = importlib.import_module(BACKWARD_KERNEL_OF[name])
+            assert set(cfg.variant.backward_options) == {"kernel", *kernel.BACKWARD_OPTIONS}, name
     fa2 = variants.get("fa2")
     from variants import fa2_backward
     assert set(fa2.OPTIONS) <= {f.name for f in dataclasses.fields(fa2.Config)}
@@ -83,6 +88,11 @@ def annotated_defaults(path):
     return found
 
 
+# Variants whose backward_options (beside `kernel`, which picks the backward) are another module's
+# BackwardConfig: fa3's own backward kernel.
+BACKWARD_KERNEL_OF = {"fa3": "variants.fa3_backward"}
+
+
 def resolved_defaults_of(name):
     """{(section, option): its default over the variant's head dims, causal or not, and the
     problem fields with defaults of their own, in the variant file's words} from the code."""
@@ -97,6 +107,10 @@ def resolved_defaults_of(name):
         sections.append(("backward_options", module.default_backward_config,
                          module.BACKWARD_OPTIONS,
                          configs.default_flags(fa2_backward.BACKWARD_DEFAULTS)))
+    if name in BACKWARD_KERNEL_OF:                    # fa3: its own backward kernel's
+        kernel = importlib.import_module(BACKWARD_KERNEL_OF[name])
+        sections.append(("backward_options", kernel.default_backward_config,
+                         kernel.BACKWARD_OPTIONS, configs.default_flags(kernel.BACKWARD_DEFAULTS)))
     want = {}
     for section, default_config, options, flags in sections:
         resolved = configs.resolved_defaults(default_config, module.HEAD_DIMS, flags)

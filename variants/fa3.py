@@ -57,7 +57,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, fp8, masks, ptx, sm90, softmax, target, tiles
+from common import arrays, configs, fp8, masks, pipeline, ptx, sm90, softmax, target, tiles
 from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
@@ -370,7 +370,7 @@ def build(cfg):
     def slot(it):
         """(stage, parity) of the it-th K/V block through this block's ring: its buffer, and the
         parity of the fill (and of the release) of that buffer's mbarriers."""
-        return it % STAGES, (it // STAGES) & 1
+        return pipeline.phase_slot(it, STAGES)
 
     PAIRED, SPAN = cfg.paired, 2 if cfg.paired else 1     # tiles a work item holds, at most
     count_items = device_function(work_items)

@@ -49,7 +49,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
-from common import configs, masks, ptx, sm90, softmax, tiles
+from common import configs, masks, pipeline, ptx, sm90, softmax, tiles
 from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, OUT_TYPE
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
@@ -215,7 +215,7 @@ def build_backward(cfg):
     @device_function
     def slot(step):
         """(stage, parity) of the step-th query block through the ring."""
-        return step % STAGES, (step // STAGES) & 1
+        return pipeline.phase_slot(step, STAGES)
 
     @device_function
     def position(step, n_i, i0, h0):
