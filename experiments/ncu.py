@@ -34,7 +34,7 @@ is the profiled process (what `traffic` runs under ncu); `experiments/plot.py tr
 --figure traffic` draws the measured and modelled bytes against the block.
 
     python experiments/ncu.py profile --names fa3,sdpa_cudnn --seqlen 4096 --head-dim 128 \
-                              [--options '{"pingpong": false}'] [--out DIR]
+                              [--options '{"pingpong": false}'] [--pass fwd_bwd] [--out DIR]
 
 is where a kernel's time goes, beside a peer's on the same problem (the FA2 paper's shapes by
 default): each name's call profiled alone with Nsight Compute's sections (speed of light, pipe
@@ -114,11 +114,9 @@ def model_bytes(variant, n, d, block, batch, heads, pass_="fwd"):
 def call(variant, seqlen, head_dim, batch, heads, causal, options, pass_="fwd"):
     """One forward call (pass_="fwd_bwd": a forward and its backward) under the profiler, after an
     untimed one; what `traffic` and `profile` run. `variant` may be an SDPA peer
-    (experiments/peers.py) on torch tensors, forward only."""
+    (experiments/peers.py) on torch tensors (its backward by torch autograd)."""
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
-    if variant.startswith("sdpa_") and pass_ != "fwd":
-        raise ValueError(f"{variant}: the SDPA peers are profiled forward only")
     import common
     common.select_backend()
     import numpy as np
@@ -133,9 +131,16 @@ def call(variant, seqlen, head_dim, batch, heads, causal, options, pass_="fwd"):
     if peer:
         from experiments import peers
         sdpa = peers.forward_fn(variant, causal, None, False)
+        if pass_ == "fwd":
+            def run():
+                return sdpa(q, k, v)
+        else:
+            import torch
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            do = torch.randn_like(q)
 
-        def run():
-            return sdpa(q, k, v)
+            def run():
+                return torch.autograd.grad(sdpa(*leaves), leaves, do)
     elif pass_ == "fwd":
         def run():
             return variants.forward(q, k, v, variant=variant, causal=causal, **options)
@@ -227,9 +232,10 @@ def headline(launch):
 
 
 def profile(names, seqlen, head_dim, batch, heads, causal, options, out_dir, ncu="ncu",
-            run=subprocess.run):
+            run=subprocess.run, pass_="fwd"):
     """{name: the headline metrics of its call's longest kernel}, each call under ncu's
-    PROFILE_SECTIONS in a process of its own; reports and per-line source views in out_dir."""
+    PROFILE_SECTIONS in a process of its own; reports and per-line source views in out_dir.
+    pass_="fwd_bwd": a forward and its backward, whose longest kernel is the backward's."""
     if run is subprocess.run and shutil.which(ncu) is None:
         raise SystemExit(f"{ncu} (Nsight Compute) is not on PATH: install it or run on the GPU host")
     os.makedirs(out_dir, exist_ok=True)
@@ -238,7 +244,8 @@ def profile(names, seqlen, head_dim, batch, heads, causal, options, out_dir, ncu
         argv = [sys.executable, os.path.abspath(__file__), "call", "--variant", name, "--seqlen",
                 str(seqlen), "--head-dim", str(head_dim), "--batch", str(batch), "--heads",
                 str(heads), "--causal", str(int(causal)),
-                "--options", json.dumps({} if name.startswith("sdpa_") else options)]
+                "--options", json.dumps({} if name.startswith("sdpa_") else options),
+                "--pass", pass_]
         report = os.path.join(out_dir, name)
         sections = [x for s in PROFILE_SECTIONS for x in ("--section", s)]
         out = run([ncu, "--clock-control", "none", "--profile-from-start", "off",
@@ -351,12 +358,14 @@ def main(argv=None):
     pr.add_argument("--options", default="{}", help="the variants' options (JSON)")
     pr.add_argument("--out", default="ncu_profile")
     pr.add_argument("--ncu", default="ncu")
+    pr.add_argument("--pass", dest="pass_", default="fwd", choices=PASSES,
+                    help="fwd_bwd: the backward's kernel (the call's longest)")
     args = ap.parse_args(argv)
     if args.command == "profile":
         results = profile(args.names.split(","), args.seqlen, args.head_dim,
                           args.batch or max(1, 16384 // args.seqlen),
                           args.heads or 2048 // args.head_dim, bool(args.causal),
-                          json.loads(args.options), args.out, args.ncu)
+                          json.loads(args.options), args.out, args.ncu, pass_=args.pass_)
         print_profile(results)
         return results
     if args.command == "call":

@@ -85,22 +85,19 @@ def test_fa3_forward_then_its_backward(rng, kernel):
 
 
 # fa3's own backward (variants/fa3_backward.py: wgmma, TMA, a producer warp) on the shapes that
-# exercise its schedule: ragged K/V and query blocks (70 keys: one block of 128, 70 queries: two
-# of 64), causal over two K/V blocks (the first sees every query block, the second skips two and
-# masks the diagonal ones), d=128 (two 64-column panels a tile, dQ's columns split across the
-# warpgroups), dQ's product at the end of its step or deferred to the next (dq_deferred: the
-# default at d=64, not at 128), K/V heads shared by two query heads, N_q != N_k with a custom
-# scale, one stage, one consumer warpgroup (block_n=64), 128 queries a step (block_m=128, d=64's
-# default: each warpgroup computes the dQ rows of its 64 queries), dV issued before dS or after
-# (early_dv: d=128's default, not d=64's).
-FA3_SHAPES = [dict(seqlen=200, causal=True, dtype="float16"),
+# exercise its schedule: ragged K/V and query blocks (70 keys: one block of 128; 70 queries: one of
+# 128 at d=64, two of 64 with block_m=64), causal over two K/V blocks (the first sees every query
+# block, the second skips the first and masks the diagonal ones), fp16, d=128 (B_r = 64: two
+# 64-column panels a tile, dQ's columns split across the warpgroups; at d=64, B_r = 128: each
+# warpgroup the dQ rows of its 64 queries), dQ's product deferred to the next step (dq_deferred),
+# dV issued before dS or after (early_dv: d=128's default, not d=64's), K/V heads shared by two
+# query heads, N_q != N_k with a custom scale, one stage, one consumer warpgroup (block_n=64).
+FA3_SHAPES = [dict(seqlen=130, causal=True, dtype="float16"),
               dict(seqlen=150, causal=True, head_dim=128, early_dv=False),
-              dict(seqlen=130, causal=True, dq_deferred=False),
               dict(seqlen=90, causal=False, heads=4, heads_kv=2, head_dim=128, dq_deferred=True),
               dict(seqlen=17, seqlen_k=150, causal=False, softmax_scale=0.37, stages=1),
               dict(seqlen=70, causal=True, block_n=64, block_m=64),
-              dict(seqlen=200, causal=True, early_dv=True),
-              dict(seqlen=150, causal=False, heads=2, heads_kv=1, block_m=128, dq_deferred=False)]
+              dict(seqlen=130, causal=True, early_dv=True)]
 if ON_GPU:
     FA3_SHAPES = [dict(shape, batch=2, seqlen=shape["seqlen"] * 7) for shape in FA3_SHAPES] + \
         [dict(seqlen=2048, heads=4, head_dim=d, causal=c, batch=2) for d in (64, 128)

@@ -125,8 +125,8 @@ def test_the_profiled_call_runs():
 @pytest.mark.sim
 def test_the_profiled_forward_and_backward_runs():
     ncu.call("fa2", 16, 64, 1, 1, True, {}, pass_="fwd_bwd")
-    with pytest.raises(ValueError, match="forward only"):
-        ncu.call("sdpa_flash", 16, 64, 1, 1, False, {}, pass_="fwd_bwd")
+    with pytest.raises(ValueError, match="pass must be one of"):
+        ncu.call("fa2", 16, 64, 1, 1, True, {}, pass_="bwd_only")
 
 
 def raw_output(kernels):
@@ -166,4 +166,9 @@ def test_profile_reports_the_longest_kernel_of_each_call(tmp_path):
     assert json.loads(profiled[0][profiled[0].index("--options") + 1]) == {"pingpong": False}
     assert json.loads(profiled[1][profiled[1].index("--options") + 1]) == {}   # a peer: no options
     assert (tmp_path / "fa3_raw.csv").exists() and (tmp_path / "sdpa_cudnn_source.csv").exists()
+    assert all(c[c.index("--pass") + 1] == "fwd" for c in profiled)
     ncu.print_profile(results)
+    calls.clear()   # --pass fwd_bwd reaches every profiled call (the backward's kernel is longest)
+    ncu.profile(["fa3", "sdpa_cudnn"], 4096, 128, 4, 16, False, {}, str(tmp_path), run=run,
+                pass_="fwd_bwd")
+    assert [c[c.index("--pass") + 1] for c in calls if "-o" in c] == ["fwd_bwd", "fwd_bwd"]
