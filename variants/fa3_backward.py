@@ -206,13 +206,14 @@ def build_backward(cfg):
     MMA_KV = sm90.wgmma_rs(D, DTYPE, True)                 # dV, dK      (m64 n=d, B transposed)
     MMA_DQ = sm90.wgmma_ss(DQ_COLS, DTYPE, True, True)     # dQ          (A and B transposed)
     WAIT1_ST = sm90.wgmma_wait(1, BR // 2)      # all but the last group (dP^T, or dV) landed
-    WAIT1_ST_DQ = sm90.wgmma_wait(1, BR // 2, DQ_COLS // 2)   # dQ_{i-1} and S^T (not dP^T)
-    WAIT_KV = sm90.wgmma_wait(0, D // 2, D // 2, 4 * K_Q, 4 * K_Q)   # dK, dV and their A registers
-    WAIT0_ST = sm90.wgmma_wait(0, BR // 2)
-    EARLY_DV = cfg.early_dv
+    WAIT0_ST = sm90.wgmma_wait(0, BR // 2)      # dP^T landed (nothing issued after it)
+    WAIT_ALL = sm90.wgmma_wait(0, DQ_COLS // 2, D // 2, D // 2, 4 * K_Q, 4 * K_Q)  # the step's
+    # dq_deferred: dQ_{i-1} and S^T (not dP^T); dK, dV and their A registers (dQ_i not issued
+    # yet); the last step's dQ after the loop
+    WAIT1_ST_DQ = sm90.wgmma_wait(1, BR // 2, DQ_COLS // 2)
+    WAIT_KV = sm90.wgmma_wait(0, D // 2, D // 2, 4 * K_Q, 4 * K_Q)
     WAIT_DQ = sm90.wgmma_wait(0, DQ_COLS // 2)
-    WAIT_ALL = sm90.wgmma_wait(0, DQ_COLS // 2, D // 2, D // 2, 4 * K_Q, 4 * K_Q)
-    DQ_DEFERRED = cfg.dq_deferred
+    EARLY_DV, DQ_DEFERRED = cfg.early_dv, cfg.dq_deferred
     ST_ACC, KV_ACC, DQ_ACC, A_FRAG = (1, BR // 8, 4), (1, D // 8, 4), (1, DQ_COLS // 8, 4), \
         (1, K_Q, 4)
 
@@ -272,7 +273,7 @@ def build_backward(cfg):
     def produce(smem, smem_f32, tiles0, tmaps, lse, d_vec, b, h_kv, h0, key0, i0, n_i, n_steps,
                 n_q, lane):
         """The producer warp: K_j, V_j once (lane 0), then per step a free stage's Q_i, dO_i (lane
-        0, TMA) and L_i log2(e), D_i (every lane, two rows each)."""
+        0, TMA) and L_i log2(e), D_i (every lane, B_r / 32 rows each)."""
         if lane == 0:
             for m in range(4):
                 sm90.tensormap_acquire(tmaps, m)
