@@ -13,6 +13,7 @@ instructions (mma.sync, ldmatrix, cp.async).
 | wgmma_fence, wgmma_commit, wgmma_wait(k) | wgmma.fence / commit_group / wait_group k                 |
 | mbarrier_init, fence_mbarrier_init       | mbarrier.init.shared::cta.b64, fence.mbarrier_init        |
 | mbarrier_arrive(_expect_tx)              | mbarrier.arrive[.expect_tx].shared::cta.b64               |
+| cp_async_mbarrier_arrive                 | cp.async.mbarrier.arrive.noinc.shared::cta.b64            |
 | mbarrier_try_wait, mbarrier_wait         | mbarrier.try_wait.parity.shared::cta.b64 (and its loop)   |
 | tma_load_4d                              | cp.async.bulk.tensor.4d.shared::cluster.global.tile       |
 | tensormap_acquire                        | prefetch.tensormap; fence.proxy.tensormap::generic.acquire|
@@ -345,6 +346,15 @@ if SIMULATOR:
     def mbarrier_arrive_expect_tx(smem, offset, nbytes):
         _barrier(smem, offset)[0].arrive(int(nbytes))
 
+    def cp_async_mbarrier_arrive(smem, offset):
+        """An arrival on the mbarrier once every cp.async copy this thread has issued so far has
+        landed (committed or not; .noinc: the arrival counts against the barrier's count). Here
+        the copies land now, then the arrival: one of the orders a GPU may take."""
+        from common import sm80
+        sm80.cp_async_commit()
+        sm80.cp_async_wait(0)
+        _barrier(smem, offset)[0].arrive()
+
     def mbarrier_try_wait(smem, offset, parity):
         """Blocks until the phase completes (a GPU try_wait may return false first and be
         retried); after WAIT_TIMEOUT_S raises an error naming what is missing (a GPU would hang)."""
@@ -557,6 +567,7 @@ else:
     mbarrier_arrive = _mbarrier_op("mbarrier.arrive.shared::cta.b64 _, [$0];")
     mbarrier_arrive_expect_tx = _mbarrier_op(
         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
+    cp_async_mbarrier_arrive = _mbarrier_op("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];")
     mbarrier_try_wait = _mbarrier_op(
         "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
         "selp.u32 $0, 1, 0, p; }", returns=True)

@@ -150,6 +150,76 @@ def test_wgmma_on_tma_tiles_matches_numpy(rng, d, n, dtype):
     np.testing.assert_array_less(np.abs(o_got - o_ref), tol(p, vf) + 1e-5 * np.abs(o_ref))
 
 
+RING_MMA, RING_WAIT = sm90.wgmma_ss(64, "bf16"), sm90.wgmma_wait(0, 32)
+
+
+@cuda.jit
+def cp_async_ring_kernel(a, b, s_out, rounds):
+    """fa3's cp.async producer in miniature: a producer warp (warp 4) copies A (64 x 64) and round
+    r's B (64 x 64, rows 64 r..) with 16-byte cp.async into 128-byte-swizzled tiles of a two-stage
+    ring and signals each stage's full mbarrier (count 32) with cp.async.mbarrier.arrive.noinc; the
+    consumer warpgroup waits, fences the generic-proxy writes for the async proxy and computes
+    S = A B_r^T with SS-wgmma through descriptors, then releases the stage (empty mbarrier)."""
+    tid = int32(cuda.threadIdx.x)
+    warp, lane = tid >> 5, tid & 31
+    smem = cuda.shared.array(0, uint16)
+    base = sm90.shared_address(smem, 0)
+    t0 = int32(((base + uint32(1024 + 127)) & uint32(0xFFFFFC00)) - base) >> 1
+    if tid == 0:
+        sm90.mbarrier_init(smem, 0, 32)            # A landed
+        for st in range(2):
+            sm90.mbarrier_init(smem, 4 + 4 * st, 32)   # stage st full: one arrival a lane
+            sm90.mbarrier_init(smem, 12 + 4 * st, 4)   # stage st empty: one a consumer warp
+        sm90.fence_mbarrier_init()
+    cuda.syncthreads()
+    if warp == 4:
+        tiles.load_tile_async(smem[t0:t0 + 4096], a, 0, 64, 0, 64, 64, 64, True, lane, 32, False)
+        sm90.cp_async_mbarrier_arrive(smem, 0)
+        for r in range(rounds[0]):
+            st = r & 1
+            if r >= 2:
+                sm90.mbarrier_wait(smem, 12 + 4 * st, ((r >> 1) - 1) & 1)
+            tiles.load_tile_async(smem[t0 + 4096 * (1 + st):t0 + 4096 * (2 + st)], b, 64 * r,
+                                  64 * rounds[0], 0, 64, 64, 64, True, lane, 32, False)
+            sm90.cp_async_mbarrier_arrive(smem, 4 + 4 * st)
+        return
+    s = cuda.local.array((1, 8, 4), float32)
+    sm90.mbarrier_wait(smem, 0, 0)
+    a_desc = sm90.smem_descriptor(sm90.shared_address(smem, t0), 16, 1024)
+    for r in range(rounds[0]):
+        st = r & 1
+        sm90.mbarrier_wait(smem, 4 + 4 * st, (r >> 1) & 1)
+        ptx.fence_proxy_async_shared()    # cp.async wrote in the generic proxy; wgmma reads async
+        b_desc = sm90.smem_descriptor(sm90.shared_address(smem, t0 + 4096 * (1 + st)), 16, 1024)
+        sm90.wgmma_fence()
+        for kk in range(4):
+            RING_MMA(s, sm90.descriptor_advance(a_desc, kk * 32),
+                     sm90.descriptor_advance(b_desc, kk * 32), kk)
+        sm90.wgmma_commit()
+        RING_WAIT(s)
+        if lane == 0:
+            sm90.mbarrier_arrive(smem, 12 + 4 * st)
+        for c in range(8):
+            for j in range(4):
+                row, col = tiles.accumulator_position(0, c, j, lane)
+                s_out[r, 16 * warp + row, col] = s[0, c, j]
+
+
+def test_cp_async_copies_signal_an_mbarrier_for_wgmma(rng):
+    """cp.async.mbarrier.arrive.noinc (common/sm90.py): a ring of cp.async tiles read by wgmma, as
+    fa3's producer="cp_async" has it (three rounds: the second use of stage 0 waits for its
+    release)."""
+    rounds = 3
+    a = random_halves(rng, (64, 64), "bfloat16")
+    b = random_halves(rng, (64 * rounds, 64), "bfloat16")
+    s_dev = cuda.to_device(np.full((rounds, 64, 64), np.nan, np.float32))
+    cp_async_ring_kernel[1, 160, 0, 1024 + 128 + 3 * 8192](
+        cuda.to_device(a), cuda.to_device(b), s_dev, np.array([rounds], np.int32))
+    af, bf = (sem.halves_to_float(x, "bfloat16") for x in (a, b))
+    ref = np.stack([af @ bf[64 * r:64 * r + 64].T for r in range(rounds)])
+    np.testing.assert_allclose(s_dev.copy_to_host(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_descriptor_fields_round_trip():
     """The descriptor's bit fields (the simulator decodes what the GPU reads)."""
     if ON_GPU:

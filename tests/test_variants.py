@@ -127,8 +127,11 @@ def test_fa1_options(rng, options, causal):
 
 # fa3's switches: the ring's depth and wrap-around (B_c = 64 gives 4-7 K/V steps), one and three
 # consumer warpgroups, the producer warp instead of a warpgroup (setmaxnreg=False), the
-# intra-warpgroup overlap (off by default: its own loop) with and without ping-pong, ping-pong off.
+# intra-warpgroup overlap (off by default: its own loop) with and without ping-pong, ping-pong off,
+# cp.async copies instead of TMA (by a producer warpgroup, and by a producer warp).
 FA3_CASES = [(dict(block_n=64, stages=2), True),
+             (dict(block_n=64, producer="cp_async"), True),
+             (dict(block_n=64, producer="cp_async", setmaxnreg=False, intra_overlap=True), False),
              (dict(block_n=64, persistent=False), True),
              (dict(block_n=64, back_to_back=True), False),
              (dict(block_n=64, back_to_back=True, block_m=64), True),
@@ -141,7 +144,9 @@ if ON_GPU:
                   (dict(block_n=64, stages=1, intra_overlap=True), True),
                   (dict(block_m=64, block_n=64, stages=4), True),
                   (dict(block_n=176), True),                 # FA3's own B_c at d=128
-                  (dict(block_n=80, stages=3), False)]
+                  (dict(block_n=80, stages=3), False),
+                  (dict(producer="cp_async"), False),
+                  (dict(producer="cp_async", block_m=64, stages=3), True)]
 
 
 @pytest.mark.gpu

@@ -47,8 +47,14 @@ Persistence (`persistent`, FA3's tile scheduler): a block a SM, each looping ove
 blocks while the consumers finish this one and write its O. Causal tiles are dealt in pairs of
 equal work (query blocks i and n - 1 - i of one head), so that a head's tiles run side by side and
 share its K and V in L2 (`Config.work_items`).
-Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass, and a
-cp.async producer as the other setting of a `producer` switch.
+`producer` (the copies, the other setting of FA3's TMA): "cp_async" has every producer thread
+issue 16-byte cp.async copies to the swizzled addresses it computes and signal a stage's full
+mbarrier with cp.async.mbarrier.arrive, the consumers fencing the generic-proxy writes for wgmma
+(0.81-0.91x TMA on an H200: the copies' address arithmetic takes the consumers' issue slots).
+Masks: any band lo <= key - query <= hi (common/masks.py: causal bottom-right or top-left, sliding
+windows): a tile visits the K/V blocks of its rows' band, masks those on its edges, and a tile
+that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. Not softcap.
+Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
 """
 import math
 from dataclasses import dataclass
@@ -59,10 +65,11 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import arrays, configs, fp8, masks, pipeline, ptx, sm90, softmax, target, tiles
 from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
-from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, prepare
+from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
 HEAD_DIMS = (64, 128)
+PRODUCERS = ("tma", "cp_async")
 FP8_HEAD_DIMS = (128,)  # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
 P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest probabilities that
                         # matter (~2^-8 of a row's largest) land on e4m3 normals (>= 2^-6), not
@@ -105,6 +112,12 @@ class Config:
                                  # wait between (FA3's ping-pong); False: O is waited for first
     persistent: bool = True      # one block a SM loops over the tiles (FA3's tile scheduler): the
                                  # producer loads the next tile's Q, K, V during this one's epilogue
+    producer: str = "tma"        # how the producer copies Q, K, V: "tma" (one thread issues bulk
+                                 # tensor copies, counted in bytes on the full mbarriers) or
+                                 # "cp_async" (each producer thread issues 16-byte cp.async copies
+                                 # to swizzled addresses it computes, and signals the full mbarrier
+                                 # when they land: cp.async.mbarrier.arrive)
+    window: bool = False         # the band has a left edge (a sliding window): its test compiled in
 
     @property
     def consumers(self):
@@ -120,9 +133,24 @@ class Config:
         return self.pingpong and self.consumers > 1
 
     @property
+    def cp_async(self):
+        return self.producer == "cp_async"
+
+    @property
+    def producer_threads(self):
+        """Threads that issue copies: one (TMA), or every thread of the producer warpgroup (warp
+        without setmaxnreg) for cp.async, whose copies are 16 bytes each."""
+        if not self.cp_async:
+            return 1
+        return WG_THREADS if self.setmaxnreg else 32
+
+    @property
     def registers(self):
         """(consumer, producer) registers a thread after setmaxnreg (FA3's split): 65536 a block,
-        a multiple of 8, the producer warpgroup down to what issuing copies needs."""
+        a multiple of 8, the producer warpgroup down to what issuing copies needs (cp.async's
+        address arithmetic: FA3 gives it 40 with two consumer warpgroups)."""
+        if self.cp_async and self.consumers == 2:
+            return 224, 40
         return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
     @property
@@ -184,6 +212,11 @@ class Config:
                              "swizzle atoms of the K and V tiles)")
         if not 1 <= self.stages <= 4:
             raise ValueError(f"stages must be 1 to 4, got {self.stages}")
+        if self.producer not in PRODUCERS:
+            raise ValueError(f"producer must be one of {PRODUCERS}, got {self.producer!r}")
+        if self.cp_async and self.fp8:
+            raise ValueError("fa3 in FP8 copies with TMA only (producer='tma'): V^T's zero fill past "
+                             "the last key is the copy engine's")
         if self.smem_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"fa3 block_m={self.block_m}, block_n={self.block_n}, stages="
                              f"{self.stages} at head_dim {self.head_dim} needs {self.smem_bytes()} "
@@ -222,7 +255,6 @@ default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTION
 
 LOG2E = float32(softmax.LOG2E)
 LN2 = float32(math.log(2))
-BAND_LO = int32(-masks.UNBOUNDED)   # fa3's causal band: every key up to the query's (top-left)
 
 
 @lru_cache(maxsize=None)
@@ -241,6 +273,11 @@ def build(cfg):
     K_TILE_ELEMS = KV_BYTES // 2
     PRODUCER_WARP = 4 * NWG
     SETMAXNREG = cfg.setmaxnreg
+    CP_ASYNC, WINDOW = cfg.cp_async, cfg.window
+    PRODUCER_THREADS = cfg.producer_threads
+    # arrivals that fill a stage: the TMA thread's arrive.expect_tx (the bytes complete it), or one
+    # cp.async.mbarrier.arrive a producer thread
+    FULL_COUNT = PRODUCER_THREADS
     TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
     GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
     # mbarriers (8 bytes = 4 elements each): Q full, Q empty, then per stage K full, V full, K
@@ -304,11 +341,12 @@ def build(cfg):
         sm90.wgmma_commit()
 
     @device_function
-    def mask(s, j, n_k, wg_row0, warp_row, lane):
-        """-inf where block j's keys run past n_k or (causal) past a row's diagonal."""
+    def mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane):
+        """-inf where block j's keys run past n_k or (causal, a window) out of a row's band
+        lo <= key - query <= hi (common/masks.py)."""
         col0 = j * BC
-        if col0 + BC > n_k or (CAUSAL and col0 + BC - 1 > wg_row0):
-            tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, BAND_LO, 0, lane)   # key <= query
+        if masks.block_is_partial(wg_row0, WG_ROWS, col0, BC, n_k, CAUSAL, lo, hi, WINDOW):
+            tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lo, hi, lane, WINDOW)
 
     @device_function
     def key_scale(s, k_descale, b, h_kv, j, k_scale_rows):
@@ -351,8 +389,17 @@ def build(cfg):
             sm90.mbarrier_arrive(smem, empty + 4 * stage)
 
     @device_function
-    def softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, t_c, n_k, k_descale, k_scale_rows,
-                     b, h_kv, wg_row0, warp_row, lane):
+    def wait_full(smem, full, parity):
+        """A consumer waits for a tile (Q_i, K_j, V_j) to land. cp.async writes in the generic
+        proxy and wgmma reads in the async proxy: a proxy fence between (TMA lands in the async
+        proxy already)."""
+        sm90.mbarrier_wait(smem, full, parity)
+        if CP_ASYNC:
+            ptx.fence_proxy_async_shared()
+
+    @device_function
+    def softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, k_descale,
+                     k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
         """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
         V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
         and P~ into the A registers of the P V wgmma."""
@@ -361,8 +408,8 @@ def build(cfg):
             release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)                  # l.19
         if O_APART and j == t_c - 1:   # Q_i read for the last time
             release(smem, BAR_EMPTY_Q, 0, lane)
-        key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
-        mask(s, j, n_k, wg_row0, warp_row, lane)
+        key_scale(s, k_descale, b, h_kv, j0 + j, k_scale_rows)
+        mask(s, j0 + j, n_k, lo, hi, wg_row0, warp_row, lane)
         softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
         to_a(p, s)
 
@@ -412,26 +459,69 @@ def build(cfg):
         return int32(1), int32(i), int32(bh // heads), int32(bh % heads), final
 
     @device_function
-    def steps(row0, n_k):
-        """T_c of a tile: its K/V blocks (causal: up to the one holding its last row's diagonal)."""
-        t_c = (n_k + BC - 1) // BC
+    def steps(row0, n_q, n_k, lo, hi):
+        """(j0, T_c) of a tile: its first K/V block and how many it visits (causal, a window:
+        those holding a key of its rows' band, common/masks.py; T_c = 0: its rows see no key)."""
         if CAUSAL:
-            t_c = min(t_c, (row0 + BR - 1) // BC + 1)
-        return t_c
+            j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
+            return j0, max(int32(j1 - j0), int32(0))
+        return int32(0), int32((n_k + BC - 1) // BC)
 
     @device_function
-    def produce(smem, tiles0, tmaps, n_q, n_k, kv_group, heads, batch_heads):
-        """The producer (one thread): for each of the block's tiles, Q_i once the previous tile
-        has released its Q, then K_j, V_j into the ring's next stage once it is free."""
-        for m in range(3):
-            sm90.tensormap_acquire(tmaps, m)
+    def load_q(smem, tiles0, tmaps, q, row0, n_q, b, h, ptid):
+        """Alg.1 l.5: Q_i, a 64-row room a consumer warpgroup, each PANEL columns a panel."""
+        if CP_ASYNC:
+            for w in range(NWG):
+                for p in range(PANELS):
+                    dst = tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW
+                    tiles.load_tile_async(smem[dst:dst + WG_ROWS * ROW], q[b, h], row0 + w * WG_ROWS,
+                                          n_q, p * PANEL, WG_ROWS, PANEL, PANEL, True, ptid,
+                                          PRODUCER_THREADS, False)
+            sm90.cp_async_mbarrier_arrive(smem, BAR_Q)
+        else:
+            sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)
+            for w in range(NWG):
+                for p in range(PANELS):
+                    sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW,
+                                     tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
+
+    @device_function
+    def load_kv(smem, dst0, tmaps, m, src, key0, n_k, b, h_kv, full, ptid):
+        """Alg.1 l.8: K_j (m = 1) or V_j (m = 2), B_c rows from key0, into the tile at dst0 (16-bit
+        units), signalled on mbarrier `full`. FP8's V_j^T (TMA only): d rows x 128 keys a box."""
+        if CP_ASYNC:
+            for p in range(PANELS):
+                dst = dst0 + p * BC * ROW
+                tiles.load_tile_async(smem[dst:dst + BC * ROW], src, key0, n_k, p * PANEL, BC, PANEL,
+                                      PANEL, True, ptid, PRODUCER_THREADS, False)
+            sm90.cp_async_mbarrier_arrive(smem, full)
+            return
+        sm90.mbarrier_arrive_expect_tx(smem, full, KV_BYTES)
+        if FP8 and m == 2:
+            for p in range(BC // PANEL):
+                sm90.tma_load_4d(smem, dst0 + p * D * ROW, tmaps, 2, key0 + p * PANEL, 0, h_kv, b,
+                                 smem, full)
+        else:
+            for p in range(PANELS):
+                sm90.tma_load_4d(smem, dst0 + p * BC * ROW, tmaps, m, p * PANEL, key0, h_kv, b,
+                                 smem, full)
+
+    @device_function
+    def produce(smem, tiles0, tmaps, q, k, v, n_q, n_k, kv_group, heads, batch_heads, lo, hi,
+                ptid):
+        """The producer (one thread for TMA, every producer thread for cp.async): for each of the
+        block's tiles, Q_i once the previous tile has released its Q, then K_j, V_j into the ring's
+        next stage once it is free."""
+        if not CP_ASYNC:
+            for m in range(3):
+                sm90.tensormap_acquire(tmaps, m)
         n_blocks = (n_q + BR - 1) // BR
         n_items = count_items(n_blocks, batch_heads, PAIRED)
         rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
         it = int32(0)       # K/V blocks through the ring so far
         done = int32(0)     # tiles so far
-        for k in range(rounds * SPAN):
-            go, i, b, h, _ = next_tile(k, rounds, n_items, n_blocks, heads, batch_heads)
+        for t in range(rounds * SPAN):
+            go, i, b, h, _ = next_tile(t, rounds, n_items, n_blocks, heads, batch_heads)
             if go < 0:
                 break
             if go == 0:
@@ -440,39 +530,31 @@ def build(cfg):
             row0 = i * BR
             if done > 0:    # the consumers have read the last tile's Q for the last time
                 sm90.mbarrier_wait(smem, BAR_EMPTY_Q, (done - 1) & 1)
-            sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)                   # Alg.1 l.5
-            for w in range(NWG):
-                for p in range(PANELS):
-                    sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW,
-                                     tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
-            for j in range(steps(row0, n_k)):                                      # l.6
+            load_q(smem, tiles0, tmaps, q, row0, n_q, b, h, ptid)                  # Alg.1 l.5
+            j0, t_c = steps(row0, n_q, n_k, lo, hi)
+            for jj in range(t_c):                                                  # l.6
+                key0 = (j0 + jj) * BC
                 stage, parity = slot(it)
                 if it >= STAGES:   # l.7: the consumers released the block STAGES before's K
                     sm90.mbarrier_wait(smem, BAR_EMPTY_K + 4 * stage, parity ^ 1)
                 k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
-                sm90.mbarrier_arrive_expect_tx(smem, BAR_K + 4 * stage, KV_BYTES)  # l.8
-                for p in range(PANELS):
-                    sm90.tma_load_4d(smem, k0 + p * BC * ROW, tmaps, 1, p * PANEL, j * BC, h_kv, b,
-                                     smem, BAR_K + 4 * stage)
+                load_kv(smem, k0, tmaps, 1, k[b, h_kv], key0, n_k, b, h_kv, BAR_K + 4 * stage,
+                        ptid)                                                      # l.8
                 if it >= STAGES:   # ... and its V
                     sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
-                sm90.mbarrier_arrive_expect_tx(smem, BAR_V + 4 * stage, KV_BYTES)
-                if FP8:            # V_j^T: d rows x 128 keys a box
-                    for p in range(BC // PANEL):
-                        sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * D * ROW, tmaps, 2,
-                                         j * BC + p * PANEL, 0, h_kv, b, smem, BAR_V + 4 * stage)
-                else:
-                    for p in range(PANELS):
-                        sm90.tma_load_4d(smem, k0 + K_TILE_ELEMS + p * BC * ROW, tmaps, 2,
-                                         p * PANEL, j * BC, h_kv, b, smem, BAR_V + 4 * stage)
+                load_kv(smem, k0 + K_TILE_ELEMS, tmaps, 2, v[b, h_kv], key0, n_k, b, h_kv,
+                        BAR_V + 4 * stage, ptid)
                 it += 1
             done += 1
 
     @kernel_for_one_block_per_sm(cfg.threads)
-    def fa3_forward(tmaps, o, lse, n_q, n_k, kv_group, heads, batch_heads, softmax_scale,
-                    scale_log2, q_descale, k_descale, v_descale, q_scale_rows, k_scale_rows):
-        """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T); o: (B, H, N_q, d/2) uint32 view;
-        lse: (B, H, N_q); heads: H, batch_heads: B H. FP8: descales (B, H or H_kv, blocks), a
+    def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi,
+                    softmax_scale, scale_log2, q_descale, k_descale, v_descale, q_scale_rows,
+                    k_scale_rows):
+        """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T), read by producer="tma"; q, k, v:
+        (B, H, N, d) uint16 views, read by producer="cp_async" (FP8: unread); o: (B, H, N_q, d/2)
+        uint32 view; lse: (B, H, N_q); heads: H, batch_heads: B H; lo, hi: the band of keys a query
+        sees (lo <= key - query <= hi; causal, a window). FP8: descales (B, H or H_kv, blocks), a
         block q_scale_rows (Q) or k_scale_rows (K) rows; unread for 16-bit inputs. The grid: a
         block a tile, or (persistent) fewer, each looping over tiles (`tile`)."""
         tid = int32(cuda.threadIdx.x)
@@ -485,11 +567,11 @@ def build(cfg):
         tiles0 = int32(aligned - base) >> 1
 
         if tid == 0:
-            sm90.mbarrier_init(smem, BAR_Q, 1)
+            sm90.mbarrier_init(smem, BAR_Q, FULL_COUNT)
             sm90.mbarrier_init(smem, BAR_EMPTY_Q, 4 * NWG)    # one arrival a consumer warp
             for s in range(STAGES):
-                sm90.mbarrier_init(smem, BAR_K + 4 * s, 1)
-                sm90.mbarrier_init(smem, BAR_V + 4 * s, 1)
+                sm90.mbarrier_init(smem, BAR_K + 4 * s, FULL_COUNT)
+                sm90.mbarrier_init(smem, BAR_V + 4 * s, FULL_COUNT)
                 sm90.mbarrier_init(smem, BAR_EMPTY_K + 4 * s, 4 * NWG)
                 sm90.mbarrier_init(smem, BAR_EMPTY_V + 4 * s, 4 * NWG)
             sm90.fence_mbarrier_init()
@@ -497,9 +579,11 @@ def build(cfg):
 
         if warp >= PRODUCER_WARP:
             if SETMAXNREG:
-                GIVE_REGISTERS()   # the whole producer warpgroup, then 3 of its warps leave
-            if warp == PRODUCER_WARP and lane == 0:
-                produce(smem, tiles0, tmaps, n_q, n_k, kv_group, heads, batch_heads)
+                GIVE_REGISTERS()   # the whole producer warpgroup (TMA: then 3 of its warps leave)
+            ptid = tid - WG_THREADS * NWG
+            if ptid < PRODUCER_THREADS:
+                produce(smem, tiles0, tmaps, q, k, v, n_q, n_k, kv_group, heads, batch_heads, lo,
+                        hi, ptid)
             return
         if SETMAXNREG:
             TAKE_REGISTERS()
@@ -542,7 +626,7 @@ def build(cfg):
             h_kv = h // kv_group
             wg_row0 = i * BR + wg * WG_ROWS         # this warpgroup's first query row
             warp_row = wg_row0 + 16 * wg_warp       # this warp's first row (mask, LSE)
-            t_c = steps(i * BR, n_k)
+            j0, t_c = steps(i * BR, n_q, n_k, lo, hi)
 
             tiles.fill(o_acc, float32(0))                                          # l.11
             softmax.init_rows(m_i, l_i)
@@ -556,7 +640,7 @@ def build(cfg):
                     eff_scale *= k_descale[b, h_kv, 0]
             sl2 = eff_scale * LOG2E if FP8 else scale_log2
 
-            sm90.mbarrier_wait(smem, BAR_Q, done & 1)                              # l.13
+            wait_full(smem, BAR_Q, done & 1)                                       # l.13
             # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1}
             # (or the first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the
             # other's softmax does. The turn goes round without a break from tile to tile: the
@@ -567,35 +651,46 @@ def build(cfg):
             if PINGPONG and wg == 0 and done == 0:
                 ptx.bar_arrive(TURN, TURN_THREADS)
             wait_turn(wg)
-            if not INTRA_OVERLAP and BACK_TO_BACK:
+            if t_c == 0:
+                # no key in its rows' band (bottom-right causal with N_q > N_k): O = 0, LSE = -inf
+                # from the epilogue; Q is handed back and the turn passed on as after a loop
+                if O_APART:
+                    # every lane past its wait for Q first (no wgmma has converged them): else
+                    # Q_{i+1} could land, completing the barrier's next phase, before a lane has
+                    # seen this one
+                    ptx.syncwarp()
+                    release(smem, BAR_EMPTY_Q, 0, lane)
+                if wg != NWG - 1 or not final:
+                    pass_turn(wg)
+            elif not INTRA_OVERLAP and BACK_TO_BACK:
                 # A turn issues O += P~_{j-1} V_{j-1} and S_j = Q K_j^T back to back (FA3 section
                 # 3.1), so that the tensor cores go from one to the other without waiting for this
                 # warpgroup; both are waited for after the turn has passed. (Nothing may be in
                 # flight across the loop's back edge, nor a branch sit between two wgmmas: ptxas
                 # would serialise every wgmma. Hence the first S and the last P V apart.)
                 stage, parity = slot(it)
-                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                wait_full(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)                              # l.15: S_0
                 pass_turn(wg)
                 WAIT_S(s)
-                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, t_c, n_k, k_descale,
-                             k_scale_rows, b, h_kv, wg_row0, warp_row, lane)       # l.16-17
+                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, n_k, lo, hi,
+                             k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane)       # l.16-17
                 for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
-                    sm90.mbarrier_wait(smem, BAR_V + 4 * prev, prev_parity)
-                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                    wait_full(smem, BAR_V + 4 * prev, prev_parity)
+                    wait_full(smem, BAR_K + 4 * stage, parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     values(o_acc, p, v_desc0, prev)                            # l.18, block j-1
                     scores(s, q_desc, k_desc0, stage)                          # l.15, block j
                     pass_turn(wg)
                     WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
-                    softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, t_c, n_k, k_descale,
-                                 k_scale_rows, b, h_kv, wg_row0, warp_row, lane)   # l.16-17
+                    softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi,
+                                 k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane)   # l.16-17
                 stage, parity = slot(it + t_c - 1)
-                sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+                wait_full(smem, BAR_V + 4 * stage, parity)
                 wait_turn(wg)
                 sm90.wgmma_fence()
                 values(o_acc, p, v_desc0, stage)                               # l.18, the last
@@ -607,7 +702,7 @@ def build(cfg):
                 # The same with O waited for inside the turn, before S_{j+1} is issued.
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
-                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                    wait_full(smem, BAR_K + 4 * stage, parity)
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # l.15
                     pass_turn(wg)
@@ -615,11 +710,11 @@ def build(cfg):
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
-                    mask(s, j, n_k, wg_row0, warp_row, lane)
+                    key_scale(s, k_descale, b, h_kv, j0 + j, k_scale_rows)
+                    mask(s, j0 + j, n_k, lo, hi, wg_row0, warp_row, lane)
                     softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)      # l.16-17
                     to_a(p, s)
-                    sm90.mbarrier_wait(smem, BAR_V + 4 * stage, parity)
+                    wait_full(smem, BAR_V + 4 * stage, parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     values(o_acc, p, v_desc0, stage)                           # l.18
@@ -632,7 +727,7 @@ def build(cfg):
                 # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the
                 # P V product; O is rescaled once that product has landed.
                 stage, parity = slot(it)
-                sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
+                wait_full(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)
                 pass_turn(wg)
@@ -640,15 +735,15 @@ def build(cfg):
                 release(smem, BAR_EMPTY_K, stage, lane)
                 if O_APART and t_c == 1:
                     release(smem, BAR_EMPTY_Q, 0, lane)
-                key_scale(s, k_descale, b, h_kv, 0, k_scale_rows)
-                mask(s, 0, n_k, wg_row0, warp_row, lane)
+                key_scale(s, k_descale, b, h_kv, j0, k_scale_rows)
+                mask(s, j0, n_k, lo, hi, wg_row0, warp_row, lane)
                 softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)   # O = 0: nothing to defer
                 to_a(p, s)
                 for j in range(1, t_c):
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
-                    sm90.mbarrier_wait(smem, BAR_K + 4 * stage, parity)
-                    sm90.mbarrier_wait(smem, BAR_V + 4 * prev, prev_parity)
+                    wait_full(smem, BAR_K + 4 * stage, parity)
+                    wait_full(smem, BAR_V + 4 * prev, prev_parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # S_j
@@ -658,15 +753,15 @@ def build(cfg):
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
-                    mask(s, j, n_k, wg_row0, warp_row, lane)
+                    key_scale(s, k_descale, b, h_kv, j0 + j, k_scale_rows)
+                    mask(s, j0 + j, n_k, lo, hi, wg_row0, warp_row, lane)
                     softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
                     release(smem, BAR_EMPTY_V, prev, lane)
                     tiles.scale_rows(o_acc, alpha)
                     to_a(p, s)
                 last, last_parity = slot(it + t_c - 1)
-                sm90.mbarrier_wait(smem, BAR_V + 4 * last, last_parity)
+                wait_full(smem, BAR_V + 4 * last, last_parity)
                 wait_turn(wg)
                 sm90.wgmma_fence()
                 values(o_acc, p, v_desc0, last)
@@ -713,8 +808,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     (B, H, nb_q), k_descale and v_descale (B, H_kv, nb), x ~= descale[b, h, row // scale_block] x8,
     nb = 1 for one scale a head (V: always one a head); the output is then `out_dtype`. Returns
     (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
-    OPTIONS. The mask: causal with its diagonal from the top-left corner (seqlen_q == seqlen_k, or
-    align="top_left"); sliding windows, softcap and bottom-right rectangles are fa2's for now."""
+    OPTIONS. Masks (common/masks.py, flash_attn's conventions): causal (bottom-right, or
+    align="top_left"), sliding windows; softcap is fa2's for now."""
     descales = (q_descale, k_descale, v_descale)
     fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
@@ -722,36 +817,42 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                    dtypes=FP8_DTYPES if fp8_in else HALF_DTYPES,
                    out_dtype=out_dtype if fp8_in else None, window_size=window_size,
                    softcap=softcap, align=align)
-    if prob.softcapped or prob.band.lo != -masks.UNBOUNDED or prob.band.hi not in (0, masks.UNBOUNDED):
-        raise ValueError(f"fa3 takes causal masks whose diagonal starts at the top-left corner "
-                         f"(seqlen_q == seqlen_k, or align='top_left'), without window_size or "
-                         f"softcap, for now (got causal={causal}, window_size={window_size}, "
-                         f"softcap={softcap}, align={align!r}, seqlen_q={prob.n_q}, "
-                         f"seqlen_k={prob.n_k}); fa2 takes them all")
+    check_mask(prob, "fa3")
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
         v_panel = fp8.v_k_major(v)
         v_view = arrays.bits_view(arrays.describe(v_panel), np.uint8)
         problem = (("fp8", True), ("k_block_scales", k_block_scales))
+        qkv = tuple(arrays.bits_view(arrays.describe(x), np.uint16, (0, 2, 1, 3), last_dim_divisor=2)
+                    for x in (q, k, v))   # unread: FP8 copies by TMA
     else:
         if any(x is not None for x in descales):
             raise ValueError("q_descale, k_descale, v_descale are for e4m3 (FP8) inputs; q, k, v "
                              f"are {prob.dtype}")
         scales, rows, problem = (arrays.placeholder(prob.library, 3, prob.like),) * 3, (1, 1), ()
         v_view = prob.v
-    cfg = default_config(prob.head_dim, prob.element, causal, problem, **options)
+        qkv = (prob.q, prob.k, prob.v)
+    problem += configs.mask_fields(prob)   # ("window", True) for a sliding window
+    cfg = default_config(prob.head_dim, prob.element, prob.band.banded, problem, **options)
     box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
                               (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
     n_items = cfg.work_items((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch * prob.heads)
     grid = min(n_items, target.multiprocessor_count()) if cfg.persistent else n_items
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
-           tmaps, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
+           tmaps, *qkv, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
-           np.float32(prob.softmax_scale),
+           np.int32(prob.band.lo), np.int32(prob.band.hi), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
            np.int32(rows[0]), np.int32(rows[1]))
     return prob.result()
+
+
+def check_mask(prob, who):
+    """fa3's kernels take causal masks and sliding windows (any band); softcap is fa2's."""
+    if prob.softcapped:
+        raise ValueError(f"{who} takes causal masks and sliding windows but no softcap yet (got "
+                         f"softcap={prob.band.softcap}); fa2 takes it")
 
 
 def _fp8_scales(prob, descales, block):
@@ -813,21 +914,24 @@ def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), FP8 at d=128
     non-causal (one scale a head), and the backward's (variants/fa3_backward.py)."""
-    argtypes = (TMAP_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32, types.int32,
-                types.int32, types.int32, types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
-                types.int32)
+    argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
+        + (types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
+           types.int32)
     cases = [(d, element, causal, ()) for d in HEAD_DIMS for element in (BFLOAT16, FLOAT16)
              for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
     cases.append((128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False))))
+    cases.append((128, BFLOAT16, False, "cp_async"))   # the producer switch's other setting
     for head_dim, element, causal, problem in cases:
-        cfg = default_config(head_dim, element, causal, problem)
+        options = dict(producer=problem) if problem == "cp_async" else {}
+        cfg = default_config(head_dim, element, causal, () if options else problem, **options)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
         # overlap or back to back each appears twice (the loop's and the first S / last P V
         # outside it)
         k = cfg.operand.k_step
         qk, pv = head_dim // k, cfg.block_n // k
         total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
-        yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}", build(cfg), argtypes, \
+        tag = " producer=cp_async" if options else ""
+        yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}{tag}", build(cfg), argtypes, \
             (total, qk + pv)
     from variants import fa3_backward
     yield from fa3_backward.compile_targets()

@@ -31,9 +31,10 @@ The producer warp loads K_j, V_j once, then for each step waits for a free stage
 dO_i by TMA and copies L_i log2(e) and D_i (rows past N_q: +inf and 0, so P = 0 there) into the
 stage with its 32 lanes; the stage's "full" mbarrier completes on the bytes and the 32 arrivals.
 
-Masks: fa3's causal (the diagonal from the top-left corner; query blocks above it are skipped,
-those across it masked), ragged N_q and N_k (TMA fills zeros past the ends; rows past N_k are not
-stored). GQA: the block loops over its K/V head's query heads, accumulating dK_j, dV_j.
+Masks: fa3's forward's, any band lo <= key - query <= hi (common/masks.py: causal bottom-right
+or top-left, sliding windows; the query blocks outside a K/V block's band are skipped, those on its
+edges masked; a K/V block that no query sees writes dK_j = dV_j = 0), ragged N_q and N_k (TMA
+fills zeros past the ends; rows past N_k are not stored). GQA: the block loops over its K/V head's query heads, accumulating dK_j, dV_j.
 The order above is `early_dv` (d=128's default): dV issued as soon as P^T is ready, so that it
 runs while dS is computed. Off (d=64's default, FA3's order), dV is issued with dK once dS is done:
 P^T's registers are not live beside S^T's and dP^T's, which at B_r = 128 is what keeps ptxas from
@@ -42,8 +43,8 @@ serialising every wgmma (docs/performance.md, "fa3's backward").
 written out while dP^T runs): +1-3% at d=64, B_r=64; it holds 32 more registers, and ptxas spills
 in the other configurations (docs/results/fa3_backward_h200.txt), so it is off by default.
 Not yet: the warpgroups out of phase (FA3's ping-pong: one's softmax while the other's GEMMs run;
-here they meet every step at the dS^T barrier), a persistent tile scheduler, sliding windows,
-softcap, bottom-right rectangles, FP8 (fa2's backward takes the masks: `kernel="fa2"`).
+here they meet every step at the dS^T barrier), a persistent tile scheduler, softcap, FP8 (fa2's
+backward takes softcap: `kernel="fa2"`).
 """
 import math
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
 from common import configs, masks, pipeline, ptx, sm90, softmax, tiles
+from variants import fa3
 from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, OUT_TYPE
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
@@ -64,7 +66,6 @@ WG_THREADS = 128
 BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles
 PANEL_COLS = sm90.PANEL_COLS
 ROW_BYTES = sm90.SWIZZLE_BYTES
-BAND_LO = int32(-masks.UNBOUNDED)
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
 F32_3 = types.Array(types.float32, 3, "C")
 F32_4 = types.Array(types.float32, 4, "C")
@@ -88,6 +89,7 @@ class BackwardConfig:
     early_dv: bool = True   # issue dV += P^T dO as soon as P^T is ready, so that it runs while dS
                             # is computed (P^T's registers live beside S^T's and dP^T's); False:
                             # with dK once dS is done (FA3's order, fewer registers at once)
+    window: bool = False    # the band has a left edge (a sliding window): its test compiled in
 
     @property
     def consumers(self):
@@ -177,7 +179,7 @@ default_backward_config = configs.default_config_function(
 def build_backward(cfg):
     """The kernel of one configuration."""
     D, BR, BC, STAGES, NWG = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
-    ELEM, DTYPE, CAUSAL = cfg.element.code, cfg.element.ptx, cfg.causal
+    ELEM, DTYPE, CAUSAL, WINDOW = cfg.element.code, cfg.element.ptx, cfg.causal, cfg.window
     PANELS = D // PANEL_COLS
     ROW = ROW_BYTES // 2                        # a 128-byte row in 16-bit elements
     REG, _ = cfg.regions()
@@ -309,11 +311,12 @@ def build_backward(cfg):
             sm90.mbarrier_arrive(smem, BAR_FULL + 4 * stage)
 
     @kernel_for_one_block_per_sm(cfg.threads)
-    def fa3_backward_kv(tmaps, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, softmax_scale,
-                        scale_log2):
+    def fa3_backward_kv(tmaps, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
+                        softmax_scale, scale_log2):
         """tmaps: (4, 16) tensor maps of q, k, v, do; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q
-        padded to B_r, d) fp32 in `dq_layout` order; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views.
-        The grid: (K/V blocks, B, H_kv)."""
+        padded to B_r, d) fp32 in `dq_layout` order; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views;
+        lo, hi: the band of keys a query sees (lo <= key - query <= hi; causal, a window). The
+        grid: (K/V blocks, B, H_kv)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         j, b, h_kv = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -327,10 +330,11 @@ def build_backward(cfg):
         aligned = (base + uint32(BARRIER_BYTES + 1023)) & uint32(0xFFFFFC00)
         tiles0 = int32(aligned - base) >> 1
 
-        # l.8: the query blocks that see one of this block's keys (causal: from the diagonal on).
+        # l.8: the query blocks that see one of this block's keys (causal, a window: those of
+        # its band; none, and dK_j = dV_j = 0, when no query sees its keys).
         i0, i1 = int32(0), int32((n_q + BR - 1) // BR)
         if CAUSAL:
-            i0, i1 = masks.query_blocks(key0, BC, n_q, n_k, BR, BAND_LO, int32(0))
+            i0, i1 = masks.query_blocks(key0, BC, n_q, n_k, BR, lo, hi)
         n_i = max(int32(i1 - i0), int32(0))
         n_steps = int32(kv_group * n_i)
         h0 = int32(h_kv * kv_group)
@@ -415,9 +419,11 @@ def build_backward(cfg):
                     write_dq(smem_f32, dq_acc, dq, dqf, b, h_prev, q0_prev + dq_row, lane)
             else:
                 WAIT1_ST(s)                   # S^T landed; dP^T may still run
-            if CAUSAL and key0 + wg * WG_KEYS + WG_KEYS - 1 > q0:   # keys past a query's diagonal
-                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, True, BAND_LO, 0,
-                                             lane, False)
+            # pairs out of the band (past a query's diagonal, before its window) on its edges
+            if CAUSAL and masks.block_is_partial(q0, BR, key0 + wg * WG_KEYS, WG_KEYS, n_k, True,
+                                                 lo, hi, WINDOW):
+                tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0, n_q, True, lo, hi,
+                                             lane, WINDOW)
             softmax.recompute_p_columns(s, smem_f32[st:st + BR], lane, scale_log2)       # l.11
             if EARLY_DV:
                 tiles.accumulator_to_a(p, s, ELEM)
@@ -477,15 +483,6 @@ def build_backward(cfg):
     return fa3_backward_kv
 
 
-def check_mask(prob):
-    """fa3's backward takes the masks its forward does: causal from the top-left corner."""
-    if prob.softcapped or prob.band.lo != -masks.UNBOUNDED or \
-            prob.band.hi not in (0, masks.UNBOUNDED):
-        raise ValueError("fa3's backward takes causal masks whose diagonal starts at the top-left "
-                         "corner (seqlen_q == seqlen_k, or align='top_left'), without window_size "
-                         "or softcap, as its forward; kernel='fa2' (FA2's backward) takes them all")
-
-
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
              softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
     """fa3's backward (Hopper, sm_90a): (dq, dk, dv) shaped like (q, k, v) from the forward's inputs,
@@ -494,8 +491,9 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
                              grads=grads, head_dims=HEAD_DIMS, variant="fa3",
                              window_size=window_size, softcap=softcap, align=align)
     prob = g.prob
-    check_mask(prob)
-    cfg = default_backward_config(prob.head_dim, prob.element, prob.banded, **options)
+    fa3.check_mask(prob, "fa3's backward (kernel='wgmma')")
+    cfg = default_backward_config(prob.head_dim, prob.element, prob.banded,
+                                  configs.mask_fields(prob), **options)
     bwd.preprocess(g, zero_dq=True, dq_layout=cfg.dq_layout())                   # l.4
     box = PANEL_COLS
     tmaps = sm90.tensor_maps(((prob.q, cfg.block_m, box), (prob.k, cfg.block_n, box),
@@ -503,7 +501,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, np.int32(prob.n_q),
-           np.int32(prob.n_k), np.int32(prob.kv_group), np.float32(prob.softmax_scale),
+           np.int32(prob.n_k), np.int32(prob.kv_group), np.int32(prob.band.lo),
+           np.int32(prob.band.hi), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)))
     bwd.convert_dq(g)
     return g.result()
@@ -512,8 +511,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
 def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of the default configurations, bf16
     (fp16 changes only the wgmma type): S^T, dP^T d/16 each, dV, dK B_r/16 each, dQ B_c/16."""
-    argtypes = (TMAP_TYPE, LSE_TYPE, F32_3, F32_4, OUT_TYPE, OUT_TYPE, types.int32, types.int32,
-                types.int32, types.float32, types.float32)
+    argtypes = (TMAP_TYPE, LSE_TYPE, F32_3, F32_4, OUT_TYPE, OUT_TYPE) + (types.int32,) * 5 + \
+        (types.float32, types.float32)
     for head_dim in HEAD_DIMS:
         for causal in (False, True):
             cfg = default_backward_config(head_dim, BFLOAT16, causal)
