@@ -113,7 +113,11 @@ def resolved_defaults_of(name):
                          kernel.BACKWARD_OPTIONS, configs.default_flags(kernel.BACKWARD_DEFAULTS)))
     want = {}
     for section, default_config, options, flags in sections:
-        resolved = configs.resolved_defaults(default_config, module.HEAD_DIMS, flags)
+        # fa3's own backward takes fewer head dims than its forward (d=256: FA2's backward)
+        head_dims = [d for d in module.HEAD_DIMS
+                     if section == "options" or name not in BACKWARD_KERNEL_OF
+                     or d in importlib.import_module(BACKWARD_KERNEL_OF[name]).HEAD_DIMS]
+        resolved = configs.resolved_defaults(default_config, head_dims, flags)
         for option in options:
             want[section, option] = configs.describe_default(option, resolved,
                                                              list(module.HEAD_DIMS))

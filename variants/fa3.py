@@ -54,6 +54,8 @@ mbarrier with cp.async.mbarrier.arrive, the consumers fencing the generic-proxy 
 Masks: any band lo <= key - query <= hi (common/masks.py: causal bottom-right or top-left, sliding
 windows): a tile visits the K/V blocks of its rows' band, masks those on its edges, and a tile
 that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. Not softcap.
+head_dim 64, 128 and 256 (d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's
+room, both overlaps; its backward is FA2's).
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
 """
 import math
@@ -68,7 +70,7 @@ from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 PRODUCERS = ("tma", "cp_async")
 FP8_HEAD_DIMS = (128,)  # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
 P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest probabilities that
@@ -249,7 +251,14 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
             # (back_to_back would hold S_j, 128 registers at B_c = 256, O and P~ at once: ptxas
             # serialises the wgmmas for want of registers, C7512)
-            (128, "fp8"): dict(block_n=256)}
+            (128, "fp8"): dict(block_n=256),
+            # d=256 (docs/results/fa3_d256_h200.txt, H200, bf16, TFLOP/s at 2k / 8k, non-causal |
+            # causal): B_c = 80 (two stages fit beside Q; O staged in Q's room) with both overlaps
+            # 690 / 696 | 575 / 713; intra-warpgroup overlap alone (FA3's own choice at d=256)
+            # 698 / 702 | 572 / 689; ping-pong alone 626 / 615 | 517 / 573; B_c = 64 613 / 600 |
+            # 506 / 558; B_c = 128, one stage 661 / 675 | 555 / 661; B_r = 64, B_c = 96 469 / 510
+            # | 403 / 478; cuDNN 698 / 694 | 550 / 635
+            256: dict(block_m=128, block_n=80, stages=2, intra_overlap=True)}
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
@@ -894,18 +903,22 @@ def _fp8_scales(prob, descales, block):
 BACKWARD_KERNELS = ("wgmma", "fa2")
 
 
-def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel="wgmma", **options):
+def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=None, **options):
     """fa3's backward from its o and lse: `kernel="wgmma"` (variants/fa3_backward.py: FA2's
-    Algorithm 2 with wgmma, TMA and a producer warp; options: its BackwardConfig) or "fa2" (FA2's
-    kernels, variants/fa2_backward.py, which also take sliding windows, softcap and bottom-right
-    rectangles; options: fa2's BackwardConfig)."""
+    Algorithm 2 with wgmma, TMA and a producer warp, head_dim 64 and 128; options: its
+    BackwardConfig) or "fa2" (FA2's kernels, variants/fa2_backward.py, which also take softcap and
+    every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the head_dim,
+    else "fa2" (d=256, for which fa3 has a forward only)."""
+    from variants import fa3_backward
+    if kernel is None:
+        head_dim = arrays.describe(q, "q").shape[-1]
+        kernel = "wgmma" if head_dim in fa3_backward.HEAD_DIMS else "fa2"
     if kernel == "fa2":
         from variants import fa2_backward
         return fa2_backward.backward(do, q, k, v, o, lse, causal=causal,
                                      softmax_scale=softmax_scale, **options)
     if kernel != "wgmma":
         raise ValueError(f"fa3's backward kernel must be one of {BACKWARD_KERNELS}, got {kernel!r}")
-    from variants import fa3_backward
     return fa3_backward.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                                  **options)
 
