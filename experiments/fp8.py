@@ -2,7 +2,7 @@
 SDPA peers, each one command, on the GPU (the accuracy table also runs in the simulator, small).
 
     python experiments/fp8.py accuracy [--seqlen 4096] [--csv out.csv]
-    python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--csv out.csv]
+    python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--head-dim 128|256] [--csv out.csv]
     python experiments/fp8.py configs '[{}, {"intra_overlap": true}]' [--seqlens ...] [--causal ...]
     python experiments/fp8.py figure SPEED.csv ACCURACY.csv OUT.png   (needs matplotlib)
 
@@ -100,7 +100,8 @@ def speed(args):
     from experiments import peers
     if MODE != "gpu":
         raise SystemExit("speed needs a GPU")
-    d, heads = 128, 16
+    d = args.head_dim
+    heads = 2048 // d   # the FA2 paper's hidden size, 2048
     rows_out = []
     print(f"{'causal':>6} {'seqlen':>6} " + " ".join(f"{c:>11}" for c in SPEED_COLUMNS) +
           "   (TFLOP/s; quant, v_prep in ms)")
@@ -181,7 +182,8 @@ def configs(args):
 
     import variants
     from common import flops, fp8, inputs, timing
-    d, heads = 128, 16
+    d = args.head_dim
+    heads = 2048 // d   # the FA2 paper's hidden size, 2048
     options = json.loads(args.configs)
     print("causal seqlen TFLOP/s (x fa3 bf16) options")
     for causal in (c == "1" for c in args.causal.split(",")):
@@ -274,11 +276,13 @@ def main(argv=None):
     s = sub.add_parser("speed")
     s.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     s.add_argument("--causal", default="0,1")
+    s.add_argument("--head-dim", type=int, default=128, choices=(128, 256))
     s.add_argument("--csv")
     c = sub.add_parser("configs")
     c.add_argument("configs", help="JSON list of fa3 option dicts ({} = the defaults)")
     c.add_argument("--seqlens", default="4096,16384")
     c.add_argument("--causal", default="0,1")
+    c.add_argument("--head-dim", type=int, default=128, choices=(128, 256))
     f = sub.add_parser("figure")
     f.add_argument("speed")
     f.add_argument("accuracy")

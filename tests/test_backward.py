@@ -225,13 +225,13 @@ def test_autograd_in_a_model(rng):
     assert proj.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(softcap=30.0), dict(kernel="mma")])
+@pytest.mark.parametrize("kwargs", [dict(softcap=30.0, kernel="wgmma"), dict(kernel="mma")])
 def test_fa3_backward_refuses_what_it_does_not_take(rng, kwargs):
-    """fa3's own backward takes its forward's masks (causal, sliding windows): a softcap or an
-    unknown kernel are refused by name."""
+    """fa3's own backward takes causal masks and sliding windows: asked for with a softcap, or
+    an unknown kernel, it refuses by name."""
     _, dev, _ = random_problem(rng, 1, 40, 1, 64, "bfloat16")
     q, k, v, do = dev
     o, lse = variants.forward(q, k, v, variant="fa2", causal=True)
-    message = "kernel must be one of" if "kernel" in kwargs else "no softcap yet.*fa2 takes it"
+    message = "kernel must be one of" if "softcap" not in kwargs else "no softcap yet.*kernel='fa2'"
     with pytest.raises(ValueError, match=message):
         variants.backward(do, q, k, v, o, lse, variant="fa3", **dict(dict(causal=False), **kwargs))

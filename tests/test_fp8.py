@@ -125,20 +125,21 @@ def test_v_k_major_orders_keys_for_the_p_operand(rng):
 
 # --------------------------------------------------------------------------- fa3 in FP8
 
-FA3_CASES = [pytest.param(150, False, 128, 1, marks=pytest.mark.slow), (130, True, None, 1)]
+FA3_CASES = [pytest.param(150, False, 128, 1, 128, marks=pytest.mark.slow),
+             (130, True, None, 1, 128), pytest.param(130, True, 128, 1, 256, marks=pytest.mark.slow)]
 if ON_GPU:
-    FA3_CASES += [(700, False, 128, 2), (700, True, 128, 1), (1000, True, None, 4),
-                  (64, False, None, 1), (2048, False, 256, 1), (2048, True, 128, 2)]
+    FA3_CASES += [(700, False, 128, 2, 128), (700, True, 128, 1, 128), (1000, True, None, 4, 128),
+                  (64, False, None, 1, 128), (2048, False, 256, 1, 128), (2048, True, 128, 2, 128),
+                  (2048, False, 128, 1, 256), (1000, True, None, 2, 256)]
 
 
-@pytest.mark.parametrize("seqlen, causal, block, kv_group", FA3_CASES)
-def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group):
+@pytest.mark.parametrize("seqlen, causal, block, kv_group, d", FA3_CASES)
+def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, d):
     """O against float64 attention over the dequantised inputs: what the kernel adds is P~'s
     rounding to e4m3 (relative U a probability, at most U sum_j p_j |v_j| an element of O;
     below the normals 2^-10 absolute) and O's to bf16 (2^-8 relative). The inputs' scores are
     spread (q x 3) so that P is peaked and a wrong key order in V^T is far outside that bound."""
     b, h = 1, 2 * kv_group
-    d = 128
     q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((b, seqlen, h // kv_group, d)).astype(ml_dtypes.bfloat16)
             for _ in range(2))

@@ -19,8 +19,8 @@ from tests.test_backward import SMALL
 
 MASKED_VARIANTS = ["standard", "fa1", "fa2"]
 # fa1's forward skips blocks only with causal_skip=True (FA1's listing visits every block). fa3
-# (Hopper) takes every case without a softcap; in the simulator at B_c = 64 (its smallest), so
-# that windows skip blocks.
+# (Hopper) takes every case (its own backward those without a softcap); in the simulator at
+# B_c = 64 (its smallest), so that windows skip blocks.
 FORWARD_OPTIONS = {"standard": {}, "fa2": {} if ON_GPU else dict(block_m=64, block_n=32, warps=2),
                    "fa1": dict(causal_skip=True, **({} if ON_GPU else dict(block_n=32, warps=2))),
                    "fa3": {} if ON_GPU else dict(block_n=64)}
@@ -49,7 +49,7 @@ if ON_GPU:
 # every variant every case (in the simulator at its small shapes: fa1 and standard ran two cases
 # each there before its thread block became event-driven, common/_sim_block.py)
 MATRIX = [(v, *case) for v in MASKED_VARIANTS for case in MASKS]
-MATRIX += [("fa3", *case) for case in MASKS if not case[2].get("softcap")]
+MATRIX += [("fa3", *case) for case in MASKS]   # with a softcap, its backward is FA2's
 if not ON_GPU:   # the window skipping whole K/V blocks on both sides of fa3's band (B_c = 64)
     MATRIX += [("fa3", 300, 300, dict(window_size=(70, 30)), 2, 1)]
 
@@ -237,9 +237,12 @@ def test_bad_masks_are_refused(rng, variant, kwargs, message):
         variants.forward(q, k, v, variant=variant, **kwargs)
 
 
-def test_fa3_refuses_what_it_does_not_take_yet(rng):
-    q, k, v = (inputs.to_device(x, inputs.default_library())
-               for x in inputs.random_qkv(rng, 1, 16, 1, 64, "bfloat16"))
-    with pytest.raises(ValueError, match="fa3 takes causal masks and sliding windows but no "
-                                         "softcap yet .* fa2 takes it"):
-        variants.forward(q, k, v, variant="fa3", causal=True, softcap=5.0)
+def test_fa3_backward_takes_a_softcap_from_fa2s_kernels_only(rng):
+    """fa3's own backward (kernel="wgmma") refuses a softcap by name; the default (kernel=None)
+    runs FA2's backward for it."""
+    host = inputs.random_qkv(rng, 1, 16, 1, 64, "bfloat16")
+    q, k, v, do = (inputs.to_device(x, inputs.default_library()) for x in host + (host[0],))
+    o, lse = variants.forward(q, k, v, variant="fa3", causal=True, softcap=5.0)
+    with pytest.raises(ValueError, match="no softcap yet.*kernel='fa2'"):
+        variants.backward(do, q, k, v, o, lse, variant="fa3", causal=True, softcap=5.0,
+                          kernel="wgmma")

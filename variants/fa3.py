@@ -53,7 +53,8 @@ mbarrier with cp.async.mbarrier.arrive, the consumers fencing the generic-proxy 
 (0.81-0.91x TMA on an H200: the copies' address arithmetic takes the consumers' issue slots).
 Masks: any band lo <= key - query <= hi (common/masks.py: causal bottom-right or top-left, sliding
 windows): a tile visits the K/V blocks of its rows' band, masks those on its edges, and a tile
-that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. Not softcap.
+that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. softcap (Gemma 2,
+16-bit inputs): S <- cap tanh(S / cap) before the mask; its backward is FA2's.
 head_dim 64, 128 and 256 (d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's
 room, both overlaps; its backward is FA2's).
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
@@ -72,7 +73,7 @@ from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_bloc
 
 HEAD_DIMS = (64, 128, 256)
 PRODUCERS = ("tma", "cp_async")
-FP8_HEAD_DIMS = (128,)  # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
+FP8_HEAD_DIMS = (128, 256)   # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
 P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest probabilities that
                         # matter (~2^-8 of a row's largest) land on e4m3 normals (>= 2^-6), not
                         # subnormals (FA3.md: "P scaled before its cast to e4m3")
@@ -120,6 +121,7 @@ class Config:
                                  # to swizzled addresses it computes, and signals the full mbarrier
                                  # when they land: cp.async.mbarrier.arrive)
     window: bool = False         # the band has a left edge (a sliding window): its test compiled in
+    softcap: bool = False        # scores soft-capped (Gemma 2): S <- cap tanh(S / cap) (16-bit)
 
     @property
     def consumers(self):
@@ -216,9 +218,11 @@ class Config:
             raise ValueError(f"stages must be 1 to 4, got {self.stages}")
         if self.producer not in PRODUCERS:
             raise ValueError(f"producer must be one of {PRODUCERS}, got {self.producer!r}")
+        if self.softcap and self.fp8:
+            raise ValueError("fa3 in FP8 takes no softcap (the cap applies to descaled scores)")
         if self.cp_async and self.fp8:
-            raise ValueError("fa3 in FP8 copies with TMA only (producer='tma'): V^T's zero fill past "
-                             "the last key is the copy engine's")
+            raise ValueError("fa3 in FP8 copies with TMA only (producer='tma'): V^T's zero "
+                             "fill past the last key is the copy engine's")
         if self.smem_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"fa3 block_m={self.block_m}, block_n={self.block_n}, stages="
                              f"{self.stages} at head_dim {self.head_dim} needs {self.smem_bytes()} "
@@ -258,7 +262,9 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             # 698 / 702 | 572 / 689; ping-pong alone 626 / 615 | 517 / 573; B_c = 64 613 / 600 |
             # 506 / 558; B_c = 128, one stage 661 / 675 | 555 / 661; B_r = 64, B_c = 96 469 / 510
             # | 403 / 478; cuDNN 698 / 694 | 550 / 635
-            256: dict(block_m=128, block_n=80, stages=2, intra_overlap=True)}
+            256: dict(block_m=128, block_n=80, stages=2, intra_overlap=True),
+            # FP8 at d=256: B_c = 128 (whole 128-key rows of V^T; 2 stages fit beside Q)
+            (256, "fp8"): dict(block_n=128)}
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
@@ -282,7 +288,7 @@ def build(cfg):
     K_TILE_ELEMS = KV_BYTES // 2
     PRODUCER_WARP = 4 * NWG
     SETMAXNREG = cfg.setmaxnreg
-    CP_ASYNC, WINDOW = cfg.cp_async, cfg.window
+    CP_ASYNC, WINDOW, SOFTCAP = cfg.cp_async, cfg.window, cfg.softcap
     PRODUCER_THREADS = cfg.producer_threads
     # arrivals that fill a stage: the TMA thread's arrive.expect_tx (the bytes complete it), or one
     # cp.async.mbarrier.arrive a producer thread
@@ -373,6 +379,15 @@ def build(cfg):
                         s[0, n, e] *= f
 
     @device_function
+    def logits(s, j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
+        """S_j as the softmax takes it: FP8's per-block K descales, Gemma 2's soft cap on raw
+        scores, then -inf outside the mask."""
+        key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
+        if SOFTCAP:
+            softmax.softcap_scores(s, cap)
+        mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
+
+    @device_function
     def to_a(p, s):
         """P~ from the S accumulator into the A registers of the P V wgmma."""
         tiles.accumulator_to_a(p, s, OPERAND)
@@ -407,7 +422,7 @@ def build(cfg):
             ptx.fence_proxy_async_shared()
 
     @device_function
-    def softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, k_descale,
+    def softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap, k_descale,
                      k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
         """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
         V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
@@ -417,8 +432,8 @@ def build(cfg):
             release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)                  # l.19
         if O_APART and j == t_c - 1:   # Q_i read for the last time
             release(smem, BAR_EMPTY_Q, 0, lane)
-        key_scale(s, k_descale, b, h_kv, j0 + j, k_scale_rows)
-        mask(s, j0 + j, n_k, lo, hi, wg_row0, warp_row, lane)
+        logits(s, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
+               lane)
         softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
         to_a(p, s)
 
@@ -483,9 +498,9 @@ def build(cfg):
             for w in range(NWG):
                 for p in range(PANELS):
                     dst = tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW
-                    tiles.load_tile_async(smem[dst:dst + WG_ROWS * ROW], q[b, h], row0 + w * WG_ROWS,
-                                          n_q, p * PANEL, WG_ROWS, PANEL, PANEL, True, ptid,
-                                          PRODUCER_THREADS, False)
+                    tiles.load_tile_async(smem[dst:dst + WG_ROWS * ROW], q[b, h],
+                                          row0 + w * WG_ROWS, n_q, p * PANEL, WG_ROWS, PANEL,
+                                          PANEL, True, ptid, PRODUCER_THREADS, False)
             sm90.cp_async_mbarrier_arrive(smem, BAR_Q)
         else:
             sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)
@@ -501,8 +516,8 @@ def build(cfg):
         if CP_ASYNC:
             for p in range(PANELS):
                 dst = dst0 + p * BC * ROW
-                tiles.load_tile_async(smem[dst:dst + BC * ROW], src, key0, n_k, p * PANEL, BC, PANEL,
-                                      PANEL, True, ptid, PRODUCER_THREADS, False)
+                tiles.load_tile_async(smem[dst:dst + BC * ROW], src, key0, n_k, p * PANEL, BC,
+                                      PANEL, PANEL, True, ptid, PRODUCER_THREADS, False)
             sm90.cp_async_mbarrier_arrive(smem, full)
             return
         sm90.mbarrier_arrive_expect_tx(smem, full, KV_BYTES)
@@ -557,13 +572,14 @@ def build(cfg):
             done += 1
 
     @kernel_for_one_block_per_sm(cfg.threads)
-    def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi,
+    def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi, cap,
                     softmax_scale, scale_log2, q_descale, k_descale, v_descale, q_scale_rows,
                     k_scale_rows):
         """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T), read by producer="tma"; q, k, v:
         (B, H, N, d) uint16 views, read by producer="cp_async" (FP8: unread); o: (B, H, N_q, d/2)
         uint32 view; lse: (B, H, N_q); heads: H, batch_heads: B H; lo, hi: the band of keys a query
-        sees (lo <= key - query <= hi; causal, a window). FP8: descales (B, H or H_kv, blocks), a
+        sees (lo <= key - query <= hi; causal, a window); cap: the soft cap on raw scores
+        (softcap / softmax_scale, when SOFTCAP). FP8: descales (B, H or H_kv, blocks), a
         block q_scale_rows (Q) or k_scale_rows (K) rows; unread for 16-bit inputs. The grid: a
         block a tile, or (persistent) fewer, each looping over tiles (`tile`)."""
         tid = int32(cuda.threadIdx.x)
@@ -683,8 +699,8 @@ def build(cfg):
                 scores(s, q_desc, k_desc0, stage)                              # l.15: S_0
                 pass_turn(wg)
                 WAIT_S(s)
-                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, n_k, lo, hi,
-                             k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane)       # l.16-17
+                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, n_k, lo, hi, cap,
+                             k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane)  # l.16-17
                 for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
@@ -697,7 +713,8 @@ def build(cfg):
                     pass_turn(wg)
                     WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
                     softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi,
-                                 k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane)   # l.16-17
+                                 cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
+                                 lane)                                             # l.16-17
                 stage, parity = slot(it + t_c - 1)
                 wait_full(smem, BAR_V + 4 * stage, parity)
                 wait_turn(wg)
@@ -719,8 +736,8 @@ def build(cfg):
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    key_scale(s, k_descale, b, h_kv, j0 + j, k_scale_rows)
-                    mask(s, j0 + j, n_k, lo, hi, wg_row0, warp_row, lane)
+                    logits(s, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
+                           warp_row, lane)
                     softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)      # l.16-17
                     to_a(p, s)
                     wait_full(smem, BAR_V + 4 * stage, parity)
@@ -744,8 +761,8 @@ def build(cfg):
                 release(smem, BAR_EMPTY_K, stage, lane)
                 if O_APART and t_c == 1:
                     release(smem, BAR_EMPTY_Q, 0, lane)
-                key_scale(s, k_descale, b, h_kv, j0, k_scale_rows)
-                mask(s, j0, n_k, lo, hi, wg_row0, warp_row, lane)
+                logits(s, j0, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
+                       lane)
                 softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)   # O = 0: nothing to defer
                 to_a(p, s)
                 for j in range(1, t_c):
@@ -762,8 +779,8 @@ def build(cfg):
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    key_scale(s, k_descale, b, h_kv, j0 + j, k_scale_rows)
-                    mask(s, j0 + j, n_k, lo, hi, wg_row0, warp_row, lane)
+                    logits(s, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
+                           warp_row, lane)
                     softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
                     release(smem, BAR_EMPTY_V, prev, lane)
@@ -818,7 +835,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     nb = 1 for one scale a head (V: always one a head); the output is then `out_dtype`. Returns
     (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
     OPTIONS. Masks (common/masks.py, flash_attn's conventions): causal (bottom-right, or
-    align="top_left"), sliding windows; softcap is fa2's for now."""
+    align="top_left"), sliding windows, softcap (16-bit inputs)."""
     descales = (q_descale, k_descale, v_descale)
     fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
@@ -826,13 +843,16 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                    dtypes=FP8_DTYPES if fp8_in else HALF_DTYPES,
                    out_dtype=out_dtype if fp8_in else None, window_size=window_size,
                    softcap=softcap, align=align)
-    check_mask(prob, "fa3")
+    if fp8_in and prob.softcapped:
+        raise ValueError("fa3 in FP8 takes no softcap (the cap applies to descaled scores); "
+                         "16-bit inputs take it")
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
         v_panel = fp8.v_k_major(v)
         v_view = arrays.bits_view(arrays.describe(v_panel), np.uint8)
         problem = (("fp8", True), ("k_block_scales", k_block_scales))
-        qkv = tuple(arrays.bits_view(arrays.describe(x), np.uint16, (0, 2, 1, 3), last_dim_divisor=2)
+        qkv = tuple(arrays.bits_view(arrays.describe(x), np.uint16, (0, 2, 1, 3),
+                                     last_dim_divisor=2)
                     for x in (q, k, v))   # unread: FP8 copies by TMA
     else:
         if any(x is not None for x in descales):
@@ -851,17 +871,10 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, *qkv, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
-           np.int32(prob.band.lo), np.int32(prob.band.hi), np.float32(prob.softmax_scale),
+           *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
            np.int32(rows[0]), np.int32(rows[1]))
     return prob.result()
-
-
-def check_mask(prob, who):
-    """fa3's kernels take causal masks and sliding windows (any band); softcap is fa2's."""
-    if prob.softcapped:
-        raise ValueError(f"{who} takes causal masks and sliding windows but no softcap yet (got "
-                         f"softcap={prob.band.softcap}); fa2 takes it")
 
 
 def _fp8_scales(prob, descales, block):
@@ -907,12 +920,13 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
     """fa3's backward from its o and lse: `kernel="wgmma"` (variants/fa3_backward.py: FA2's
     Algorithm 2 with wgmma, TMA and a producer warp, head_dim 64 and 128; options: its
     BackwardConfig) or "fa2" (FA2's kernels, variants/fa2_backward.py, which also take softcap and
-    every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the head_dim,
-    else "fa2" (d=256, for which fa3 has a forward only)."""
+    every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the problem, else
+    "fa2" (d=256, softcap: fa3 has a forward only for them)."""
     from variants import fa3_backward
     if kernel is None:
         head_dim = arrays.describe(q, "q").shape[-1]
-        kernel = "wgmma" if head_dim in fa3_backward.HEAD_DIMS else "fa2"
+        own = head_dim in fa3_backward.HEAD_DIMS and not options.get("softcap")
+        kernel = "wgmma" if own else "fa2"
     if kernel == "fa2":
         from variants import fa2_backward
         return fa2_backward.backward(do, q, k, v, o, lse, causal=causal,
@@ -928,8 +942,7 @@ def compile_targets():
     launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), FP8 at d=128
     non-causal (one scale a head), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
-        + (types.float32, types.float32, SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32,
-           types.int32)
+        + (types.float32,) * 3 + (SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32, types.int32)
     cases = [(d, element, causal, ()) for d in HEAD_DIMS for element in (BFLOAT16, FLOAT16)
              for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
     cases.append((128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False))))

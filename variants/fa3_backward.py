@@ -55,7 +55,6 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
 from common import configs, masks, pipeline, ptx, sm90, softmax, tiles
-from variants import fa3
 from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, OUT_TYPE
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
@@ -491,7 +490,10 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
                              grads=grads, head_dims=HEAD_DIMS, variant="fa3",
                              window_size=window_size, softcap=softcap, align=align)
     prob = g.prob
-    fa3.check_mask(prob, "fa3's backward (kernel='wgmma')")
+    if prob.softcapped:
+        raise ValueError(f"fa3's backward (kernel='wgmma') takes causal masks and sliding windows "
+                         f"but no softcap yet (got softcap={prob.band.softcap}); kernel='fa2' "
+                         "(FA2's backward, the default with a softcap) takes it")
     cfg = default_backward_config(prob.head_dim, prob.element, prob.banded,
                                   configs.mask_fields(prob), **options)
     bwd.preprocess(g, zero_dq=True, dq_layout=cfg.dq_layout())                   # l.4
