@@ -122,7 +122,7 @@ def resolve_problem(cfg, mode):
         p.update({k: v for k, v in OmegaConf.to_container(cfg.sim.problem, resolve=True).items()
                   if f"problem.{k}" not in asked})
     if cfg.dtype.name == FP8 and mode == "sim" and not cfg.sim.full_problem:
-        p["head_dim"] = 128   # FP8 (fa3) runs at head_dim 128 only
+        p["head_dim"] = 128   # FP8 (fa3) takes head_dim 128 or 256; the small problem's is 64
     seqlen, head_dim = int(p["seqlen"]), int(p["head_dim"])
     batch = p.get("batch") or max(1, int(p["tokens"]) // seqlen)
     heads = p.get("heads") or max(1, int(p["hidden"]) // head_dim)
@@ -366,7 +366,8 @@ def resolved_config(module, prob, dtype, options, k_block_scales=False, backward
     band = masks.band(prob["causal"], prob["window_size"], prob["align"], prob["seqlen"],
                       prob["seqlen_k"], prob["softcap"], 1.0)
     problem += tuple((f, True) for f, on in (("window", band.windowed), ("softcap", band.softcap))
-                     if on and hasattr(module.Config, f))   # (fa3 refuses them when called)
+                     if on and hasattr(module.Config, f))   # (a variant without the field
+    #                                                             refuses the mask when called)
     element = "float16" if dtype == FP8 else dtype   # FP8 runs write fp16 (_quantise_fp8)
     if backward:
         problem = tuple(p for p in problem if p[0] in ("window", "softcap"))

@@ -90,8 +90,8 @@ def test_every_kernel_is_covered(listing):
     assert sum(n.startswith("fa1 backward") for n in names) == 1
     assert sum(n.startswith("standard") for n in names) == 16
     assert sum(n.startswith("backward ") for n in names) == 6   # D = rowsum(dO o O), dQ's casts
-    assert sum(n.startswith("fa3 d=") for n in names) == 9    # d=64, 128, 256; FP8 (e4m3), the cp.async
-    #                                                             producer at d=128
+    assert sum(n.startswith("fa3 d=") for n in names) == 10   # d=64, 128, 256; at d=128 FP8
+    #                                       (e4m3), the cp.async producer, a causal window + softcap
     assert sum(n.startswith("fa3 backward") for n in names) == 4   # d=64, 128 x causal
     assert sum(n.startswith("decode") for n in names) == 4    # split (combine kernel or fused)
     #                                                             and not, and the combine kernel
@@ -106,7 +106,7 @@ def test_every_kernel_is_covered(listing):
     for kind in ("fa1 d=128 bf16 causal=False", "outer_loop=q", "deferred_rescale=True",
                  "fa1 backward", "fa2 d=128 bf16 causal=False", "fa2 backward d=128 bf16 causal=False kv",
                  "dq=separate dq", "fa3 d=64 bf16 causal=False", "fa3 d=128 bf16 causal=False",
-                 "fa3 d=128 bf16 causal=True", "e4m3", "producer=cp_async",
+                 "fa3 d=128 bf16 causal=True", "e4m3", "producer=cp_async", "window softcap",
                  "fa3 backward d=64 bf16 causal=False",
                  "fa3 backward d=128 bf16 causal=True", "split=True", "split=False", "decode combine",
                  "combine=fused",

@@ -148,6 +148,7 @@ def test_backward_bad_options(rng, qkv, variant, options, message):
     (dict(block_m=192), "does not fit head_dim 128"),
     (dict(block_n=256, stages=2), "bytes of shared memory; the limit is"),
     (dict(pipeline=False), "fa3 has no option pipeline"),
+    (dict(producer="bulk"), "producer must be one of \\('tma', 'cp_async'\\), got 'bulk'"),
 ])
 def test_fa3_bad_options(rng, options, message):
     q = device(rng, (1, 16, 2, 128))

@@ -183,6 +183,8 @@ def _fp8_inputs(rng, n=64, d=128):
     (dict(variant="fa2"), TypeError, "fa2 takes float16 or bfloat16"),
     (dict(bf16=True), ValueError, "are for e4m3"),
     (dict(out_dtype="float32"), TypeError, "the output is float16 or bfloat16"),
+    (dict(softcap=30.0), ValueError, "fa3 in FP8 takes no softcap"),
+    (dict(producer="cp_async"), ValueError, r"fa3 in FP8 copies with TMA only \(producer='tma'\)"),
 ])
 def test_fp8_bad_input_is_named(rng, kwargs, error, message):
     dx, x8, s = _fp8_inputs(rng)

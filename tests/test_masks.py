@@ -50,8 +50,16 @@ if ON_GPU:
 # each there before its thread block became event-driven, common/_sim_block.py)
 MATRIX = [(v, *case) for v in MASKED_VARIANTS for case in MASKS]
 MATRIX += [("fa3", *case) for case in MASKS]   # with a softcap, its backward is FA2's
-if not ON_GPU:   # the window skipping whole K/V blocks on both sides of fa3's band (B_c = 64)
-    MATRIX += [("fa3", 300, 300, dict(window_size=(70, 30)), 2, 1)]
+if not ON_GPU:
+    MATRIX += [
+        # the window skipping whole K/V blocks on both sides of fa3's band (B_c = 64)
+        ("fa3", 300, 300, dict(window_size=(70, 30)), 2, 1),
+        # query tiles that see no key (rows 0-259 of 300, B_r = 128): no step, O = 0, LSE = -inf,
+        # Q handed back and the ping-pong turn passed on as after a loop
+        ("fa3", 300, 40, dict(causal=True), 2, 1),
+        # top-left on a wide rectangle: keys 40.. see no query, their K/V blocks of the backward
+        # run no step and write dK = dV = 0
+        ("fa3", 40, 300, dict(causal=True, align=masks.TOP_LEFT), 2, 1)]
 
 
 def check_forward_backward(rng, variant, n_q, n_k, mask, *, head_dim=64, dtype="bfloat16",
@@ -113,7 +121,8 @@ def test_mask_head_dims_and_dtypes(rng, variant, head_dim, dtype):
 
 @pytest.mark.gpu
 def test_fa3_causal_top_left_rectangle(rng):
-    """fa3 takes the causal masks whose diagonal starts top-left (its kernel's), now on rectangles."""
+    """fa3 with torch's top-left causal diagonal on rectangles, both ways (its default, bottom-right,
+    runs in the matrix above)."""
     for n_q, n_k in ((300, 1000), (1000, 300)):
         q, k, v = inputs.random_qkv(rng, 1, n_q, 2, 128, "bfloat16", seqlen_k=n_k)
         dev = [inputs.to_device(x, "torch") for x in (q, k, v)]
@@ -239,10 +248,14 @@ def test_bad_masks_are_refused(rng, variant, kwargs, message):
 
 def test_fa3_backward_takes_a_softcap_from_fa2s_kernels_only(rng):
     """fa3's own backward (kernel="wgmma") refuses a softcap by name; the default (kernel=None)
-    runs FA2's backward for it."""
+    runs FA2's backward for it, against float64."""
     host = inputs.random_qkv(rng, 1, 16, 1, 64, "bfloat16")
     q, k, v, do = (inputs.to_device(x, inputs.default_library()) for x in host + (host[0],))
-    o, lse = variants.forward(q, k, v, variant="fa3", causal=True, softcap=5.0)
+    mask = dict(causal=True, softcap=5.0)
+    o, lse = variants.forward(q, k, v, variant="fa3", **mask)
     with pytest.raises(ValueError, match="no softcap yet.*kernel='fa2'"):
-        variants.backward(do, q, k, v, o, lse, variant="fa3", causal=True, softcap=5.0,
-                          kernel="wgmma")
+        variants.backward(do, q, k, v, o, lse, variant="fa3", kernel="wgmma", **mask)
+    grads = variants.backward(do, q, k, v, o, lse, variant="fa3", **mask)
+    ref = reference.attention_backward(*host, host[0], **mask)
+    errors = checks.compare_gradients([inputs.to_host(x) for x in grads], ref, "bfloat16")
+    assert errors["ok"], errors

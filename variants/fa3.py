@@ -17,8 +17,9 @@ What makes it FA3 rather than FA2 (variants/fa2.py):
   release K once S_j has landed, V once O has. With `stages` buffers the copies run up to
   stages - 1 blocks ahead of the compute, with no block-wide barrier in the loop.
   `setmaxnreg=True`: the producer is a whole warpgroup that drops to 24 registers a thread so
-  that the consumers may take 240 (FA3's split); False: a producer warp beside them (288
-  threads, at most 168 registers each: ptxas budgets registers by warpgroup).
+  that the consumers may take 240 (FA3's split; 40 and 224 for the cp.async producer); False: a
+  producer warp beside them (288 threads, at most 168 registers each: ptxas budgets registers by
+  warpgroup).
 
 Alg.1 of the FA3 paper, with its line numbers (producer: l.3-9; consumer: l.10-22):
   producer  l.5  load Q_i;  l.6-8  for j: wait for stage j % s to be released, load K_j, V_j
@@ -34,8 +35,8 @@ Scheduling (FA3 section 3.1-3.2), each a switch:
   warpgroup's softmax runs while the tensor cores do the next one's GEMMs instead of all of them
   computing exponentials at once with the tensor cores idle.
 - `intra_overlap` (FA3's Alg.2): the softmax of block j while the P V wgmma of block j-1 runs in
-  the same warpgroup. With ping-pong on it gains nothing on average (docs/performance.md, "fa3"),
-  so it is off.
+  the same warpgroup. With ping-pong on it gains nothing on average at d=64 and 128
+  (docs/performance.md, "fa3"), so it is off there; at d=256 it is what pays (+11-24%), on.
 FP8 (FA3 section 3.3; e4m3 q, k, v with descale factors, `forward(..., q_descale=...)`): the same
 kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 in registers
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
@@ -843,9 +844,6 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                    dtypes=FP8_DTYPES if fp8_in else HALF_DTYPES,
                    out_dtype=out_dtype if fp8_in else None, window_size=window_size,
                    softcap=softcap, align=align)
-    if fp8_in and prob.softcapped:
-        raise ValueError("fa3 in FP8 takes no softcap (the cap applies to descaled scores); "
-                         "16-bit inputs take it")
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
         v_panel = fp8.v_k_major(v)
@@ -932,7 +930,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
         return fa2_backward.backward(do, q, k, v, o, lse, causal=causal,
                                      softmax_scale=softmax_scale, **options)
     if kernel != "wgmma":
-        raise ValueError(f"fa3's backward kernel must be one of {BACKWARD_KERNELS}, got {kernel!r}")
+        raise ValueError(f"fa3's backward kernel must be one of {BACKWARD_KERNELS} (or None: the "
+                         f"one that takes the problem), got {kernel!r}")
     return fa3_backward.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                                  **options)
 
@@ -940,23 +939,26 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
 def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), FP8 at d=128
-    non-causal (one scale a head), and the backward's (variants/fa3_backward.py)."""
+    non-causal (one scale a head), the cp.async producer, Gemma 2's band (a causal window with a
+    softcap), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
         + (types.float32,) * 3 + (SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32, types.int32)
-    cases = [(d, element, causal, ()) for d in HEAD_DIMS for element in (BFLOAT16, FLOAT16)
+    # (head_dim, element, causal, problem fields, options)
+    cases = [(d, element, causal, (), {}) for d in HEAD_DIMS for element in (BFLOAT16, FLOAT16)
              for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
-    cases.append((128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False))))
-    cases.append((128, BFLOAT16, False, "cp_async"))   # the producer switch's other setting
-    for head_dim, element, causal, problem in cases:
-        options = dict(producer=problem) if problem == "cp_async" else {}
-        cfg = default_config(head_dim, element, causal, () if options else problem, **options)
+    cases += [(128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False)), {}),
+              (128, BFLOAT16, False, (), dict(producer="cp_async")),
+              (128, BFLOAT16, True, (("window", True), ("softcap", True)), {})]
+    for head_dim, element, causal, problem, options in cases:
+        cfg = default_config(head_dim, element, causal, problem, **options)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
         # overlap or back to back each appears twice (the loop's and the first S / last P V
         # outside it)
         k = cfg.operand.k_step
         qk, pv = head_dim // k, cfg.block_n // k
         total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
-        tag = " producer=cp_async" if options else ""
+        tag = "".join(f" {f}" for f, on in problem if on and f in ("window", "softcap")) + \
+            "".join(f" {o}={v}" for o, v in options.items())
         yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}{tag}", build(cfg), argtypes, \
             (total, qk + pv)
     from variants import fa3_backward
