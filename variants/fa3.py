@@ -36,7 +36,7 @@ Scheduling (FA3 section 3.1-3.2), each a switch:
   computing exponentials at once with the tensor cores idle.
 - `intra_overlap` (FA3's Alg.2): the softmax of block j while the P V wgmma of block j-1 runs in
   the same warpgroup. With ping-pong on it gains nothing on average at d=64 and 128
-  (docs/performance.md, "fa3"), so it is off there; at d=256 it is what pays (+11-24%), on.
+  (docs/performance.md, "fa3"), so it is off there; at d=256 it is what pays (+10-24%), on.
 FP8 (FA3 section 3.3; e4m3 q, k, v with descale factors, `forward(..., q_descale=...)`): the same
 kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 in registers
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
