@@ -25,6 +25,7 @@ contiguous. `v_k_major` makes it in a pre-pass, and orders each 16 keys as the e
 the P V wgmma holds P~'s columns (`KEY_ORDER`, see `tiles.accumulator_to_a_e4m3`): P~ goes from the
 S accumulator into A registers without moving a byte between lanes, and the product is exact.
 """
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -44,7 +45,8 @@ DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multipl
                                  # per column group)
 HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
 THREADS = 128
-V_KEYS = 64                      # keys of V a block of the K-major pre-pass moves
+V_KEYS = 128                     # keys of V a block of the K-major pre-pass moves (8 groups of 16)
+V_THREADS = 256                  # ... with this many threads
 
 
 def key_at(position):
@@ -247,35 +249,67 @@ def _signs_view(signs, d, library, like):
 
 @lru_cache(maxsize=None)
 def _v_k_major_kernel(head_dim):
-    """V (B, H, N, d/4 words of 4 e4m3) -> V^T (B, H, d, N_pad/4 words): a block moves V_KEYS keys
-    through shared memory; output position p of each 16 keys takes key KEY_ORDER[p]."""
-    WORDS = head_dim // 4
-    OUT_WORDS = V_KEYS // 4
-    STRIDE = WORDS + 1          # a key's row in shared memory, padded: the transposing reads of 16
-                                # keys at one d hit 16 banks, not one
+    """V (B, H, N, d/4 words of 4 e4m3) -> V^T (B H d, N_pad/4 words): a block moves V_KEYS keys
+    through shared memory; output position p of each 16 keys takes key KEY_ORDER[p].
+
+    A copy kernel, so what counts is bytes in flight: each thread first issues all its LOADS
+    loads (a constant count, unrolled), then stores them to the tile. Then a thread owns a 4 x 16
+    block of the output (head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16 words
+    of column c (conflict-free: half a warp spans 16 columns, the other half the next group, and
+    the padded row stride puts group g + 1's word 16 banks on), transposes the 4 x 4 bytes of
+    each 4 keys that one output word holds, and writes four 16-byte rows."""
+    WORDS = head_dim // 4       # 32-bit words a key's row
+    STRIDE = WORDS + 1          # ... in shared memory, padded
     TILE_WORDS = V_KEYS * STRIDE
+    LOADS = V_KEYS * WORDS // V_THREADS
+    KEY_STEP = V_THREADS // WORDS                   # keys between a thread's loads
+    GROUPS = V_KEYS // 16
+    COLUMN_PASSES = WORDS * GROUPS // V_THREADS     # (group, column) blocks a thread
 
     @kernel
     def v_k_major(v32, vt32, n):
         chunk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        heads = cuda.gridDim.y
         tid = int32(cuda.threadIdx.x)
         k0 = chunk * V_KEYS
         tile = cuda.shared.array(TILE_WORDS, uint32)
-        for w in range(tid, V_KEYS * WORDS, THREADS):
-            key, c = w // WORDS, w % WORDS
-            tile[key * STRIDE + c] = v32[b, h, k0 + key, c] if k0 + key < n else uint32(0)
+        vals = cuda.local.array(LOADS, uint32)
+        first, column = uint32(k0 + tid // WORDS), uint32(tid % WORDS)
+        last = uint32(n - 1)
+        for i in range(LOADS):      # unsigned indices: no negative-index wrap-around to compute
+            vals[i] = v32[uint32(b), uint32(h), min(first + uint32(i * KEY_STEP), last), column]
+        for i in range(LOADS):
+            key = i * KEY_STEP + tid // WORDS
+            tile[key * STRIDE + tid % WORDS] = vals[i] if k0 + key < n else uint32(0)
         cuda.syncthreads()
-        for w in range(tid, head_dim * OUT_WORDS, THREADS):
-            dd, p0 = w // OUT_WORDS, (w % OUT_WORDS) * 4
-            word = uint32(0)
-            for i in range(4):
-                p = p0 + i
-                key = (p & ~15) + _key_at(p & 15)
-                byte = (tile[key * STRIDE + (dd >> 2)] >> uint32(8 * (dd & 3))) & uint32(0xFF)
-                word |= byte << uint32(8 * i)
-            vt32[b, h, dd, chunk * OUT_WORDS + w % OUT_WORDS] = word
+        warp, lane = tid >> 5, tid & 31
+        words = cuda.local.array(16, uint32)
+        for cp in range(COLUMN_PASSES):
+            unit = cp * (V_THREADS // 32) + warp       # (two groups, 16 columns) a warp
+            g = 2 * (unit % (GROUPS // 2)) + (lane >> 4)
+            c = 16 * (unit // (GROUPS // 2)) + (lane & 15)
+            for k in range(16):
+                words[k] = tile[(16 * g + k) * STRIDE + c]
+            row = (b * heads + h) * head_dim + 4 * c
+            col = chunk * (V_KEYS // 4) + 4 * g
+            for i in range(4):                          # head_dim row 4 c + i
+                shift = uint32(8 * i)
+                out0 = _gather_bytes(words[0], words[1], words[8], words[9], shift)
+                out1 = _gather_bytes(words[2], words[3], words[10], words[11], shift)
+                out2 = _gather_bytes(words[4], words[5], words[12], words[13], shift)
+                out3 = _gather_bytes(words[6], words[7], words[14], words[15], shift)
+                ptx.st_global_v4_u32(vt32, row + i, col, out0, out1, out2, out3)
 
     return v_k_major
+
+
+@device_function
+def _gather_bytes(a, b, c, d, shift):
+    """Byte `shift / 8` of a, b, c, d, packed low to high: keys KEY_ORDER[4 t .. 4 t + 3] =
+    (2 t, 2 t + 1, 2 t + 8, 2 t + 9) of one output word t."""
+    m = uint32(0xFF)
+    return (((a >> shift) & m) | (((b >> shift) & m) << uint32(8))
+            | (((c >> shift) & m) << uint32(16)) | (((d >> shift) & m) << uint32(24)))
 
 
 def v_k_major(v8, like=None):
@@ -286,8 +320,9 @@ def v_k_major(v8, like=None):
     n_pad = -(-n // V_KEYS) * V_KEYS
     vt = arrays.empty(dv.library, (b, h, d, n_pad), "uint8", like=v8)
     v32 = arrays.bits_view(dv, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
-    vt32 = arrays.bits_view(arrays.describe(vt), np.uint32, None, last_dim_divisor=4)
-    launch(_v_k_major_kernel(d), (n_pad // V_KEYS, h, b), THREADS, 0, arrays.stream_of(dv),
+    rows = dataclasses.replace(arrays.describe(vt), shape=(b * h * d, n_pad), strides=(n_pad, 1))
+    vt32 = arrays.bits_view(rows, np.uint32, None, last_dim_divisor=4)
+    launch(_v_k_major_kernel(d), (n_pad // V_KEYS, h, b), V_THREADS, 0, arrays.stream_of(dv),
            v32, vt32, np.int32(n))
     return vt
 
@@ -301,4 +336,4 @@ def compile_targets():
     for scope in ("block", "amax", "tensor"):
         yield (f"quantize_fp8 {scope}", _quantizer(128, elements.BFLOAT16, True, scope),
                (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
-    yield "v_k_major", _v_k_major_kernel(128), (u32_4, types.Array(types.uint32, 4, "C"), types.int32)
+    yield "v_k_major", _v_k_major_kernel(128), (u32_4, types.Array(types.uint32, 2, "C"), types.int32)

@@ -109,13 +109,14 @@ def test_incoherent_processing_leaves_qk_unchanged(rng):
         assert abs(m[0, 0]) == pytest.approx(1 / math.sqrt(d))       # it spreads every coordinate
 
 
-def test_v_k_major_orders_keys_for_the_p_operand(rng):
+@pytest.mark.parametrize("n, d", [(100, 128), (300, 256)])
+def test_v_k_major_orders_keys_for_the_p_operand(rng, n, d):
     """V^T (B, H, d, N_pad): position p of each 16 keys holds key KEY_ORDER[p], zeros past N."""
-    n = 100
-    v = rng.integers(0, 255, (2, n, 2, 128), dtype=np.uint8)
+    v = rng.integers(0, 255, (2, n, 2, d), dtype=np.uint8)
     vt = arrays_to_host(fp8.v_k_major(dev(v)))
-    assert vt.shape == (2, 2, 128, 128)
-    keys = np.concatenate([16 * g + fp8.KEY_ORDER for g in range(8)])
+    n_pad = -(-n // fp8.V_KEYS) * fp8.V_KEYS
+    assert vt.shape == (2, 2, d, n_pad)
+    keys = np.concatenate([16 * g + fp8.KEY_ORDER for g in range(n_pad // 16)])
     want = np.zeros_like(vt)
     ok = keys < n
     want[..., ok] = v.transpose(0, 2, 3, 1)[..., keys[ok]]
