@@ -43,14 +43,17 @@ OTHER_HEAD_DIMS = r"^fa2 (backward )?d=(96|256) "
 #   d=64 non-causal (B_r = 192: three consumer warpgroups, its own configuration).
 # - fa2's backward K/V kernel with dq="separate": the atomic one (`kv`), the same builder with the
 #   dQ product and its atomics added (the separate path's own kernel, `dq=separate dq`, compiles).
+# - fa3 d=128 causal=True varlen (a packed batch): fa3 d=128 causal=True, the same builder with
+#   each tile's sequence bounds read from cu_seqlens.
 # Kept whole: fa1's ladder rungs and backward, fa2's dQ kernel, fa3's FP8, decoding (split with
 # either combine and not, and the combine kernel).
 CAUSAL_TWINS = r"^(fa1|fa2) d=128 bf16 causal=True|^fa2 backward d=128 bf16 causal=True kv" \
     r"|^standard softmax(_backward)? causal=True"
 SEPARATE_KV_TWIN = r"^fa2 backward d=128 bf16 causal=False dq=separate kv"
+VARLEN_TWIN = r"^fa3 d=128 bf16 causal=True varlen"
 HEAD_DIM_TWINS = r"^standard (scores|output|transposed_output) d=64 |^backward .*d=64 " \
     r"|^fa3 d=64 bf16 causal=True|^fa3 backward d=64 bf16 causal=True"
-SKIP = f"{TWINS}|{OTHER_HEAD_DIMS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}"
+SKIP = f"{TWINS}|{OTHER_HEAD_DIMS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}"
 
 
 def twin(name):
@@ -58,7 +61,7 @@ def twin(name):
     name = name.replace(" fp16", " bf16").replace("d=64 ", "d=128 ")
     if re.search(CAUSAL_TWINS, name):
         name = name.replace("causal=True", "causal=False")
-    return name.replace(" dq=separate kv", " kv")
+    return name.replace(" dq=separate kv", " kv").replace(" varlen", "")
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +93,8 @@ def test_every_kernel_is_covered(listing):
     assert sum(n.startswith("fa1 backward") for n in names) == 1
     assert sum(n.startswith("standard") for n in names) == 16
     assert sum(n.startswith("backward ") for n in names) == 6   # D = rowsum(dO o O), dQ's casts
-    assert sum(n.startswith("fa3 d=") for n in names) == 10   # d=64, 128, 256; at d=128 FP8
-    #                                       (e4m3), the cp.async producer, a causal window + softcap
+    assert sum(n.startswith("fa3 d=") for n in names) == 11   # d=64, 128, 256; at d=128 FP8
+    #                   (e4m3), the cp.async producer, a causal window + softcap, a packed batch
     assert sum(n.startswith("fa3 backward") for n in names) == 4   # d=64, 128 x causal
     assert sum(n.startswith("decode") for n in names) == 4    # split (combine kernel or fused)
     #                                                             and not, and the combine kernel
@@ -99,7 +102,8 @@ def test_every_kernel_is_covered(listing):
     for r in listing:   # only twins are skipped, each for a target that was compiled
         if r.get("skipped"):
             assert re.search(OTHER_HEAD_DIMS, r["kernel"]) or \
-                (re.search(f"{TWINS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}", r["kernel"])
+                (re.search(f"{TWINS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}",
+                           r["kernel"])
                  and twin(r["kernel"]) in compiled), r
     # each structurally distinct builder or configuration compiled once in CI (the twins'
     # counterparts above, and what no twin stands for)

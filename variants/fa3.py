@@ -56,6 +56,10 @@ Masks: any band lo <= key - query <= hi (common/masks.py: causal bottom-right or
 windows): a tile visits the K/V blocks of its rows' band, masks those on its edges, and a tile
 that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. softcap (Gemma 2,
 16-bit inputs): S <- cap tanh(S / cap) before the mask; its backward is FA2's.
+Packed batches (`forward_varlen`, flash_attn_varlen_func's arguments, 16-bit): a tile of sequence
+b reads its bounds from cu_seqlens and its rows from the packed tensors at the sequence's offset;
+tiles past a sequence's end are skipped by the producer and the consumers alike. Its backward is
+FA2's (`backward_varlen`).
 head_dim 64, 128 and 256 (d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's
 room, both overlaps; its backward is FA2's).
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
@@ -69,7 +73,8 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import arrays, configs, fp8, masks, pipeline, ptx, sm90, softmax, target, tiles
 from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
-from common.problem import FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYPE, prepare
+from common.problem import (FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYPE, SEQS_TYPE,
+                            prepare, prepare_varlen)
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
 HEAD_DIMS = (64, 128, 256)
@@ -123,6 +128,8 @@ class Config:
                                  # when they land: cp.async.mbarrier.arrive)
     window: bool = False         # the band has a left edge (a sliding window): its test compiled in
     softcap: bool = False        # scores soft-capped (Gemma 2): S <- cap tanh(S / cap) (16-bit)
+    varlen: bool = False         # a packed batch of sequences (forward_varlen): bounds per tile
+    bottom_right: bool = True    # varlen: the band's diagonal at each sequence's bottom-right
 
     @property
     def consumers(self):
@@ -290,6 +297,7 @@ def build(cfg):
     PRODUCER_WARP = 4 * NWG
     SETMAXNREG = cfg.setmaxnreg
     CP_ASYNC, WINDOW, SOFTCAP = cfg.cp_async, cfg.window, cfg.softcap
+    VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     PRODUCER_THREADS = cfg.producer_threads
     # arrivals that fill a stage: the TMA thread's arrive.expect_tx (the bytes complete it), or one
     # cp.async.mbarrier.arrive a producer thread
@@ -484,6 +492,20 @@ def build(cfg):
         return int32(1), int32(i), int32(bh // heads), int32(bh % heads), final
 
     @device_function
+    def sequence(b, n_q, n_k, lo, hi, cu_q, cu_k):
+        """(bb, first_q, first_k, n_q, n_k, lo, hi) of batch entry b: the batch index of the views
+        and where its rows and keys start in them, its lengths and band. VARLEN: sequence b of the
+        packed batch (one batch entry of total rows; its band moved to its own bottom-right corner
+        when SHIFT), as fa2's forward reads it."""
+        if VARLEN:
+            first_q, first_k = cu_q[b], cu_k[b]
+            nq, nk = int32(cu_q[b + 1] - first_q), int32(cu_k[b + 1] - first_k)
+            if SHIFT:
+                lo, hi = int32(lo + (nk - nq)), int32(hi + (nk - nq))
+            return int32(0), int32(first_q), int32(first_k), nq, nk, lo, hi
+        return b, int32(0), int32(0), n_q, n_k, lo, hi
+
+    @device_function
     def steps(row0, n_q, n_k, lo, hi):
         """(j0, T_c) of a tile: its first K/V block and how many it visits (causal, a window:
         those holding a key of its rows' band, common/masks.py; T_c = 0: its rows see no key)."""
@@ -493,13 +515,15 @@ def build(cfg):
         return int32(0), int32((n_k + BC - 1) // BC)
 
     @device_function
-    def load_q(smem, tiles0, tmaps, q, row0, n_q, b, h, ptid):
-        """Alg.1 l.5: Q_i, a 64-row room a consumer warpgroup, each PANEL columns a panel."""
+    def load_q(smem, tiles0, tmaps, q_h, row0, n_q, first_q, b, h, ptid):
+        """Alg.1 l.5: Q_i, a 64-row room a consumer warpgroup, each PANEL columns a panel. q_h:
+        the sequence's rows (cp.async); TMA reads rows first_q + row0.. of batch entry b (past a
+        packed sequence's end: the next one's rows, whose results are not stored)."""
         if CP_ASYNC:
             for w in range(NWG):
                 for p in range(PANELS):
                     dst = tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW
-                    tiles.load_tile_async(smem[dst:dst + WG_ROWS * ROW], q[b, h],
+                    tiles.load_tile_async(smem[dst:dst + WG_ROWS * ROW], q_h,
                                           row0 + w * WG_ROWS, n_q, p * PANEL, WG_ROWS, PANEL,
                                           PANEL, True, ptid, PRODUCER_THREADS, False)
             sm90.cp_async_mbarrier_arrive(smem, BAR_Q)
@@ -507,13 +531,15 @@ def build(cfg):
             sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)
             for w in range(NWG):
                 for p in range(PANELS):
-                    sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW,
-                                     tmaps, 0, p * PANEL, row0 + w * WG_ROWS, h, b, smem, BAR_Q)
+                    sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW, tmaps, 0,
+                                     p * PANEL, first_q + row0 + w * WG_ROWS, h, b, smem, BAR_Q)
 
     @device_function
-    def load_kv(smem, dst0, tmaps, m, src, key0, n_k, b, h_kv, full, ptid):
+    def load_kv(smem, dst0, tmaps, m, src, key0, n_k, first_k, b, h_kv, full, ptid):
         """Alg.1 l.8: K_j (m = 1) or V_j (m = 2), B_c rows from key0, into the tile at dst0 (16-bit
-        units), signalled on mbarrier `full`. FP8's V_j^T (TMA only): d rows x 128 keys a box."""
+        units), signalled on mbarrier `full`. FP8's V_j^T (TMA only): d rows x 128 keys a box.
+        src: the sequence's keys (cp.async); TMA reads keys first_k + key0.. of batch entry b
+        (past a packed sequence's end: the next one's, masked as past n_k)."""
         if CP_ASYNC:
             for p in range(PANELS):
                 dst = dst0 + p * BC * ROW
@@ -524,16 +550,16 @@ def build(cfg):
         sm90.mbarrier_arrive_expect_tx(smem, full, KV_BYTES)
         if FP8 and m == 2:
             for p in range(BC // PANEL):
-                sm90.tma_load_4d(smem, dst0 + p * D * ROW, tmaps, 2, key0 + p * PANEL, 0, h_kv, b,
-                                 smem, full)
+                sm90.tma_load_4d(smem, dst0 + p * D * ROW, tmaps, 2, first_k + key0 + p * PANEL, 0,
+                                 h_kv, b, smem, full)
         else:
             for p in range(PANELS):
-                sm90.tma_load_4d(smem, dst0 + p * BC * ROW, tmaps, m, p * PANEL, key0, h_kv, b,
-                                 smem, full)
+                sm90.tma_load_4d(smem, dst0 + p * BC * ROW, tmaps, m, p * PANEL, first_k + key0,
+                                 h_kv, b, smem, full)
 
     @device_function
     def produce(smem, tiles0, tmaps, q, k, v, n_q, n_k, kv_group, heads, batch_heads, lo, hi,
-                ptid):
+                cu_q, cu_k, ptid):
         """The producer (one thread for TMA, every producer thread for cp.async): for each of the
         block's tiles, Q_i once the previous tile has released its Q, then K_j, V_j into the ring's
         next stage once it is free."""
@@ -553,21 +579,27 @@ def build(cfg):
                 continue
             h_kv = h // kv_group
             row0 = i * BR
+            bb, first_q, first_k, nq, nk, lo_b, hi_b = sequence(b, n_q, n_k, lo, hi, cu_q, cu_k)
+            if VARLEN and row0 >= nq:   # past a packed sequence's end: no tile (consumers too)
+                continue
             if done > 0:    # the consumers have read the last tile's Q for the last time
                 sm90.mbarrier_wait(smem, BAR_EMPTY_Q, (done - 1) & 1)
-            load_q(smem, tiles0, tmaps, q, row0, n_q, b, h, ptid)                  # Alg.1 l.5
-            j0, t_c = steps(row0, n_q, n_k, lo, hi)
+            q_h = q[bb, h, first_q:first_q + nq] if VARLEN else q[b, h]
+            load_q(smem, tiles0, tmaps, q_h, row0, nq, first_q, bb, h, ptid)       # Alg.1 l.5
+            j0, t_c = steps(row0, nq, nk, lo_b, hi_b)
             for jj in range(t_c):                                                  # l.6
                 key0 = (j0 + jj) * BC
                 stage, parity = slot(it)
                 if it >= STAGES:   # l.7: the consumers released the block STAGES before's K
                     sm90.mbarrier_wait(smem, BAR_EMPTY_K + 4 * stage, parity ^ 1)
                 k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
-                load_kv(smem, k0, tmaps, 1, k[b, h_kv], key0, n_k, b, h_kv, BAR_K + 4 * stage,
+                k_h = k[bb, h_kv, first_k:first_k + nk] if VARLEN else k[b, h_kv]
+                load_kv(smem, k0, tmaps, 1, k_h, key0, nk, first_k, bb, h_kv, BAR_K + 4 * stage,
                         ptid)                                                      # l.8
                 if it >= STAGES:   # ... and its V
                     sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
-                load_kv(smem, k0 + K_TILE_ELEMS, tmaps, 2, v[b, h_kv], key0, n_k, b, h_kv,
+                v_h = v[bb, h_kv, first_k:first_k + nk] if VARLEN else v[b, h_kv]
+                load_kv(smem, k0 + K_TILE_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
                         BAR_V + 4 * stage, ptid)
                 it += 1
             done += 1
@@ -575,14 +607,17 @@ def build(cfg):
     @kernel_for_one_block_per_sm(cfg.threads)
     def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi, cap,
                     softmax_scale, scale_log2, q_descale, k_descale, v_descale, q_scale_rows,
-                    k_scale_rows):
+                    k_scale_rows, cu_q, cu_k):
         """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T), read by producer="tma"; q, k, v:
         (B, H, N, d) uint16 views, read by producer="cp_async" (FP8: unread); o: (B, H, N_q, d/2)
         uint32 view; lse: (B, H, N_q); heads: H, batch_heads: B H; lo, hi: the band of keys a query
         sees (lo <= key - query <= hi; causal, a window); cap: the soft cap on raw scores
         (softcap / softmax_scale, when SOFTCAP). FP8: descales (B, H or H_kv, blocks), a
         block q_scale_rows (Q) or k_scale_rows (K) rows; unread for 16-bit inputs. The grid: a
-        block a tile, or (persistent) fewer, each looping over tiles (`tile`)."""
+        block a tile, or (persistent) fewer, each looping over tiles (`tile`). VARLEN: B = 1 and
+        batch entry b of the tiles is the sequence of rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k),
+        n_q the longest (the tiles cover it), lo and hi relative to its top-left corner; a tile
+        past its sequence's end is skipped."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
 
@@ -609,7 +644,7 @@ def build(cfg):
             ptid = tid - WG_THREADS * NWG
             if ptid < PRODUCER_THREADS:
                 produce(smem, tiles0, tmaps, q, k, v, n_q, n_k, kv_group, heads, batch_heads, lo,
-                        hi, ptid)
+                        hi, cu_q, cu_k, ptid)
             return
         if SETMAXNREG:
             TAKE_REGISTERS()
@@ -642,7 +677,8 @@ def build(cfg):
         n_items = count_items(n_blocks, batch_heads, PAIRED)
         rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
         it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
-        done = int32(0)     # tiles so far
+        done = int32(0)     # tiles so far (Q's phases)
+        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
         for k in range(rounds * SPAN):
             go, i, b, h, final = next_tile(k, rounds, n_items, n_blocks, heads, batch_heads)
             if go < 0:
@@ -650,9 +686,22 @@ def build(cfg):
             if go == 0:
                 continue
             h_kv = h // kv_group
+            bb, first_q, first_k, nq, nk, lo_b, hi_b = sequence(b, n_q, n_k, lo, hi, cu_q, cu_k)
+            if VARLEN:
+                if PINGPONG and wg == 0 and not turned:   # (below, without VARLEN)
+                    ptx.bar_arrive(TURN, TURN_THREADS)
+                turned = True
+                if i * BR >= nq:
+                    # past a packed sequence's end: no Q, no step, no output (the producer skips
+                    # it); the turn goes round as for a tile of no step, so that `final` still
+                    # names the block's last turn
+                    wait_turn(wg)
+                    if wg != NWG - 1 or not final:
+                        pass_turn(wg)
+                    continue
             wg_row0 = i * BR + wg * WG_ROWS         # this warpgroup's first query row
             warp_row = wg_row0 + 16 * wg_warp       # this warp's first row (mask, LSE)
-            j0, t_c = steps(i * BR, n_q, n_k, lo, hi)
+            j0, t_c = steps(i * BR, nq, nk, lo_b, hi_b)
 
             tiles.fill(o_acc, float32(0))                                          # l.11
             softmax.init_rows(m_i, l_i)
@@ -674,7 +723,7 @@ def build(cfg):
             # (were warpgroup 0 to give itself that turn, it could hand on two turns before the
             # next warpgroup took one, and the turns would drift a phase apart). At the block's
             # last tile the last warpgroup passes no turn at the end: nobody waits for it.
-            if PINGPONG and wg == 0 and done == 0:
+            if PINGPONG and not VARLEN and wg == 0 and done == 0:
                 ptx.bar_arrive(TURN, TURN_THREADS)
             wait_turn(wg)
             if t_c == 0:
@@ -700,7 +749,7 @@ def build(cfg):
                 scores(s, q_desc, k_desc0, stage)                              # l.15: S_0
                 pass_turn(wg)
                 WAIT_S(s)
-                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, n_k, lo, hi, cap,
+                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, nk, lo_b, hi_b, cap,
                              k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane)  # l.16-17
                 for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
@@ -713,7 +762,7 @@ def build(cfg):
                     scores(s, q_desc, k_desc0, stage)                          # l.15, block j
                     pass_turn(wg)
                     WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
-                    softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi,
+                    softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, nk, lo_b, hi_b,
                                  cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
                                  lane)                                             # l.16-17
                 stage, parity = slot(it + t_c - 1)
@@ -737,8 +786,8 @@ def build(cfg):
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
-                           warp_row, lane)
+                    logits(s, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
+                           wg_row0, warp_row, lane)
                     softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)      # l.16-17
                     to_a(p, s)
                     wait_full(smem, BAR_V + 4 * stage, parity)
@@ -762,8 +811,8 @@ def build(cfg):
                 release(smem, BAR_EMPTY_K, stage, lane)
                 if O_APART and t_c == 1:
                     release(smem, BAR_EMPTY_Q, 0, lane)
-                logits(s, j0, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
-                       lane)
+                logits(s, j0, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
+                       warp_row, lane)
                 softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)   # O = 0: nothing to defer
                 to_a(p, s)
                 for j in range(1, t_c):
@@ -774,14 +823,14 @@ def build(cfg):
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # S_j
-                    values(o_acc, p, v_desc0, prev)                            # O += P~_{j-1} V_{j-1}
+                    values(o_acc, p, v_desc0, prev)                        # O += P~_{j-1} V_{j-1}
                     pass_turn(wg)
                     WAIT1_S(s)                # S_j has landed; the P V product may still run
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
-                           warp_row, lane)
+                    logits(s, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
+                           wg_row0, warp_row, lane)
                     softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
                     release(smem, BAR_EMPTY_V, prev, lane)
@@ -811,16 +860,16 @@ def build(cfg):
             ptx.bar_sync(1 + wg, WG_THREADS)
             tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
             ptx.bar_sync(1 + wg, WG_THREADS)
-            tiles.store_tile(o[b, h], stage32, wg_row0, n_q, WG_ROWS, D, D, True, wg_tid,
-                             WG_THREADS)
+            o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
+            tiles.store_tile(o_h, stage32, wg_row0, nq, WG_ROWS, D, D, True, wg_tid, WG_THREADS)
             if not O_APART:   # O_i has left Q's room: the next Q may land there
                 ptx.bar_sync(1 + wg, WG_THREADS)
                 release(smem, BAR_EMPTY_Q, 0, lane)
             if lane & 3 == 0:
                 for r in range(2):
                     row = warp_row + (lane >> 2) + 8 * r
-                    if row < n_q:
-                        lse[b, h, row] = lse_rows[r]
+                    if row < nq:
+                        lse[bb, h, first_q + row] = lse_rows[r]
             done += 1
 
     return fa3_forward
@@ -859,19 +908,47 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         scales, rows, problem = (arrays.placeholder(prob.library, 3, prob.like),) * 3, (1, 1), ()
         v_view = prob.v
         qkv = (prob.q, prob.k, prob.v)
-    problem += configs.mask_fields(prob)   # ("window", True) for a sliding window
+    return _run(prob, qkv, v_view, scales, rows, problem, options)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                   align=masks.BOTTOM_RIGHT, out=None, **options):
+    """FA3 forward over a packed batch of sequences, as flash_attn_varlen_func (and fa2's
+    forward_varlen): q (total_q, H, d), k, v (total_k, H_kv, d) fp16/bf16, sequence b being rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32 device arrays, batch + 1 entries). Returns o
+    (total_q, H, d) and lse (H, total_q) fp32. The tiles cover max_seqlen_q rows of every
+    sequence; one past its sequence's end is skipped by the producer and the consumers alike, so a
+    short sequence costs its own tiles only. TMA reads a tile's rows from the packed tensors: past
+    a sequence's end they are the next sequence's, masked (keys) or not stored (queries)."""
+    prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal=causal, softmax_scale=softmax_scale, out=out,
+                          head_dims=HEAD_DIMS, variant="fa3", window_size=window_size,
+                          softcap=softcap, align=align)
+    scales = (arrays.placeholder(prob.library, 3, prob.like),) * 3
+    return _run(prob, (prob.q, prob.k, prob.v), prob.v, scales, (1, 1), (), options)
+
+
+def _run(prob, qkv, v_view, scales, rows, problem, options):
+    """Launch the problem's configuration: a block a tile, or (persistent) one a SM."""
+    problem += configs.mask_fields(prob)   # ("window", True) for a sliding window; varlen's fields
     cfg = default_config(prob.head_dim, prob.element, prob.band.banded, problem, **options)
+    seqs = prob.varlen
+    fp8_in = cfg.fp8
     box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
                               (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
-    n_items = cfg.work_items((prob.n_q + cfg.block_m - 1) // cfg.block_m, prob.batch * prob.heads)
+    n_q, n_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
+    cu_q, cu_k = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
+        (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
+    n_items = cfg.work_items((n_q + cfg.block_m - 1) // cfg.block_m, prob.batch * prob.heads)
     grid = min(n_items, target.multiprocessor_count()) if cfg.persistent else n_items
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
-           tmaps, *qkv, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
+           tmaps, *qkv, prob.o32, prob.lse, np.int32(n_q), np.int32(n_k),
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
            *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
-           np.int32(rows[0]), np.int32(rows[1]))
+           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k)
     return prob.result()
 
 
@@ -936,19 +1013,33 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
                                  **options)
 
 
+def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    *, kernel=None, **options):
+    """The backward of forward_varlen: FA2's kernels for a packed batch
+    (variants/fa2_backward.py: backward_varlen; fa3's own backward takes no packed batch yet)."""
+    if kernel not in (None, "fa2"):
+        raise ValueError(f"fa3's backward of a packed batch runs FA2's kernels (kernel=None or "
+                         f"'fa2'), got kernel={kernel!r}")
+    from variants import fa2_backward
+    return fa2_backward.backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+                                        max_seqlen_q, max_seqlen_k, **options)
+
+
 def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), FP8 at d=128
     non-causal (one scale a head), the cp.async producer, Gemma 2's band (a causal window with a
-    softcap), and the backward's (variants/fa3_backward.py)."""
+    softcap), a packed batch (varlen, causal), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
-        + (types.float32,) * 3 + (SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32, types.int32)
+        + (types.float32,) * 3 + (SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32, types.int32,
+           SEQS_TYPE, SEQS_TYPE)
     # (head_dim, element, causal, problem fields, options)
     cases = [(d, element, causal, (), {}) for d in HEAD_DIMS for element in (BFLOAT16, FLOAT16)
              for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
     cases += [(128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False)), {}),
               (128, BFLOAT16, False, (), dict(producer="cp_async")),
-              (128, BFLOAT16, True, (("window", True), ("softcap", True)), {})]
+              (128, BFLOAT16, True, (("window", True), ("softcap", True)), {}),
+              (128, BFLOAT16, True, (("varlen", True), ("bottom_right", True)), {})]
     for head_dim, element, causal, problem, options in cases:
         cfg = default_config(head_dim, element, causal, problem, **options)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
@@ -957,7 +1048,8 @@ def compile_targets():
         k = cfg.operand.k_step
         qk, pv = head_dim // k, cfg.block_n // k
         total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
-        tag = "".join(f" {f}" for f, on in problem if on and f in ("window", "softcap")) + \
+        tag = "".join(f" {f}" for f, on in problem
+                      if on and f in ("window", "softcap", "varlen")) + \
             "".join(f" {o}={v}" for o, v in options.items())
         yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}{tag}", build(cfg), argtypes, \
             (total, qk + pv)
