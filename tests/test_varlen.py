@@ -161,10 +161,16 @@ def test_varlen_errors_name_the_problem(rng):
         call(cu_k=np.array([0, 9], np.int32), max_k=9)
     with pytest.raises(ValueError, match="3-D"):
         call(q=inputs.to_device(q[None], library))
-    with pytest.raises(ValueError, match="no variable-length forward; these do: fa2"):
+    with pytest.raises(ValueError, match="no variable-length forward; these do: fa2, fa3"):
         call(variant="fa1")
+    with pytest.raises(TypeError, match="fa3 takes float16 or bfloat16"):   # no FP8 packed
+        call(variant="fa3", q=inputs.to_device(np.zeros(q.shape, np.uint8), library))
     o, lse = call()
     do = inputs.to_device(q, library)
+    with pytest.raises(ValueError, match="runs FA2's kernels"):
+        variants.backward_varlen(do, dq_, dk_, dv_, o, lse, inputs.to_device(cu_q, library),
+                                 inputs.to_device(cu_k, library), 5, 5, variant="fa3",
+                                 kernel="wgmma")
     with pytest.raises(ValueError, match="dq_reduce='red'"):
         variants.backward_varlen(do, dq_, dk_, dv_, o, lse, inputs.to_device(cu_q, library),
                                  inputs.to_device(cu_k, library), 5, 5, dq_reduce="bulk")
