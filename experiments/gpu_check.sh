@@ -12,7 +12,8 @@
 #            TESTS=<paths> runs those paths in one process instead.
 #   bwd_fa2, bwd_other   tests/test_backward*.py for fa2, and for fa1, standard and the protocol
 #   bwd_ncu  ncu sections of the fa2 backward (dq separate and atomic) and SDPA's (backward_profile.py)
-#   fa3      the sm90 instruction tests and every fa3 test (tests/test_sm90.py, test_variants -k fa3)
+#   fa3      the sm90 instruction tests and every fa3 test (tests/test_sm90.py, test_variants,
+#            test_masks, test_fp8, test_varlen -k fa3), -n 8 (FA3_WORKERS)
 #   fa3_quick  fa3 and fa2 with the SDPA peers, d 64/128, causal and not (FA3_SEQLENS, default 4k,16k)
 #   decode   decoding (issue 22): tests/test_decode.py on the GPU (both combines, the CUDA-graph
 #            replay, the fused combine under load), then experiments/decode.py --only-decode: split-KV
@@ -122,9 +123,11 @@ for step in $steps; do
       tail -2 "$OUT/tests_compile.log" ;;
     fa3)
       # fa3 and the sm90 layer on the GPU: the instructions against NumPy, fa3 against float64
-      # (every case, option and library), bitwise repeatability; one process (fa3 compiles in ~5 s)
-      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=8 \
-        tests/test_sm90.py tests/test_variants.py -k "sm90 or fa3" > "$OUT/tests_fa3.log" 2>&1 || status=1
+      # (every case, option and library, masks, FP8, packed batches), bitwise repeatability
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark \
+        -n "${FA3_WORKERS:-8}" --durations=8 tests/test_sm90.py tests/test_variants.py \
+        tests/test_masks.py tests/test_fp8.py tests/test_varlen.py -k "sm90 or fa3" \
+        > "$OUT/tests_fa3.log" 2>&1 || status=1
       tail -3 "$OUT/tests_fa3.log"; grep -h "^FAILED\|^ERROR" "$OUT/tests_fa3.log" | head -20 ;;
     fa3_quick)
       # fa3 beside fa2 and the SDPA peers (timed in the fa3 jobs): bf16, d 64/128, causal and not
