@@ -253,8 +253,9 @@ def _v_k_major_kernel(head_dim):
     through shared memory; output position p of each 16 keys takes key KEY_ORDER[p].
 
     A copy kernel, so what counts is bytes in flight: each thread first issues all its LOADS
-    loads (a constant count, unrolled), then stores them to the tile. Then a thread owns a 4 x 16
-    block of the output (head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16 words
+    loads (a constant count, unrolled: 16 at d=128, 32 at d=256), then stores them to the tile.
+    Then a thread owns a 4 x 16 block of the output in each of its COLUMN_PASSES (one at d=128,
+    two at d=256; head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16 words
     of column c (conflict-free: half a warp spans 16 columns, the other half the next group, and
     the padded row stride puts group g + 1's word 16 banks on), transposes the 4 x 4 bytes of
     each 4 keys that one output word holds, and writes four 16-byte rows."""

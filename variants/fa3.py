@@ -59,7 +59,11 @@ that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. soft
 Packed batches (`forward_varlen`, flash_attn_varlen_func's arguments, 16-bit): a tile of sequence
 b reads its bounds from cu_seqlens and its rows from the packed tensors at the sequence's offset;
 tiles past a sequence's end are skipped by the producer and the consumers alike. Its backward is
-FA2's (`backward_varlen`).
+FA2's (`backward_varlen`). A limitation of the TMA producer: a sequence's last key block, when it
+runs past the sequence's end, holds the next sequence's rows; their scores are masked (P = 0),
+but an inf or NaN in those V rows makes 0 x inf = NaN in P V, so a non-finite V in one sequence
+can reach another's output. producer="cp_async" zero-fills past each sequence, as fa2 does
+(tests/test_varlen.py).
 head_dim 64, 128 and 256 (d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's
 room, both overlaps; its backward is FA2's).
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
@@ -722,7 +726,8 @@ def build(cfg):
             # last warpgroup's last turn of a tile hands it to warpgroup 0's first of the next
             # (were warpgroup 0 to give itself that turn, it could hand on two turns before the
             # next warpgroup took one, and the turns would drift a phase apart). At the block's
-            # last tile the last warpgroup passes no turn at the end: nobody waits for it.
+            # last tile the last warpgroup passes no turn at the end: nobody waits for it. (A
+            # packed batch gives warpgroup 0 its first turn above, before any tile is skipped.)
             if PINGPONG and not VARLEN and wg == 0 and done == 0:
                 ptx.bar_arrive(TURN, TURN_THREADS)
             wait_turn(wg)
@@ -920,7 +925,13 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     (total_q, H, d) and lse (H, total_q) fp32. The tiles cover max_seqlen_q rows of every
     sequence; one past its sequence's end is skipped by the producer and the consumers alike, so a
     short sequence costs its own tiles only. TMA reads a tile's rows from the packed tensors: past
-    a sequence's end they are the next sequence's, masked (keys) or not stored (queries)."""
+    a sequence's end they are the next sequence's, masked (keys) or not stored (queries); an inf
+    or NaN in such V rows still reaches the output (0 x inf in P V): producer="cp_async" zero-fills
+    them. FP8 inputs are not taken packed (`forward` takes them, with their descales)."""
+    stray = sorted(set(options) & {"q_descale", "k_descale", "v_descale", "scale_block"})
+    if stray:
+        raise ValueError(f"fa3's forward_varlen takes 16-bit inputs, not FP8 ({', '.join(stray)}): "
+                         "FP8 runs through forward (a batch of equal lengths)")
     prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal=causal, softmax_scale=softmax_scale, out=out,
                           head_dims=HEAD_DIMS, variant="fa3", window_size=window_size,
