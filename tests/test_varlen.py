@@ -97,21 +97,24 @@ def test_fa3_varlen_skips_tiles_past_each_sequence(rng, lengths, mask):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the simulator's 0 x inf in sequence 1
-def test_fa3_varlen_cp_async_keeps_sequences_apart(rng):
-    """A non-finite V in one sequence stays out of the others with producer="cp_async", which
-    zero-fills past each sequence's keys (as fa2 does). fa3's default producer (TMA) reads a
-    partial last key block's rows from the packed tensor, the next sequence's: their scores are
-    masked, but 0 x inf is NaN in P V (a limitation, documented in variants/fa3.py). Sequence 0's
-    one key block (B_c = 64) holds 24 keys of sequence 1, the first of them inf; sequence 1 itself
-    comes out NaN where a masked key is inf, as in every FlashAttention kernel."""
+@pytest.mark.parametrize("options", [dict(producer="cp_async"), dict(), dict(intra_overlap=True),
+                                     dict(back_to_back=True)],
+                         ids=["cp_async", "tma", "tma_intra_overlap", "tma_back_to_back"])
+def test_fa3_varlen_keeps_sequences_apart(rng, options):
+    """A non-finite V in one sequence stays out of the others. Sequence 0's one key block
+    (B_c = 64) holds 24 keys past its end, the first of them inf. cp.async zero-fills past each
+    sequence's keys (as fa2 does); TMA (the default producer) reads those rows from the packed
+    tensor, the next sequence's: their scores are masked, and the consumers zero those V rows in
+    shared memory before the P V wgmma (else 0 x inf = NaN), at the P V of each schedule (in the
+    loop; after it with either overlap). Sequence 1 itself comes out NaN where a masked key is
+    inf, as in every FlashAttention kernel."""
     lengths = [(20, 40), (20, 40)]
     q, k, v, cu_q, cu_k = packed(rng, lengths, 1, 1, 64, "bfloat16")
     v[cu_k[1]] = np.inf
     library = inputs.default_library()
     dev = [inputs.to_device(x, library) for x in (q, k, v, cu_q, cu_k)]
     o, lse = variants.forward_varlen(*dev, 20, 40, variant="fa3", causal=True,
-                                     window_size=(8, 0), producer="cp_async",
-                                     **VARIANT_OPTIONS["fa3"])
+                                     window_size=(8, 0), **options, **VARIANT_OPTIONS["fa3"])
     o, lse = inputs.to_host(o), inputs.to_host(lse)
     rows, keys = slice(0, 20), slice(0, 40)
     ref_o, ref_lse = reference.attention(q[None, rows], k[None, keys], v[None, keys], causal=True,

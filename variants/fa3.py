@@ -59,11 +59,13 @@ that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. soft
 Packed batches (`forward_varlen`, flash_attn_varlen_func's arguments, 16-bit): a tile of sequence
 b reads its bounds from cu_seqlens and its rows from the packed tensors at the sequence's offset;
 tiles past a sequence's end are skipped by the producer and the consumers alike. Its backward is
-FA2's (`backward_varlen`). A limitation of the TMA producer: a sequence's last key block, when it
-runs past the sequence's end, holds the next sequence's rows; their scores are masked (P = 0),
-but an inf or NaN in those V rows makes 0 x inf = NaN in P V, so a non-finite V in one sequence
-can reach another's output. producer="cp_async" zero-fills past each sequence, as fa2 does
-(tests/test_varlen.py).
+FA2's (`backward_varlen`). With the TMA producer a sequence's last key block, when it runs past
+the sequence's end, holds the next sequence's rows (TMA zero-fills past the packed tensor only):
+their scores are masked (P = 0), and, since 0 x inf = NaN in P V, the consumers zero those V rows
+in shared memory before that block's P V wgmma (`clear_v_tail`: the stores, a proxy fence and a
+warpgroup barrier run for a partial block only), so that an inf or NaN in one sequence's V stays
+out of the others' outputs. producer="cp_async" zero-fills past each sequence in its copies, as
+fa2 does (tests/test_varlen.py).
 head_dim 64, 128 and 256 (d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's
 room, both overlaps; its backward is FA2's).
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
@@ -434,6 +436,36 @@ def build(cfg):
         if CP_ASYNC:
             ptx.fence_proxy_async_shared()
 
+    # VARLEN with TMA: a tile's last key block, when it runs past its sequence's n_k keys, holds
+    # the next sequence's rows (TMA zero-fills past the whole packed tensor only). Their scores are
+    # masked (P~ = 0), but 0 x inf = NaN in P V: the consumers zero those V rows before the P V
+    # wgmma. (cp.async zero-fills past n_k itself; FP8 is not taken packed.)
+    CLEAR_V_TAIL = VARLEN and not CP_ASYNC and not FP8
+    V0 = K0 + K_TILE_ELEMS                      # 16-bit offset of stage 0's V tile past tiles0
+    V_ROW_WORDS = sm90.SWIZZLE_BYTES // 4       # a 128-byte row of a V panel in 32-bit words
+    V_PANEL_WORDS = BC * V_ROW_WORDS            # a panel: B_c rows (keys) x 64 columns
+
+    @device_function
+    def clear_v_tail(tiles0, stage, key0, n_k, wg, wg_tid):
+        """CLEAR_V_TAIL: if the key block from key0 in ring stage `stage` runs past n_k, zero its
+        V rows n_k - key0 .. B_c - 1 (whole 128-byte rows of each 64-column panel: the swizzle
+        permutes 16-byte chunks inside a row only), then fence the writes for the async proxy and
+        meet the warpgroup, so that its P V wgmma reads the zeros. Every consumer warpgroup zeroes
+        the rows before its own wgmma (the same zeros: a second warpgroup's writes change nothing
+        the first one's wgmma reads); the stage is released after the wgmma, so the producer's next
+        copy into it comes after the writes. Only a tile's last block can run past n_k (`steps`
+        ends at the block of key n_k - 1); key0 < n_k."""
+        if key0 + BC > n_k:
+            f32 = cuda.shared.array(0, float32)
+            first = int32(n_k - key0) * V_ROW_WORDS + 4 * wg_tid
+            zero = float32(0)
+            for panel in range(PANELS):
+                base = ((tiles0 + V0 + stage * 2 * K_TILE_ELEMS) >> 1) + panel * V_PANEL_WORDS
+                for w in range(first, V_PANEL_WORDS, 4 * WG_THREADS):
+                    ptx.st_shared_v4_f32(f32, base + w, zero, zero, zero, zero)
+            ptx.fence_proxy_async_shared()
+            ptx.bar_sync(1 + wg, WG_THREADS)
+
     @device_function
     def softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap, k_descale,
                      k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
@@ -543,7 +575,8 @@ def build(cfg):
         """Alg.1 l.8: K_j (m = 1) or V_j (m = 2), B_c rows from key0, into the tile at dst0 (16-bit
         units), signalled on mbarrier `full`. FP8's V_j^T (TMA only): d rows x 128 keys a box.
         src: the sequence's keys (cp.async); TMA reads keys first_k + key0.. of batch entry b
-        (past a packed sequence's end: the next one's, masked as past n_k)."""
+        (past a packed sequence's end: the next one's, masked as past n_k, their V rows zeroed by
+        the consumers: `clear_v_tail`)."""
         if CP_ASYNC:
             for p in range(PANELS):
                 dst = dst0 + p * BC * ROW
@@ -772,6 +805,8 @@ def build(cfg):
                                  lane)                                             # l.16-17
                 stage, parity = slot(it + t_c - 1)
                 wait_full(smem, BAR_V + 4 * stage, parity)
+                if CLEAR_V_TAIL:   # the last block (the loop's never runs past n_k)
+                    clear_v_tail(tiles0, stage, (j0 + t_c - 1) * BC, nk, wg, wg_tid)
                 wait_turn(wg)
                 sm90.wgmma_fence()
                 values(o_acc, p, v_desc0, stage)                               # l.18, the last
@@ -796,6 +831,8 @@ def build(cfg):
                     softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)      # l.16-17
                     to_a(p, s)
                     wait_full(smem, BAR_V + 4 * stage, parity)
+                    if CLEAR_V_TAIL:
+                        clear_v_tail(tiles0, stage, (j0 + j) * BC, nk, wg, wg_tid)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     values(o_acc, p, v_desc0, stage)                           # l.18
@@ -843,6 +880,8 @@ def build(cfg):
                     to_a(p, s)
                 last, last_parity = slot(it + t_c - 1)
                 wait_full(smem, BAR_V + 4 * last, last_parity)
+                if CLEAR_V_TAIL:   # the last block (the loop's never runs past n_k)
+                    clear_v_tail(tiles0, last, (j0 + t_c - 1) * BC, nk, wg, wg_tid)
                 wait_turn(wg)
                 sm90.wgmma_fence()
                 values(o_acc, p, v_desc0, last)
@@ -925,9 +964,10 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     (total_q, H, d) and lse (H, total_q) fp32. The tiles cover max_seqlen_q rows of every
     sequence; one past its sequence's end is skipped by the producer and the consumers alike, so a
     short sequence costs its own tiles only. TMA reads a tile's rows from the packed tensors: past
-    a sequence's end they are the next sequence's, masked (keys) or not stored (queries); an inf
-    or NaN in such V rows still reaches the output (0 x inf in P V): producer="cp_async" zero-fills
-    them. FP8 inputs are not taken packed (`forward` takes them, with their descales)."""
+    a sequence's end they are the next sequence's, masked (keys) or not stored (queries), and the
+    consumers zero such V rows before the P V product, so that an inf or NaN there does not reach
+    the output through 0 x inf (producer="cp_async" zero-fills them in its copies). FP8 inputs are
+    not taken packed (`forward` takes them, with their descales)."""
     stray = sorted(set(options) & {"q_descale", "k_descale", "v_descale", "scale_block"})
     if stray:
         raise ValueError(f"fa3's forward_varlen takes 16-bit inputs, not FP8 ({', '.join(stray)}): "
