@@ -6,9 +6,10 @@ dV. Around the variant's own kernels:
   preprocess   D_i = rowsum(dO_i o O_i) (fp32, one warp a row: FA2 Alg. 2 l.4), and dQ's fp32
                accumulator set to 0 when the variant adds into it (atomics or read-modify-write);
   convert_dq   dQ = softmax_scale * accumulator, rounded to the input dtype, in q's layout.
-The accumulator is (B, H, rows, d) fp32, row-major, or, for a kernel that adds whole query blocks
-with bulk reductions, one contiguous block of B_r x d floats per query block in that kernel's
-fragment order (`DqLayout`, rows padded to whole blocks).
+The accumulator is (B, H, rows, d') fp32, row-major, or, for a kernel that adds whole query blocks
+with bulk reductions, one contiguous block of B_r x d' floats per query block in that kernel's
+fragment order (`DqLayout`, rows padded to whole blocks); d' = tiles.tile_columns(d), the kernels'
+tile width (d itself when a multiple of 16; the columns past d stay 0 and are not converted).
 `prepare_backward` validates everything with errors that name the problem and returns the views.
 """
 from dataclasses import dataclass
@@ -194,8 +195,8 @@ class DqLayout:
 @lru_cache(maxsize=None)
 def build_preprocess(head_dim, element, zero_dq):
     """D = rowsum(dO o O) in fp32 (and, when zero_dq, rows < n_acc of dQ's accumulator set to 0:
-    n_acc >= n_q covers an accumulator padded to whole query blocks)."""
-    WORDS, D, ZERO_DQ, ELEM = head_dim // 2, head_dim, zero_dq, element.code
+    n_acc >= n_q covers an accumulator padded to whole query blocks, its rows tile_columns wide)."""
+    WORDS, D, ZERO_DQ, ELEM = head_dim // 2, tiles.tile_columns(head_dim), zero_dq, element.code
 
     @kernel
     def preprocess(o32, do32, d_vec, dq_acc, n_q, n_acc):
@@ -242,13 +243,15 @@ def build_convert_dq(head_dim, element):
 
 
 @lru_cache(maxsize=None)
-def build_convert_dq_fragments(layout, element):
+def build_convert_dq_fragments(layout, element, head_dim):
     """convert_dq for an accumulator in fragment order (DqLayout). A thread takes one 16-byte unit:
     the registers c0..c3 of one m16n8 tile of one staging thread, i.e. columns (col, col + 1) of
     rows r and r + 8. Threads are mapped to units so that a warp's 32 lanes cover the 32 column
     pairs of one staged row (n-tile = lane / 4, t = lane % 4): each of its two stores writes 128
-    contiguous bytes of dQ and each load reads whole 64-byte runs of the accumulator."""
+    contiguous bytes of dQ and each load reads whole 64-byte runs of the accumulator. Columns at or
+    past head_dim (a tile's zero columns, layout.cols > head_dim) are not stored."""
     D, ELEM, ROWS = layout.cols, element.code, layout.rows
+    PADDED, DV = layout.cols > head_dim, head_dim
     PAIRS = 4 * layout.n_tiles                     # column pairs a staged row of one warp
     MQ, WARPS_ = layout.warp_rows // 16, layout.threads // 32
     N_TILES, ACROSS = layout.n_tiles, layout.warps_across
@@ -267,6 +270,8 @@ def build_convert_dq_fragments(layout, element):
         # Where the staging thread (warp, lane 4g + t) put acc[m, n, 0:4]:
         f = warp * WARP_FLOATS + 4 * (32 * (m * N_TILES + n) + 4 * g + t)
         at_row, at_col = block * ROWS + f // D, f % D
+        if PADDED and col >= DV:
+            return
         if row < n_q:
             dq32[b, h, row, col >> 1] = tiles.pack_pair(
                 dq_acc[b, h, at_row, at_col] * softmax_scale,
@@ -289,7 +294,8 @@ def preprocess(g, zero_dq, dq_layout=None):
     prob = g.prob
     g.d_vec = prob.scratch_view((prob.view_batch, prob.heads, prob.n_q))
     rows = dq_layout.padded_rows(prob.n_q) if dq_layout is not None else prob.n_q
-    shape = (prob.view_batch, prob.heads, rows, prob.head_dim) if zero_dq else (1, 1, 1, 1)
+    shape = (prob.view_batch, prob.heads, rows, tiles.tile_columns(prob.head_dim)) if zero_dq \
+        else (1, 1, 1, 1)
     g.dq_acc = prob.scratch_view(shape)     # (1, 1, 1, 1): not used, one kernel signature
     g.dq_layout = dq_layout
     launch(build_preprocess(prob.head_dim, prob.element, bool(zero_dq)), _row_grid(prob, rows),
@@ -305,10 +311,10 @@ def convert_dq(g):
         launch(build_convert_dq(prob.head_dim, prob.element), _row_grid(prob), 32 * WARPS, 0,
                prob.stream, *args)
     else:
-        units = g.dq_layout.padded_rows(prob.n_q) * prob.head_dim // 4
+        units = g.dq_layout.padded_rows(prob.n_q) * g.dq_layout.cols // 4
         grid = ((units + 32 * WARPS - 1) // (32 * WARPS), prob.view_batch, prob.heads)
-        launch(build_convert_dq_fragments(g.dq_layout, prob.element), grid, 32 * WARPS, 0,
-               prob.stream, *args)
+        launch(build_convert_dq_fragments(g.dq_layout, prob.element, prob.head_dim), grid,
+               32 * WARPS, 0, prob.stream, *args)
 
 
 def compile_targets():

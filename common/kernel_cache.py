@@ -9,8 +9,8 @@ invalidates every entry) and of each variants/ module
 the kernel or a device function it calls is defined in (an edit to fa2.py leaves fa1's and
 standard's kernels cached; kernel bodies reach other variants only through closures, which
 closure_constants walks), the kernel's name and the compile-time constants its closure holds
-(recursively through its device functions), the argument types, the GPU's compute capability
-and numba-cuda's version.
+(recursively through its device functions), the argument types, the jit options (launch bounds),
+the GPU's compute capability and numba-cuda's version.
 """
 import hashlib
 import os
@@ -91,8 +91,10 @@ def cache_key(kern, sig, cc):
     from numba import cuda as _cuda
     version = getattr(_cuda, "__version__", "")
     constants = closure_constants(kern)
+    # the jit options (launch bounds: what ptxas may spend on registers) shape the cubin too
+    options = repr(sorted(getattr(kern, "targetoptions", {}).items()))
     text = "|".join([source_digest(source_modules(kern, constants)), constants, repr(sig),
-                     repr(cc), version])
+                     repr(cc), version, options])
     name = kern.py_func.__name__
     return f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:32]}"
 

@@ -71,11 +71,18 @@ def merge_partial_o(o, o_part, row, col0, alpha, beta, warps, block_rows, row_st
 
 
 @device_function
-def store_row_chunk(o32, row, col0, values, elem):
-    """o32[row, col0/2 ...] <- values (fp32, a multiple of 8) as 16-bit pairs, 16 bytes a store."""
-    for c in range(0, values.shape[0], 8):
-        ptx.st_global_v4_u32(o32, row, (col0 + c) >> 1,
-                             tiles.pack_pair(values[c], values[c + 1], elem),
-                             tiles.pack_pair(values[c + 2], values[c + 3], elem),
-                             tiles.pack_pair(values[c + 4], values[c + 5], elem),
-                             tiles.pack_pair(values[c + 6], values[c + 7], elem))
+def store_row_chunk(o32, row, col0, values, elem, valid_cols=0):
+    """o32[row, col0/2 ...] <- values (fp32) as 16-bit pairs: 16 bytes a store when the chunk is
+    whole 8-column groups of real columns, else 4 bytes (a pair) a store, leaving out the columns
+    at or past valid_cols (compile-time; 0: none; a padded head_dim's zero columns)."""
+    if values.shape[0] % 8 == 0 and valid_cols == 0:
+        for c in range(0, values.shape[0], 8):
+            ptx.st_global_v4_u32(o32, row, (col0 + c) >> 1,
+                                 tiles.pack_pair(values[c], values[c + 1], elem),
+                                 tiles.pack_pair(values[c + 2], values[c + 3], elem),
+                                 tiles.pack_pair(values[c + 4], values[c + 5], elem),
+                                 tiles.pack_pair(values[c + 6], values[c + 7], elem))
+        return
+    for c in range(0, values.shape[0], 2):
+        if valid_cols == 0 or col0 + c < valid_cols:
+            o32[row, (col0 + c) >> 1] = tiles.pack_pair(values[c], values[c + 1], elem)

@@ -29,11 +29,21 @@ NEG_INF = np.float32(-np.inf)
 
 # --------------------------------------------------------------------------- layouts
 
-# The head dims the tile layer takes: whole k16 steps of the mma (multiples of 16), 32 to 256.
-# 64, 128 and 256 get the swizzled layout; any other takes padded rows: a row of d + 8 elements is
-# an odd number of 16-byte chunks when d is a multiple of 16, so the 8 rows of one ldmatrix still
-# fall in 8 distinct bank groups.
-HEAD_DIMS = tuple(range(32, 257, 16))
+# The head dims the tile layer takes: multiples of 8 (whole 16-byte rows in HBM), 32 to 256. A tile
+# holds `tile_columns(d)` columns, d rounded up to a whole k16 step of the mma: the columns past d
+# are zero-filled by the copies that load the tile (cp.async's zero fill: no HBM traffic) and left
+# out by the copies that store it (`valid_cols` of load_tile_async / store_tile), so a padded
+# column adds 0 to every dot product and is never written. 64, 128 and 256 columns get the
+# swizzled layout; any other takes padded rows: a row of c + 8 elements is an odd number of
+# 16-byte chunks when c is a multiple of 16, so the 8 rows of one ldmatrix still fall in 8
+# distinct bank groups.
+HEAD_DIMS = tuple(range(32, 257, 8))
+
+
+def tile_columns(head_dim):
+    """Columns of a tile that holds rows of head_dim elements: head_dim rounded up to a multiple of
+    16 (a whole k-step of mma.m16n8k16); the rest are zeros."""
+    return (head_dim + 15) // 16 * 16
 
 
 def swizzle_fits(cols):
@@ -52,9 +62,9 @@ def check_head_dim(head_dim, variant, head_dims=HEAD_DIMS):
 
 
 def describe_head_dims(head_dims):
-    """(64, 128), or "multiples of 16 from 32 to 256" for the tile layer's whole range."""
+    """(64, 128), or "multiples of 8 from 32 to 256" for the tile layer's whole range."""
     if tuple(head_dims) == HEAD_DIMS:
-        return "multiples of 16 from 32 to 256"
+        return "multiples of 8 from 32 to 256"
     return str(tuple(head_dims))
 
 
@@ -134,9 +144,11 @@ def chunk_position(c, cols):
 
 @device_function
 def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzle, tid, nthreads,
-                    address_once=True):
+                    address_once=True, valid_cols=0):
     """Start copying src[row0:row0+rows, col0:col0+cols] into tile `dst` with 16-byte cp.async
-    copies spread over `nthreads` threads; rows at or past n_rows are zero-filled. Each thread copies
+    copies spread over `nthreads` threads; rows at or past n_rows are zero-filled, and so are the
+    tile's columns at or past valid_cols (a compile-time constant; 0: every column is src's: the
+    zero columns of a head_dim that is not a multiple of 16, `tile_columns`). Each thread copies
     one 16-byte column chunk of every (nthreads / (cols/8))-th row (split_by_columns; else the
     chunks are dealt out in row-major order); when that
     row step is a multiple of 8 the swizzle repeats and the offsets fold into immediates.
@@ -145,36 +157,47 @@ def load_tile_async(dst, src, row0, n_rows, col0, rows, cols, row_stride, swizzl
     address_once (a compile-time constant): the 64-bit global address is computed once, from src's
     runtime strides, and moved a row step at a time, instead of per 16-byte chunk (~30 integer
     instructions each). Rows past n_rows copy nothing and are given the first row's address,
-    clamped to the last row, so that every address handed to cp.async lies inside src. The saved
+    clamped to the last row, so that every address handed to cp.async lies inside src (a zero
+    column, its row's first). The saved
     instructions cost live registers: a kernel already at 255 (the forward at d=128) spills in its
     loop with it, so it is a switch (compile report: loop_local)."""
+    padded = 0 < valid_cols < cols
     if not split_by_columns(rows, cols, nthreads):   # chunks dealt out in row-major order
         for i in range((rows * (cols >> 3) + nthreads - 1) // nthreads):
             c = int32(tid + i * nthreads)
             if c < rows * (cols >> 3):
                 r, col = chunk_position(c, cols)
                 row = int32(row0 + r)
-                inside = row < n_rows
+                real = True          # a column of src's (else one of the tile's zero columns)
+                if padded:
+                    real = col < valid_cols
+                inside = row < n_rows and real
                 ptx.cp_async_16(dst, smem_offset(r, col, row_stride, swizzle), src,
-                                row if inside else 0, col0 + col, 16 if inside else 0)
+                                row if inside else 0, col0 + col if real else col0,
+                                16 if inside else 0)
         return
     r, col, row_step = copy_split(tid, cols, nthreads)
+    real = True                      # this thread's column is one of src's
+    if padded:
+        real = col < valid_cols
     if address_once:
         # Row arithmetic in 32 bits: Numba types int32 + int32 as int64, so every sum is cast
         # back, or each row test costs a 64-bit add and a two-instruction compare.
         first = int32(row0 + r)
-        address = ptx.global_address(src, min(first, int32(n_rows - 1)), int32(col0 + col))
+        address = ptx.global_address(src, min(first, int32(n_rows - 1)),
+                                     int32(col0 + col) if real else int32(col0))
         pitch = src.strides[0] * row_step
         for i in range(rows // row_step):
-            inside = int32(first + i * row_step) < n_rows
+            inside = int32(first + i * row_step) < n_rows and real
             ptx.cp_async_16_from(dst, smem_offset(r + i * row_step, col, row_stride, swizzle),
                                  address + i * pitch if inside else address, 16 if inside else 0)
     else:
         for i in range(rows // row_step):
             row = row0 + r + i * row_step
-            inside = row < n_rows
+            inside = row < n_rows and real
             ptx.cp_async_16(dst, smem_offset(r + i * row_step, col, row_stride, swizzle), src,
-                            row if inside else 0, col0 + col, 16 if inside else 0)
+                            row if inside else 0, col0 + col if real else col0,
+                            16 if inside else 0)
 
 
 # --------------------------------------------------------------------------- shared -> fragments
@@ -528,19 +551,24 @@ def stage_accumulator_fragments_f32(tile, acc, lane):
 
 
 @device_function
-def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid, nthreads):
+def store_tile(dst32, tile32, row0, n_rows, rows, cols, row_stride, swizzle, tid, nthreads,
+               valid_cols=0):
     """dst32[row0:row0+rows, :cols/2] <- a staged tile of 16-bit values (both seen as uint32
-    words), 16 bytes a thread per step, rows at or past n_rows skipped (split as load_tile_async)."""
+    words), 16 bytes a thread per step, rows at or past n_rows skipped (split as load_tile_async),
+    and columns at or past valid_cols (compile-time; 0: none; a padded head_dim's zero columns)."""
+    padded = 0 < valid_cols < cols
     if not split_by_columns(rows, cols, nthreads):
         for i in range((rows * (cols >> 3) + nthreads - 1) // nthreads):
             c = int32(tid + i * nthreads)
             if c < rows * (cols >> 3):
                 r, col = chunk_position(c, cols)
-                if int32(row0 + r) < n_rows:
+                if int32(row0 + r) < n_rows and (not padded or col < valid_cols):
                     x = ptx.ld_shared_v4_u32(tile32, smem_offset(r, col, row_stride, swizzle) >> 1)
                     ptx.st_global_v4_u32(dst32, row0 + r, col >> 1, x[0], x[1], x[2], x[3])
         return
     r, col, row_step = copy_split(tid, cols, nthreads)
+    if padded and col >= valid_cols:
+        return
     for i in range(rows // row_step):
         row = row0 + r + i * row_step
         if row < n_rows:

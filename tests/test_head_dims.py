@@ -1,13 +1,16 @@
-"""fa2 at every head_dim the tile layer takes (multiples of 16 from 32 to 256), forward and
-backward, against float64 (issue 19).
+"""standard, fa1 and fa2 at every head_dim the tile layer takes (multiples of 8 from 32 to 256),
+forward and backward, against float64 (issue 19).
 
 The head dims take three layouts (common/tiles.py): 64, 128 and 256 swizzled; the others padded
 rows, with tile copies dealt out in row-major order where a row's 16-byte chunks do not divide the
 threads (96: 12 chunks, 192: 24), and, in the backward's 2-D warp tiles, an odd number of n8 tiles
-a warp at d = 144, 176, 208, 240 (tiles.gemm_ab's tail). Past 128 the forward takes 8 warps of one
-m16 tile each and the backward B_c = B_r = 64. In the simulator a few cases cover each of those
-paths at small lengths (30-60 s each); on a GPU every head dim's forward runs, and the backward
-at one head dim of each arrangement, causal and not, with GQA, at ragged and real lengths.
+a warp at d = 144, 176, 208, 240 (tiles.gemm_ab's tail). A head_dim that is not a multiple of 16
+runs in the tile of the next one (tiles.tile_columns: 40 in 48 padded columns, 56 in 64 swizzled)
+whose last 8 columns the copies zero-fill and the stores leave out. Past 128 the forward takes 8
+warps of one m16 tile each and the backward B_c = B_r = 64. In the simulator a few cases cover each
+of those paths at small lengths (5-60 s each); on a GPU every head dim's forward runs (fa2), and
+the backward at one head dim of each arrangement, causal and not, with GQA, at ragged and real
+lengths.
 """
 import itertools
 
@@ -18,24 +21,27 @@ from common import tiles
 from tests.conftest import ON_GPU
 from tests.test_backward import backward_and_check
 from tests.test_variants import run_and_check
-from variants import fa2, fa2_backward
+from variants import fa1, fa2, fa2_backward
 
 if ON_GPU:
     # bf16 at every head dim (fp16 changes only the mma and cvt opcodes: at 96 and 256); the
     # backward at one head dim of each of its arrangements (cold backward compiles take minutes)
     FORWARD = list(itertools.product(tiles.HEAD_DIMS, [17, 1000], [False, True], ["bfloat16"])) \
         + [(d, 1000, c, "float16") for d in (96, 256) for c in (False, True)]
-    BACKWARD = list(itertools.product([32, 80, 96, 144, 192, 256], [130, 1000], [False, True],
-                                      ["bfloat16"])) + [(96, 1000, True, "float16")]
+    BACKWARD = list(itertools.product([32, 40, 56, 80, 96, 144, 192, 200, 256], [130, 1000],
+                                      [False, True], ["bfloat16"])) + [(96, 1000, True, "float16")]
 else:
     # padded rows and row-major copies (96), 32 (the narrowest), 256 (8 warps, swizzled); the quick
     # loop (-m "not slow") keeps the first forward case only
     slow = pytest.mark.slow
     FORWARD = [(32, 17, False, "float16"), pytest.param(96, 70, True, "bfloat16", marks=slow),
-               pytest.param(256, 40, True, "bfloat16", marks=slow)]
-    # 96: padded 2-D warp tiles; 144: an odd n8 tail in dK_j, dV_j and dQ's slices
+               pytest.param(256, 40, True, "bfloat16", marks=slow),
+               pytest.param(56, 33, True, "bfloat16", marks=slow)]   # a zero column chunk a row
+    # 96: padded 2-D warp tiles; 144: an odd n8 tail in dK_j, dV_j and dQ's slices; 40: 48 padded
+    # columns (copies dealt out, the last chunk of a row zero-filled, dQ's fragments cut at 40)
     BACKWARD = [pytest.param(96, 70, True, "bfloat16", marks=slow),
-                pytest.param(144, 40, False, "float16", marks=slow)]
+                pytest.param(144, 40, False, "float16", marks=slow),
+                pytest.param(40, 40, True, "bfloat16", marks=slow)]
 
 # Grouped-query heads: 4 query heads on 2 K/V heads on a GPU; in the simulator 2 on 1, the fewest
 # that still share a K/V head between two query heads (the simulator's cost grows with the thread
@@ -90,19 +96,49 @@ def test_every_head_dim_has_configurations_that_fit(head_dim):
     fragments, copies that split), causal or not, with and without a packed batch's dQ path."""
     for causal in (False, True):
         cfg = fa2.default_config(head_dim, "bfloat16", causal)
-        assert cfg.swizzle == tiles.swizzle_fits(head_dim)
+        assert cfg.swizzle == tiles.swizzle_fits(tiles.tile_columns(head_dim))
         bwd = fa2_backward.default_backward_config(head_dim, "bfloat16", causal)
         fa2_backward.default_backward_config(head_dim, "bfloat16", causal, dq_reduce="red")
         fa2_backward.default_backward_config(head_dim, "bfloat16", causal, dq="separate")
-        assert bwd.swizzle == tiles.swizzle_fits(head_dim)
+        assert bwd.swizzle == tiles.swizzle_fits(tiles.tile_columns(head_dim))
+        for outer_loop in ("kv", "q"):
+            fa1.default_config(head_dim, "bfloat16", causal, outer_loop=outer_loop)
+        fa1.default_backward_config(head_dim, "bfloat16", causal)
 
 
-@pytest.mark.parametrize("head_dim", [8, 40, 72, 264, 512])
-def test_other_head_dims_are_refused_by_name(rng, head_dim):
+def test_tile_columns():
+    assert [tiles.tile_columns(d) for d in (32, 40, 48, 56, 120, 248, 256)] == \
+        [32, 48, 48, 64, 128, 256, 256]
+
+
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
+@pytest.mark.parametrize("head_dim", [8, 24, 44, 264, 512])
+def test_other_head_dims_are_refused_by_name(rng, variant, head_dim):
     import numpy as np
 
     from common import inputs
     q = inputs.to_device(rng.standard_normal((1, 16, 2, head_dim)).astype(np.float16),
                          inputs.default_library())
-    with pytest.raises(ValueError, match=f"multiples of 16 from 32 to 256, got {head_dim}"):
-        variants.forward(q, q, q, variant="fa2")
+    with pytest.raises(ValueError, match=f"multiples of 8 from 32 to 256, got {head_dim}"):
+        variants.forward(q, q, q, variant=variant)
+
+
+# standard and fa1 (forward and backward; fa1's backward is fa2's kernel in FA1's schedule) on the
+# same tile layer: a head_dim that is not a multiple of 16, padded rows of 12 chunks (96), and on a
+# GPU 8 warps' worth (160) and the widest (256).
+if ON_GPU:
+    OTHERS = list(itertools.product(["standard", "fa1"], [40, 96, 160, 256], [130, 1000],
+                                    [False, True]))
+else:
+    OTHERS = [pytest.param("standard", 40, 33, True, marks=slow),
+              pytest.param("fa1", 72, 40, False, marks=slow)]
+
+
+@pytest.mark.parametrize("variant, head_dim, seqlen, causal", OTHERS)
+def test_standard_and_fa1_every_head_dim(rng, variant, head_dim, seqlen, causal):
+    batch = 2 if ON_GPU else 1
+    run_and_check(rng, variant, batch=batch, seqlen=seqlen, heads=HEADS, heads_kv=HEADS_KV,
+                  head_dim=head_dim, dtype="bfloat16", causal=causal)
+    backward_and_check(rng, variant, batch=batch, seqlen=seqlen, heads=BACKWARD_HEADS,
+                       heads_kv=BACKWARD_HEADS_KV, head_dim=head_dim, dtype="bfloat16",
+                       causal=causal, small=False)

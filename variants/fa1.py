@@ -45,7 +45,7 @@ from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = tiles.HEAD_DIMS
 RESIDENT = 2    # fa1 thread blocks an SM holds at the defaults (~107 KB of shared memory, 255 registers)
 
 
@@ -83,13 +83,17 @@ class Config:
         return 2 if self.outer_loop == "kv" else 1
 
     @property
+    def tile_dim(self):          # columns of the Q, K, V tiles and of O's owners: head_dim
+        return tiles.tile_columns(self.head_dim)   # zero-padded to whole k16 steps
+
+    @property
     def partial_o_stride(self):  # floats a row of a warp's partial P~ V tile: 8 mod 32, so the 8
-        return self.head_dim + 8  # row groups of an accumulator store land in distinct banks
+        return self.tile_dim + 8  # row groups of an accumulator store land in distinct banks
 
     def smem_layout(self):
         """K_j | V_j | Q tile(s) (16-bit, swizzled) | split-K's exchange area (fp32): each warp's
         partial P~ V, row maxima and row sums."""
-        stride = tiles.tile_row_stride(self.head_dim, True)
+        stride = tiles.tile_row_stride(self.tile_dim, tiles.swizzle_fits(self.tile_dim))
         rows = self.warps * self.block_m
         return SharedLayout(("k", self.block_n * stride, 2), ("v", self.block_n * stride, 2),
                             ("q", self.q_buffers * self.block_m * stride, 2),
@@ -100,17 +104,19 @@ class Config:
         return self.smem_layout().bytes
 
     def validate(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"fa1 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        tiles.check_head_dim(self.head_dim, "fa1")
         if self.outer_loop not in ("kv", "q"):
             raise ValueError(f"outer_loop must be 'kv' (Algorithm 1) or 'q' (FA2's order), got "
                              f"{self.outer_loop!r}")
         if self.block_m % 16 or self.threads % self.block_m:
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 that divides the "
                              f"{self.threads} threads (each row's O is owned by threads / block_m)")
-        if (self.head_dim // (self.threads // self.block_m)) % 8:
-            raise ValueError(f"block_m={self.block_m} leaves each thread fewer than 8 columns of O "
-                             f"(16-byte stores) at head_dim {self.head_dim} with {self.warps} warps")
+        if self.tile_dim % (self.threads // self.block_m) or \
+                (self.tile_dim // (self.threads // self.block_m)) % 2:
+            raise ValueError(f"block_m={self.block_m} does not give each of the "
+                             f"{self.threads // self.block_m} threads of a row whole pairs of O's "
+                             f"{self.tile_dim} columns at head_dim {self.head_dim} with "
+                             f"{self.warps} warps")
         if self.block_n % (16 * self.warps):
             raise ValueError(f"block_n={self.block_n} must be a multiple of 16 * warps="
                              f"{16 * self.warps} (split-K: 16-key steps a warp)")
@@ -119,7 +125,7 @@ class Config:
                              "only with outer_loop='kv' (with 'q' every query block is its own "
                              "thread block)")
         for rows in (self.block_m, self.block_n):
-            tiles.check_tile_copy(rows, self.head_dim, self.threads)
+            tiles.check_tile_copy(rows, self.tile_dim, self.threads)
         if self.smem_bytes() > MAX_SHARED_BYTES:
             raise ValueError(f"block_m={self.block_m}, block_n={self.block_n} need "
                              f"{self.smem_bytes()} bytes of shared memory, more than "
@@ -134,7 +140,12 @@ OPTIONS = configs.options_of(Config)
 # blocks of FA1's own kernels. B_r = min(B_c, d) would be 64 and 128, but under split-K every warp
 # holds a B_r x d partial P~ V in registers (B_r * d / 32 fp32 a lane: 256 at B_r=64, d=128, more
 # than the 255 a thread has), so B_r = 16, one m16 tile, as in FA1's kernels (16-row steps).
+# Other head dims: B_c = M / 4d in whole multiples of 64 keys (16 a warp), 64 to 256 (d = 96: 128;
+# d > 128: 64), d counted in the tile's columns (tiles.tile_columns).
 DEFAULTS = {64: dict(block_m=16, block_n=256), 128: dict(block_m=16, block_n=128)}
+for _d in HEAD_DIMS:
+    DEFAULTS.setdefault(_d, dict(block_m=16, block_n=min(256, max(
+        64, 65536 // (4 * tiles.tile_columns(_d)) // 64 * 64))))
 
 
 default_config = configs.default_config_function("fa1", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
@@ -143,13 +154,15 @@ default_config = configs.default_config_function("fa1", Config, DEFAULTS, OPTION
 @lru_cache(maxsize=None)
 def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
-    D, BR, BC, WARPS, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.warps, cfg.threads
+    D, BR, BC, WARPS, THREADS = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.warps, cfg.threads
+    DV = cfg.head_dim        # columns in HBM (D: the tiles', zero-padded to whole k16 steps)
     KW, M_TILES = cfg.keys_per_warp, cfg.m_tiles
     ROWS = 2 * M_TILES                               # rows a lane holds: 2 an m16 tile
     ELEM, BANDED, DEFERRED, SOFTCAP = cfg.element.code, cfg.causal, cfg.deferred_rescale, cfg.softcap
     WINDOW = cfg.window
     OUTER_KV, SKIP = cfg.outer_loop == "kv", cfg.causal and cfg.causal_skip
-    STRIDE = tiles.tile_row_stride(D, True)          # swizzled 16-bit tiles
+    SWIZZLE = tiles.swizzle_fits(D)                  # swizzled 16-bit tiles, or padded rows
+    STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
     # integer instructions), except at d=128: there the loop is at 255 registers and the extra
     # live addresses spill inside it (compile report, loop_local).
@@ -174,7 +187,7 @@ def build(cfg):
         key0 = col0 + warp * KW
         tiles.fill(s, float32(0))
         tiles.gemm_abt_streamed(s, q_frag, q_s, 0, D // 16, k_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS],
-                                lane, STRIDE, True, ELEM)
+                                lane, STRIDE, SWIZZLE, ELEM)
         if SOFTCAP:
             softmax.softcap_scores(s, softcap)
         if masks.block_is_partial(row0, BR, key0, KW, n_k, BANDED, lo, hi, WINDOW):
@@ -195,7 +208,7 @@ def build(cfg):
             splitk.publish(red_sum, r, softmax.quad_sum(part), warp, lane, BR)
         tiles.accumulator_to_a(p, s, ELEM)
         tiles.fill(o_w, float32(0))
-        tiles.gemm_ab(o_w, p, v_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS], lane, STRIDE, True,
+        tiles.gemm_ab(o_w, p, v_s[warp * WARP_KEYS:(warp + 1) * WARP_KEYS], lane, STRIDE, SWIZZLE,
                       ELEM)
         tiles.stage_accumulator_f32(o_part, o_w, warp * BR, lane, O_STRIDE)
 
@@ -221,7 +234,7 @@ def build(cfg):
             inv = float32(1) / l_row if seen else float32(0)
             for c in range(CHUNK):
                 o_own[c] *= inv
-        splitk.store_row_chunk(o32, grow, c0, o_own, ELEM)
+        splitk.store_row_chunk(o32, grow, c0, o_own, ELEM, DV if DV < D else 0)
         if c0 == 0:
             lse[grow] = m_row * softmax_scale + math.log(l_row) if seen else NEG_INF
             if not DEFERRED:
@@ -277,12 +290,13 @@ def build(cfg):
                     # l.6: K_j, V_j to SRAM (with the first Q_i), once every warp is done with the
                     # previous ones.
                     cuda.syncthreads()
-                    tiles.load_tile_async(k_s, k_h, col0, n_k, 0, BC, D, STRIDE, True,
-                                          tid, THREADS, ADDRESS_ONCE)
-                    tiles.load_tile_async(v_s, v_h, col0, n_k, 0, BC, D, STRIDE, True,
-                                          tid, THREADS, ADDRESS_ONCE)
+                    tiles.load_tile_async(k_s, k_h, col0, n_k, 0, BC, D, STRIDE, SWIZZLE,
+                                          tid, THREADS, ADDRESS_ONCE, DV)
+                    tiles.load_tile_async(v_s, v_h, col0, n_k, 0, BC, D, STRIDE, SWIZZLE,
+                                          tid, THREADS, ADDRESS_ONCE, DV)
                     tiles.load_tile_async(smem[Q_START:Q_START + Q_TILE], q_bh, i_first * BR, n_q,
-                                          0, BR, D, STRIDE, True, tid, THREADS, ADDRESS_ONCE)
+                                          0, BR, D, STRIDE, SWIZZLE, tid, THREADS, ADDRESS_ONCE,
+                                          DV)
                     pipeline.commit()
                 for i in range(i_first, i_stop):                   # l.7
                     row0 = i * BR
@@ -291,7 +305,8 @@ def build(cfg):
                     if i + 1 < i_stop:     # Q_{i+1} into the other tile while step i computes
                         nxt = pipeline.slot_start(Q_START, i + 1 - i_first, Q_STAGES, Q_TILE)
                         tiles.load_tile_async(smem[nxt:nxt + Q_TILE], q_bh, row0 + BR, n_q, 0, BR, D,
-                                              STRIDE, True, tid, THREADS, ADDRESS_ONCE)
+                                              STRIDE, SWIZZLE, tid, THREADS, ADDRESS_ONCE,
+                                              DV)
                     pipeline.commit()
                     # l.8: O_i, l_i, m_i from HBM; their first visit (j = 0, or the first block
                     # of the band) starts from l.2's values.
@@ -336,13 +351,13 @@ def build(cfg):
             if SKIP:
                 j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
             q_s = smem[Q_START:Q_START + Q_TILE]
-            tiles.load_tile_async(q_s, q_bh, row0, n_q, 0, BR, D, STRIDE, True,
-                                  tid, THREADS, ADDRESS_ONCE)
-            tiles.load_tile_async(k_s, k_h, j0 * BC, n_k, 0, BC, D, STRIDE, True,
-                                  tid, THREADS, ADDRESS_ONCE)
+            tiles.load_tile_async(q_s, q_bh, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
+                                  tid, THREADS, ADDRESS_ONCE, DV)
+            tiles.load_tile_async(k_s, k_h, j0 * BC, n_k, 0, BC, D, STRIDE, SWIZZLE,
+                                  tid, THREADS, ADDRESS_ONCE, DV)
             pipeline.commit()
-            tiles.load_tile_async(v_s, v_h, j0 * BC, n_k, 0, BC, D, STRIDE, True,
-                                  tid, THREADS, ADDRESS_ONCE)
+            tiles.load_tile_async(v_s, v_h, j0 * BC, n_k, 0, BC, D, STRIDE, SWIZZLE,
+                                  tid, THREADS, ADDRESS_ONCE, DV)
             pipeline.commit()
             m_row, l_row = NEG_INF, float32(0)
             for c in range(CHUNK):
@@ -354,15 +369,15 @@ def build(cfg):
                                        softcap, warp, lane)
                 pipeline.wait_and_release(0)   # V_j landed; every warp is done with K_j: copy
                 if j + 1 < j1:                 # K_{j+1}
-                    tiles.load_tile_async(k_s, k_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
-                                          THREADS, ADDRESS_ONCE)
+                    tiles.load_tile_async(k_s, k_h, col0 + BC, n_k, 0, BC, D, STRIDE, SWIZZLE, tid,
+                                          THREADS, ADDRESS_ONCE, DV)
                 pipeline.commit()
                 exp_and_partial_pv(s, p, o_w, v_s, o_part, red_max, red_sum, warp, lane,
                                    scale_log2)
                 pipeline.release()     # every warp is done with V_j: copy V_{j+1}
                 if j + 1 < j1:
-                    tiles.load_tile_async(v_s, v_h, col0 + BC, n_k, 0, BC, D, STRIDE, True, tid,
-                                          THREADS, ADDRESS_ONCE)
+                    tiles.load_tile_async(v_s, v_h, col0 + BC, n_k, 0, BC, D, STRIDE, SWIZZLE, tid,
+                                          THREADS, ADDRESS_ONCE, DV)
                 pipeline.commit()
                 m_row, l_row = update_rows(o_own, m_row, l_row, o_part, red_max, red_sum, row, c0,
                                            scale_log2)
@@ -387,10 +402,10 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     if cfg.outer_loop == "kv":
         splits = cfg.q_splits or -(-RESIDENT * target.multiprocessor_count() // (b * h))
         grid = (min(splits, t_r), b, h)
-        o_ws = prob.scratch_view((b, h, n_q, prob.head_dim))   # O between K/V blocks, fp32
+        o_ws = prob.scratch_view((b, h, n_q, cfg.tile_dim))    # O between K/V blocks, fp32
     else:
         grid = (t_r, b, h)
-        o_ws = prob.scratch_view((1, 1, 1, prob.head_dim))     # not used
+        o_ws = prob.scratch_view((1, 1, 1, cfg.tile_dim))      # not used
     m_ws, l_ws = (prob.scratch_view((b, h, n_q)) for _ in range(2))
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse,
@@ -452,7 +467,7 @@ def compile_targets():
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, ws4, ws3, ws3, types.int32,
                 types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32)
     rungs = [dict(), dict(outer_loop="q"), dict(outer_loop="q", deferred_rescale=True)]
-    for head_dim in HEAD_DIMS:
+    for head_dim in (64, 128):   # the other head dims change tile widths, not the code
         for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):
                 if element != BFLOAT16 and (causal or head_dim != 64):

@@ -33,7 +33,7 @@ from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
                             prepare_varlen)
 from common.smem import SharedLayout
-from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
+from common.target import MAX_SHARED_BYTES, device_function, kernel_with_launch_bounds, launch
 from variants import fa2_backward
 
 HEAD_DIMS = tiles.HEAD_DIMS
@@ -61,6 +61,9 @@ class Config:
     q_in_registers: bool = True   # Q_i's fragments held in registers (False: re-read each step)
     p_in_registers: bool = True   # P~ re-packed in registers (False: through a shared tile)
     causal_skip: bool = True      # banded: never visit K/V blocks outside the band (False: mask them)
+    min_blocks_per_sm: int = 0    # launch bounds (threads, n) for ptxas: n thread blocks an SM is
+                                  # to hold (it may then give a thread 64K / (n threads) registers
+                                  # and schedules to use them); 0: none
     varlen: bool = False          # a packed batch of sequences (forward_varlen): bounds per block
     bottom_right: bool = True     # varlen: the band's diagonal at each sequence's bottom-right
 
@@ -72,9 +75,13 @@ class Config:
     def m_tiles(self):  # m16 tiles per warp
         return self.block_m // (16 * self.warps)
 
+    @property
+    def tile_dim(self):  # columns of the Q, K, V tiles: head_dim, zero-padded to a multiple of 16
+        return tiles.tile_columns(self.head_dim)
+
     def smem_layout(self):
         """Q_i | kv_stages x (K_j, V_j) | P~ (p_in_registers=False): 16-bit tiles."""
-        d = tiles.tile_row_stride(self.head_dim, self.swizzle)
+        d = tiles.tile_row_stride(self.tile_dim, self.swizzle)
         p = 0 if self.p_in_registers else self.block_m * tiles.tile_row_stride(self.block_n, self.swizzle)
         return SharedLayout(("q", self.block_m * d, 2),
                             ("kv", 2 * self.kv_stages * self.block_n * d, 2), ("p", p, 2))
@@ -91,8 +98,8 @@ class Config:
         if self.block_n % 16:
             raise ValueError(f"block_n={self.block_n} must be a multiple of 16")
         for rows in (self.block_m, self.block_n):
-            tiles.check_tile_copy(rows, self.head_dim, self.threads)
-        tiles.tile_row_stride(self.head_dim, self.swizzle)     # swizzled: 64, 128 or 256 columns
+            tiles.check_tile_copy(rows, self.tile_dim, self.threads)
+        tiles.tile_row_stride(self.tile_dim, self.swizzle)     # swizzled: 64, 128 or 256 columns
         if not self.p_in_registers:
             tiles.tile_row_stride(self.block_n, self.swizzle)
         if self.smem_bytes() > MAX_SHARED_BYTES:
@@ -115,15 +122,20 @@ OPTIONS = configs.options_of(Config)
 # docs/results/fwd_kv_stages_h100.csv; +3% on the H200) and two buffers 4-5% faster causal.
 # The other head dims take the nearer of the two up to 128; past it, where two m16 tiles of O would
 # be 2 * d / 2 registers a thread, a warp owns one m16 tile and B_r = 128 takes 8 warps (FA2's
-# tiles at d = 160-256). Head dims other than 64, 128, 256 take padded rows
-# (tiles.swizzle_fits).
+# tiles at d = 160-256), with launch bounds of one such block an SM (min_blocks_per_sm=1: without
+# them ptxas held the d=192 kernel to 173 registers and left each ldmatrix right before its mma;
+# common/target.kernel_with_launch_bounds). Tiles of other than 64, 128, 256 columns take padded rows
+# (tiles.swizzle_fits); a head_dim that is not a multiple of 16 takes the tile of the next one
+# (tiles.tile_columns: d=40 runs in 48 columns, 56 in 64, swizzled).
 DEFAULTS = {64: dict(block_m=128, block_n=64, kv_stages=2),
             128: dict(block_m=128, block_n=64, kv_stages=2, q_in_registers=False),
             (128, False): dict(kv_stages=1)}
 for _d in HEAD_DIMS:
-    DEFAULTS[_d] = dict(DEFAULTS[64] if _d <= 64 else DEFAULTS[128] if _d <= 128 else
-                        dict(block_m=128, block_n=64, warps=8, kv_stages=2, q_in_registers=False),
-                        **({} if tiles.swizzle_fits(_d) else dict(swizzle=False)))
+    _t = tiles.tile_columns(_d)
+    DEFAULTS[_d] = dict(DEFAULTS[64] if _t <= 64 else DEFAULTS[128] if _t <= 128 else
+                        dict(block_m=128, block_n=64, warps=8, kv_stages=2, q_in_registers=False,
+                             min_blocks_per_sm=1),
+                        **({} if tiles.swizzle_fits(_t) else dict(swizzle=False)))
 
 
 default_config = configs.default_config_function("fa2", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
@@ -132,7 +144,8 @@ default_config = configs.default_config_function("fa2", Config, DEFAULTS, OPTION
 @lru_cache(maxsize=None)
 def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
-    D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
+    D, BR, BC, THREADS = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.threads
+    DV = cfg.head_dim       # columns of q, k, v, o in HBM (D: the tiles', zero-padded to whole k16)
     M = cfg.m_tiles
     ELEM, BANDED, PIPELINE, SWIZZLE = cfg.element.code, cfg.causal, cfg.pipeline, cfg.swizzle
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
@@ -159,7 +172,7 @@ def build(cfg):
     def load_kv_tile(tile, src, row0, n_rows, tid):
         """Start the cp.async copy of rows row0..row0+B_c of K or V into a shared tile."""
         tiles.load_tile_async(tile, src, row0, n_rows, 0, BC, D, STRIDE, SWIZZLE,
-                              tid, THREADS, ADDRESS_ONCE)
+                              tid, THREADS, ADDRESS_ONCE, DV)
 
     @device_function
     def refill_after_use(tile, src, j, j_end, n_rows, tid):
@@ -172,7 +185,7 @@ def build(cfg):
         if not PIPELINE:
             pipeline.wait(0)
 
-    @kernel
+    @kernel_with_launch_bounds(THREADS, cfg.min_blocks_per_sm)
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
                     scale_log2, cu_q, cu_k):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
@@ -213,7 +226,7 @@ def build(cfg):
 
         # Alg.1 l.4: load Q_i (and, ahead of the loop, the first K_j and V_j) from HBM to SRAM.
         tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
-                              tid, THREADS, ADDRESS_ONCE)
+                              tid, THREADS, ADDRESS_ONCE, DV)
         load_kv_tile(smem[KV_START:KV_START + KV_TILE], k_h, j0 * BC, n_k, tid)
         pipeline.commit()
         load_kv_tile(smem[KV_START + KV_TILE:KV_START + 2 * KV_TILE], v_h, j0 * BC, n_k, tid)
@@ -294,7 +307,7 @@ def build(cfg):
             o_i, lse_i = o[0, h, first_q:first_q + n_q], lse[0, h, first_q:first_q + n_q]
         else:
             o_i, lse_i = o[b, h], lse[b, h]
-        tiles.store_tile(o_i, q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.store_tile(o_i, q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS, DV)
         # l.15: write L_i (one lane of each quad holds its rows' statistics).
         if lane & 3 == 0:
             for r in range(2 * M):

@@ -104,6 +104,10 @@ class BackwardConfig:
         return self.block_n // (16 * self.key_warps)
 
     @property
+    def tile_dim(self):     # columns of the Q, K, V, dO tiles: head_dim zero-padded to whole k16
+        return tiles.tile_columns(self.head_dim)
+
+    @property
     def staged_ds(self):    # dS^T goes through shared memory (dQ's product, or 2-D warp tiles)
         return self.dq == "atomic" or self.query_warps > 1
 
@@ -121,14 +125,14 @@ class BackwardConfig:
         """The K/V kernel's shared memory: K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | P^T (2-D warp
         tiles) in 16-bit tiles, then fp32: 2 x (L_i log2 e, D_i) | dQ_i's terms (bulk
         reductions: B_r x d, a slice a warp, in fragment order)."""
-        kv = self.block_n * tiles.tile_row_stride(self.head_dim, self.swizzle)
-        qo = self.block_m * tiles.tile_row_stride(self.head_dim, self.swizzle)
+        kv = self.block_n * tiles.tile_row_stride(self.tile_dim, self.swizzle)
+        qo = self.block_m * tiles.tile_row_stride(self.tile_dim, self.swizzle)
         ds = self.block_n * tiles.tile_row_stride(self.block_m, self.swizzle) \
             if self.staged_ds else 0
         return SharedLayout(("k", kv, 2), ("v", kv, 2), ("q_do", 4 * qo, 2), ("ds", 2 * ds, 2),
                             ("p", ds if self.query_warps > 1 else 0, 2),
                             ("stats", 4 * self.block_m, 4),
-                            ("dq", self.block_m * self.head_dim if self.bulk else 0, 4))
+                            ("dq", self.block_m * self.tile_dim if self.bulk else 0, 4))
 
     def smem_bytes(self):
         return self.smem_layout().bytes
@@ -138,12 +142,12 @@ class BackwardConfig:
         by bulk reductions (a query block's B_r x d floats contiguous), else row-major (None)."""
         if not self.bulk:
             return None
-        return bwd.DqLayout(rows=self.block_m, cols=self.head_dim, threads=self.threads,
+        return bwd.DqLayout(rows=self.block_m, cols=self.tile_dim, threads=self.threads,
                             warps_across=self.dq_split[1])
 
     def dq_smem_layout(self):
         """The separate dQ kernel's: Q_i | dO_i | 2 x (K_j, V_j), 16-bit tiles."""
-        d = tiles.tile_row_stride(self.head_dim, self.swizzle)
+        d = tiles.tile_row_stride(self.tile_dim, self.swizzle)
         return SharedLayout(("q", self.dq_block_m * d, 2), ("do", self.dq_block_m * d, 2),
                             ("kv", 4 * self.dq_block_n * d, 2))
 
@@ -179,8 +183,8 @@ class BackwardConfig:
             # A warp's slices of B_r (its S^T columns) and of d (its dK_j, dV_j columns): whole
             # pairs of n8 tiles; in a swizzled tile they start at multiples of their own width, so
             # that their n8 tiles are XOR steps.
-            slices = (self.block_m // self.query_warps, self.head_dim // self.query_warps)
-            if self.block_m % self.query_warps or self.head_dim % self.query_warps or \
+            slices = (self.block_m // self.query_warps, self.tile_dim // self.query_warps)
+            if self.block_m % self.query_warps or self.tile_dim % self.query_warps or \
                     not _column_slice(slices[0], self.swizzle, 16) or \
                     not _column_slice(slices[1], self.swizzle):
                 raise ValueError(f"query_warps={self.query_warps} needs block_m / query_warps and "
@@ -189,7 +193,7 @@ class BackwardConfig:
         if self.staged_ds:
             tiles.tile_row_stride(self.block_m, self.swizzle)   # the dS^T (and P^T) tiles
         for rows in (self.block_m, self.block_n):
-            tiles.check_tile_copy(rows, self.head_dim, self.threads)
+            tiles.check_tile_copy(rows, self.tile_dim, self.threads)
         if self.smem_bytes() > MAX_SHARED_BYTES:
             raise ValueError(
                 f"fa2 backward (dq={self.dq!r}, dq_reduce={self.dq_reduce!r}, query_warps="
@@ -199,10 +203,10 @@ class BackwardConfig:
                 (" (dq_reduce='red' needs less)" if self.bulk else ""))
         if self.dq == "atomic":
             wq, wd = self.dq_split
-            cols = self.head_dim // max(wd, 1)
+            cols = self.tile_dim // max(wd, 1)
             if wq < 1 or wq * wd != self.warps or (self.block_m // 16) % wq or \
-                    self.head_dim % wd or not _column_slice(cols, self.swizzle):
-                raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.head_dim} "
+                    self.tile_dim % wd or not _column_slice(cols, self.swizzle):
+                raise ValueError(f"{self.warps} warps do not split a {self.block_m}x{self.tile_dim} "
                                  f"dQ block ({wq} across its rows) into whole m16 tiles and column "
                                  f"slices of {_SLICES[self.swizzle]}")
         else:
@@ -210,7 +214,7 @@ class BackwardConfig:
                 raise ValueError(f"dq_block_m={self.dq_block_m} must be a multiple of 16 * "
                                  f"dq_warps={16 * self.dq_warps}, dq_block_n of 16")
             for rows in (self.dq_block_m, self.dq_block_n):
-                tiles.check_tile_copy(rows, self.head_dim, 32 * self.dq_warps)
+                tiles.check_tile_copy(rows, self.tile_dim, 32 * self.dq_warps)
         return self
 
 
@@ -251,10 +255,12 @@ def _backward_defaults(d):
     that a warp's dK_j, dV_j slices stay at d / 2 registers a thread, as FA2's kernels at d = 256);
     padded rows where the swizzle does not fit (2-D warp tiles of d / 2 columns then need only
     whole n8 tiles); then the first dQ split over the warps, and the first dQ path, that fits
-    (bulk reduction, then red.global.add, then the separate kernel)."""
-    base = dict(BACKWARD_DEFAULTS[64] if d < 64 else BACKWARD_DEFAULTS[128] if d <= 128 else
+    (bulk reduction, then red.global.add, then the separate kernel). A head_dim that is not a
+    multiple of 16 takes the tiles of the next one (tiles.tile_columns)."""
+    t = tiles.tile_columns(d)
+    base = dict(BACKWARD_DEFAULTS[64] if t <= 64 else BACKWARD_DEFAULTS[128] if t <= 128 else
                 dict(block_m=64, block_n=64, query_warps=2, dq="atomic"))
-    if not tiles.swizzle_fits(d):
+    if not tiles.swizzle_fits(t):
         base["swizzle"] = False
     for path in (dict(), dict(dq_reduce="red"), dict(dq="separate")):
         for wq in (0, 1, 2, 4, 8):
@@ -277,7 +283,8 @@ default_backward_config = configs.default_config_function(
 @lru_cache(maxsize=None)
 def build_backward(cfg):
     """The K/V-block-outer kernel of Algorithm 2 (dK, dV, and with dq="atomic" dQ)."""
-    D, BR, BC, THREADS = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
+    D, BR, BC, THREADS = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.threads
+    DV = cfg.head_dim     # columns in HBM (D: the tiles', zero-padded to whole k16 steps)
     M = cfg.m_tiles
     ELEM, BANDED, SWIZZLE, SOFTCAP = cfg.element.code, cfg.causal, cfg.swizzle, cfg.softcap
     SKIP, WINDOW = cfg.causal and cfg.causal_skip, cfg.window
@@ -325,10 +332,10 @@ def build_backward(cfg):
         """Start the cp.async copies of Q_i and dO_i into stage `stage`."""
         base = QO0 + stage * 2 * QO_TILE
         tiles.load_tile_async(smem[base:base + QO_TILE], rows_of(q, b, h, first_q, n_q), i * BR,
-                              n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+                              n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS, True, DV)
         tiles.load_tile_async(smem[base + QO_TILE:base + 2 * QO_TILE],
                               rows_of(do, b, h, first_q, n_q), i * BR, n_q, 0, BR, D, STRIDE,
-                              SWIZZLE, tid, THREADS)
+                              SWIZZLE, tid, THREADS, True, DV)
 
     @device_function
     def load_stats(lse, d_vec, b, h, i, n_q, first_q, r):
@@ -399,9 +406,9 @@ def build_backward(cfg):
 
         # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
         tiles.load_tile_async(k_s, rows_of(k, b, h_kv, first_k, n_k), key0, n_k, 0, BC, D, STRIDE,
-                              SWIZZLE, tid, THREADS)
+                              SWIZZLE, tid, THREADS, True, DV)
         tiles.load_tile_async(v_s, rows_of(v, b, h_kv, first_k, n_k), key0, n_k, 0, BC, D, STRIDE,
-                              SWIZZLE, tid, THREADS)
+                              SWIZZLE, tid, THREADS, True, DV)
         h, i = uint32(h_kv * kv_group), int32(i0)   # the first step's query head and block
         q0 = int32(i * BR)                 # first query of Q_i
         load_q_do(smem, 0, q, do, b, h, i, n_q, first_q, tid)
@@ -535,9 +542,9 @@ def build_backward(cfg):
                                 SWIZZLE, ELEM, warp_col)
         cuda.syncthreads()
         tiles.store_tile(rows_of(dk32, b, h_kv, first_k, n_k), smem32[K0 // 2:(K0 + KV_TILE) // 2],
-                         key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+                         key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS, DV)
         tiles.store_tile(rows_of(dv32, b, h_kv, first_k, n_k), smem32[V0 // 2:(V0 + KV_TILE) // 2],
-                         key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+                         key0, n_k, BC, D, STRIDE, SWIZZLE, tid, THREADS, DV)
         if BULK and lane == 0:
             ptx.bulk_wait(0)    # the warp's reductions are done (and its slice free for FA1's next j)
 
@@ -574,7 +581,8 @@ def build_backward_dq(cfg):
     """dq="separate": dQ_i = softmax_scale * sum_j dS_i^(j) K_j with the query blocks outer (one
     thread block per Q_i, warps split Q_i as in the forward), recomputing S and dP; no atomics, so
     dQ is bitwise reproducible."""
-    D, BR, BC, THREADS = cfg.head_dim, cfg.dq_block_m, cfg.dq_block_n, 32 * cfg.dq_warps
+    D, BR, BC, THREADS = cfg.tile_dim, cfg.dq_block_m, cfg.dq_block_n, 32 * cfg.dq_warps
+    DV = cfg.head_dim     # columns in HBM (D: the tiles')
     M = BR // (16 * cfg.dq_warps)
     ELEM, BANDED, SWIZZLE, SOFTCAP = cfg.element.code, cfg.causal, cfg.swizzle, cfg.softcap
     SKIP, WINDOW = cfg.causal and cfg.causal_skip, cfg.window
@@ -617,12 +625,14 @@ def build_backward_dq(cfg):
         j0, j1 = int32(0), int32((n_k + BC - 1) // BC)
         if SKIP:
             j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
-        tiles.load_tile_async(q_s, q_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
-        tiles.load_tile_async(do_s, do_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.load_tile_async(q_s, q_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS,
+                              True, DV)
+        tiles.load_tile_async(do_s, do_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS,
+                              True, DV)
         tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, j0 * BC, n_k, 0, BC, D, STRIDE, SWIZZLE,
-                              tid, THREADS)
+                              tid, THREADS, True, DV)
         tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, j0 * BC, n_k, 0, BC, D,
-                              STRIDE, SWIZZLE, tid, THREADS)
+                              STRIDE, SWIZZLE, tid, THREADS, True, DV)
         pipeline.commit()
         # L_i * log2(e) and D_i of the lane's rows, in registers.
         lse2 = cuda.local.array(ROWS, float32)
@@ -648,9 +658,9 @@ def build_backward_dq(cfg):
             if j + 1 < j1:
                 nxt = pipeline.slot_start(KV0, j + 1 - j0, 2, 2 * KV_TILE)
                 tiles.load_tile_async(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, 0, BC, D,
-                                      STRIDE, SWIZZLE, tid, THREADS)
+                                      STRIDE, SWIZZLE, tid, THREADS, True, DV)
                 tiles.load_tile_async(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k,
-                                      0, BC, D, STRIDE, SWIZZLE, tid, THREADS)
+                                      0, BC, D, STRIDE, SWIZZLE, tid, THREADS, True, DV)
             pipeline.commit()
             # l.10-11: S = Q_i K_j^T, P = exp(S - L_i); l.13-14: dP = dO_i V_j^T, dS = P o (dP - D_i)
             tiles.fill(s, float32(0))
@@ -678,7 +688,7 @@ def build_backward_dq(cfg):
         tiles.stage_accumulator(q_s32, dq, warp_row, lane, STRIDE, SWIZZLE, ELEM)
         cuda.syncthreads()
         dq_h = dq32[0, h, first_q:first_q + n_q] if VARLEN else dq32[b, h]
-        tiles.store_tile(dq_h, q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS)
+        tiles.store_tile(dq_h, q_s32, row0, n_q, BR, D, STRIDE, SWIZZLE, tid, THREADS, DV)
 
     return fa2_backward_dq
 
@@ -793,4 +803,5 @@ def compile_targets():
     for head_dim in (64, 128):
         layout = default_backward_config(head_dim, BFLOAT16, False).dq_layout()
         yield f"backward convert_dq fragments d={head_dim} bf16", \
-            bwd.build_convert_dq_fragments(layout, BFLOAT16), (f32_4, OUT_TYPE, types.int32, types.float32), 0
+            bwd.build_convert_dq_fragments(layout, BFLOAT16, head_dim), \
+            (f32_4, OUT_TYPE, types.int32, types.float32), 0

@@ -30,11 +30,11 @@ from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
 from common.target import device_function, kernel, launch
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = tiles.HEAD_DIMS
 TILE = 64          # rows and columns of every block tile
 WARPS = 4          # each warp owns 16 rows of a tile
 THREADS = 32 * WARPS
-SWIZZLE = True
+SWIZZLE = True     # the S, P, dS tiles (64 columns); those of q, k, v, o: `head_dim_tile`
 
 
 def padded_keys(n_k):
@@ -52,11 +52,19 @@ class Config:
     element: Element     # the 16-bit type of the inputs and the output (common/elements.py)
 
 
+def head_dim_tile(head_dim):
+    """(D, swizzle, row stride) of a tile of rows of q, k, v, dO or O: head_dim zero-padded to whole
+    k16 steps (tiles.tile_columns), swizzled at 64, 128 and 256 columns, padded rows otherwise."""
+    d = tiles.tile_columns(head_dim)
+    swizzle = tiles.swizzle_fits(d)
+    return d, swizzle, tiles.tile_row_stride(d, swizzle)
+
+
 @lru_cache(maxsize=None)
 def build_scores(cfg):
     """Alg.0 l.1: S = softmax_scale * Q K^T, one 64x64 tile of S per thread block."""
-    D, ELEM = cfg.head_dim, cfg.element.code
-    STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    DV, ELEM = cfg.head_dim, cfg.element.code
+    D, SWIZZLE_D, STRIDE = head_dim_tile(DV)
     A_FRAG, ACC = (1, D // 16, 4), (1, TILE // 8, 4)
 
     @kernel
@@ -68,17 +76,18 @@ def build_scores(cfg):
         smem = cuda.shared.array(0, uint16)
         q_s = smem[0:TILE * STRIDE]
         k_s = smem[TILE * STRIDE:2 * TILE * STRIDE]
-        tiles.load_tile_async(q_s, q[b, h], row0, n_q, 0, TILE, D, STRIDE, SWIZZLE, tid, THREADS)
-        tiles.load_tile_async(k_s, k[b, h // kv_group], col0, n_k, 0, TILE, D, STRIDE, SWIZZLE,
-                              tid, THREADS)
+        tiles.load_tile_async(q_s, q[b, h], row0, n_q, 0, TILE, D, STRIDE, SWIZZLE_D, tid, THREADS,
+                              True, DV)
+        tiles.load_tile_async(k_s, k[b, h // kv_group], col0, n_k, 0, TILE, D, STRIDE, SWIZZLE_D,
+                              tid, THREADS, True, DV)
         ptx.cp_async_commit()
         ptx.cp_async_wait(0)
         cuda.syncthreads()
         a = cuda.local.array(A_FRAG, uint32)
-        tiles.load_a_fragments(a, 0, q_s, 16 * warp, lane, STRIDE, SWIZZLE)
+        tiles.load_a_fragments(a, 0, q_s, 16 * warp, lane, STRIDE, SWIZZLE_D)
         acc = cuda.local.array(ACC, float32)
         tiles.fill(acc, float32(0))
-        tiles.gemm_abt(acc, a, k_s, lane, STRIDE, SWIZZLE, ELEM)
+        tiles.gemm_abt(acc, a, k_s, lane, STRIDE, SWIZZLE_D, ELEM)
         tiles.store_accumulator_f32(s[b, h], acc, row0 + 16 * warp, col0, n_q, s.shape[3],
                                     softmax_scale, lane)
 
@@ -156,9 +165,9 @@ def build_softmax(banded, softcap, element):
 @lru_cache(maxsize=None)
 def build_output(cfg):
     """Alg.0 l.3: O = P V, one 64-row block of O per thread block, looping over 64-key tiles."""
-    D, ELEM = cfg.head_dim, cfg.element.code
+    DV, ELEM = cfg.head_dim, cfg.element.code
     P_STRIDE = tiles.tile_row_stride(TILE, SWIZZLE)
-    V_STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    D, SWIZZLE_D, V_STRIDE = head_dim_tile(DV)
     P_TILE, V_TILE = TILE * P_STRIDE, TILE * V_STRIDE
     ACC, P_FRAG = (1, D // 8, 4), (1, TILE // 16, 4)
 
@@ -177,17 +186,19 @@ def build_output(cfg):
         a = cuda.local.array(P_FRAG, uint32)
         for k0 in range(0, p.shape[3], TILE):
             tiles.load_tile_async(p_s, p_bh, row0, n_q, k0, TILE, TILE, P_STRIDE, SWIZZLE, tid, THREADS)
-            tiles.load_tile_async(v_s, v_bh, k0, n_k, 0, TILE, D, V_STRIDE, SWIZZLE, tid, THREADS)
+            tiles.load_tile_async(v_s, v_bh, k0, n_k, 0, TILE, D, V_STRIDE, SWIZZLE_D, tid, THREADS,
+                                  True, DV)
             ptx.cp_async_commit()
             ptx.cp_async_wait(0)
             cuda.syncthreads()
             tiles.load_a_fragments(a, 0, p_s, 16 * warp, lane, P_STRIDE, SWIZZLE)
-            tiles.gemm_ab(acc, a, v_s, lane, V_STRIDE, SWIZZLE, ELEM)
+            tiles.gemm_ab(acc, a, v_s, lane, V_STRIDE, SWIZZLE_D, ELEM)
             cuda.syncthreads()
         o_s32 = cuda.shared.array(0, uint32)[0:TILE * V_STRIDE // 2]
-        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, V_STRIDE, SWIZZLE, ELEM)
+        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, V_STRIDE, SWIZZLE_D, ELEM)
         cuda.syncthreads()
-        tiles.store_tile(o32[b, h], o_s32, row0, n_q, TILE, D, V_STRIDE, SWIZZLE, tid, THREADS)
+        tiles.store_tile(o32[b, h], o_s32, row0, n_q, TILE, D, V_STRIDE, SWIZZLE_D, tid, THREADS,
+                         DV)
 
     return output, 2 * (P_TILE + V_TILE)
 
@@ -242,9 +253,9 @@ def build_transposed_output(cfg):
     """Alg.3 l.3 and l.5: dV = P^T dO and dK = dS^T Q, one 64-key block of the output per thread
     block, looping over the K/V head's query heads and their 64-query tiles; the A operand (P^T or
     dS^T) is read transposed from row-major P or dS tiles (ldmatrix.trans)."""
-    D, ELEM = cfg.head_dim, cfg.element.code
+    DV, ELEM = cfg.head_dim, cfg.element.code
     X_STRIDE = tiles.tile_row_stride(TILE, SWIZZLE)
-    Y_STRIDE = tiles.tile_row_stride(D, SWIZZLE)
+    D, SWIZZLE_D, Y_STRIDE = head_dim_tile(DV)
     X_TILE, Y_TILE = TILE * X_STRIDE, TILE * Y_STRIDE
     ACC, A_FRAG = (1, D // 8, 4), (1, TILE // 16, 4)
 
@@ -264,18 +275,19 @@ def build_transposed_output(cfg):
             for q0 in range(0, n_q, TILE):
                 tiles.load_tile_async(x_s, x[b, h], q0, n_q, key0, TILE, TILE, X_STRIDE, SWIZZLE,
                                       tid, THREADS)
-                tiles.load_tile_async(y_s, y[b, h], q0, n_q, 0, TILE, D, Y_STRIDE, SWIZZLE, tid,
-                                      THREADS)
+                tiles.load_tile_async(y_s, y[b, h], q0, n_q, 0, TILE, D, Y_STRIDE, SWIZZLE_D, tid,
+                                      THREADS, True, DV)
                 ptx.cp_async_commit()
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()
                 tiles.load_a_fragments_transposed(a, 0, x_s, 16 * warp, lane, X_STRIDE, SWIZZLE)
-                tiles.gemm_ab(acc, a, y_s, lane, Y_STRIDE, SWIZZLE, ELEM)
+                tiles.gemm_ab(acc, a, y_s, lane, Y_STRIDE, SWIZZLE_D, ELEM)
                 cuda.syncthreads()
         o_s32 = cuda.shared.array(0, uint32)[0:TILE * Y_STRIDE // 2]
-        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, Y_STRIDE, SWIZZLE, ELEM)
+        tiles.stage_accumulator(o_s32, acc, 16 * warp, lane, Y_STRIDE, SWIZZLE_D, ELEM)
         cuda.syncthreads()
-        tiles.store_tile(out32[b, h_kv], o_s32, key0, n_k, TILE, D, Y_STRIDE, SWIZZLE, tid, THREADS)
+        tiles.store_tile(out32[b, h_kv], o_s32, key0, n_k, TILE, D, Y_STRIDE, SWIZZLE_D, tid,
+                         THREADS, DV)
 
     return transposed_output, 2 * (X_TILE + Y_TILE)
 
@@ -357,11 +369,15 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     return prob.result()
 
 
+# The head dims the compile report covers (the others change tile widths, not the code's shape)
+REPORTED_HEAD_DIMS = (64, 128)
+
+
 def compile_targets():
     """(name, kernel, argument types, mma count in its PTX) of every kernel `forward` launches."""
     i32, f32 = types.int32, types.float32
     s_type = types.Array(types.float32, 4, "C")
-    for head_dim in HEAD_DIMS:
+    for head_dim in REPORTED_HEAD_DIMS:
         for element in (BFLOAT16, FLOAT16):
             tag = f"d={head_dim} {element.tag}"
             cfg = Config(head_dim, element)
@@ -381,7 +397,7 @@ def compile_targets():
         yield f"standard softmax_backward causal={causal} bf16", \
             build_softmax_backward(causal, False, BFLOAT16), \
             (s_type, s_type, LSE_TYPE, u32, u32, i32, i32) + MASK_TYPES + (f32,), 0
-    for head_dim in HEAD_DIMS:
+    for head_dim in REPORTED_HEAD_DIMS:
         yield f"standard transposed_output d={head_dim} bf16", \
             build_transposed_output(Config(head_dim, BFLOAT16))[0], \
             (types.Array(types.uint16, 4, "C"), QKV_TYPE, OUT_TYPE, i32, i32, i32), \
