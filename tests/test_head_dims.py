@@ -64,29 +64,37 @@ def test_backward_every_head_dim(rng, head_dim, seqlen, causal, dtype):
 
 
 # fa3 at head_dim 256 (four 64-column panels a tile; O's 64 x 256 accumulator, 128 registers a
-# thread; B_c = 80 so that two K/V stages fit beside Q, O staged in Q's room): its switches that
-# change the schedule, and (GPU) its backward, which is FA2's at d=256.
-FA3_256 = [(170, True, {}), (150, False, dict(intra_overlap=True, pingpong=False, block_n=64))]
+# thread; B_c = 80 so that two K/V stages fit beside Q, O staged in Q's room) and 192 (three
+# panels, B_c = 112): their switches that change the schedule, and (GPU) the backward, which is
+# FA2's past 128.
+FA3_WIDE = [(256, 170, True, {}),
+            (256, 150, False, dict(intra_overlap=True, pingpong=False, block_n=64)),
+            (192, 150, True, {})]
 if ON_GPU:
-    FA3_256 += [(1000, False, {}), (2048, True, {}), (1000, True, dict(intra_overlap=True)),
-                (1000, False, dict(block_m=64, block_n=96)), (1000, True, dict(stages=1,
-                                                                              block_n=128))]
+    FA3_WIDE += [(256, 1000, False, {}), (256, 2048, True, {}),
+                 (256, 1000, True, dict(intra_overlap=True)),
+                 (256, 1000, False, dict(block_m=64, block_n=96)),
+                 (256, 1000, True, dict(stages=1, block_n=128)),
+                 (192, 1000, False, {}), (192, 2048, True, {}),
+                 (192, 1000, True, dict(intra_overlap=False, pingpong=True, block_n=96)),
+                 (192, 1000, False, dict(stages=1, block_n=128))]
 
 
-@pytest.mark.parametrize("seqlen, causal, options", FA3_256,
+@pytest.mark.parametrize("head_dim, seqlen, causal, options", FA3_WIDE,
                          ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items())
                          if isinstance(x, dict) else str(x))
-def test_fa3_head_dim_256(rng, seqlen, causal, options):
+def test_fa3_wide_head_dims(rng, head_dim, seqlen, causal, options):
     run_and_check(rng, "fa3", batch=2 if ON_GPU else 1, seqlen=seqlen, heads=HEADS,
-                  heads_kv=HEADS_KV, head_dim=256, dtype="float16" if causal else "bfloat16",
+                  heads_kv=HEADS_KV, head_dim=head_dim, dtype="float16" if causal else "bfloat16",
                   causal=causal, **options)
 
 
 @pytest.mark.gpu
-def test_fa3_head_dim_256_trains_through_fa2s_backward(rng):
-    """fa3's own backward takes d = 64, 128: at 256 its backward is FA2's (kernel=None)."""
+@pytest.mark.parametrize("head_dim", [192, 256])
+def test_fa3_wide_head_dims_train_through_fa2s_backward(rng, head_dim):
+    """fa3's own backward takes d = 64, 128: past 128 its backward is FA2's (kernel=None)."""
     backward_and_check(rng, "fa3", batch=2, seqlen=1000, heads=HEADS, heads_kv=HEADS_KV,
-                       head_dim=256, dtype="bfloat16", causal=True, forward_variant="fa3",
+                       head_dim=head_dim, dtype="bfloat16", causal=True, forward_variant="fa3",
                        small=False)
 
 
