@@ -9,7 +9,8 @@ Two layouts meet here:
 - the owner layout: after the exchange, thread `tid` owns row tid // (threads / B_r) of the block and
   a contiguous chunk of head_dim columns of it (`owner_of`), where the row's statistics and O live.
 Per-row partials are exchanged in a float32 array red[warp * B_r + row]; partial outputs in a
-float32 tile o_part[warp][row][col] of row stride d + 8 (see tiles.stage_accumulator_f32).
+float32 tile o_part[warp][row][col] of row stride D + 8, D = tiles.tile_columns(d) (see
+tiles.stage_accumulator_f32).
 """
 import math
 

@@ -246,6 +246,10 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
             "        n += 1\n"
             "        if name.startswith(('fa1 backward', 'standard scores d=64 bf16')):\n"
             "            print(name.split()[0], kernel_cache.source_modules(kern))\n"
+            "from variants import fa2\n"   # kernels that differ in their launch bounds only
+            "bounds = {kernel_cache.cache_key(fa2.build(fa2.default_config(192, 'bfloat16', False,\n"
+            "          min_blocks_per_sm=m)), (), (9, 0)) for m in (0, 1, 2)}\n"
+            "print('bounds', len(bounds))\n"
             "print(n, len(keys))")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -253,6 +257,7 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
     assert out.returncode == 0, out.stderr[-3000:]
     targets, keys = map(int, out.stdout.split()[-2:])
     assert targets > 30 and keys == targets
+    assert "bounds 3" in out.stdout
     # The source in a key: common/ and the variants modules the kernel is built from (fa1's
     # backward runs fa2_backward's kernel, so an edit to fa2_backward.py must invalidate it;
     # standard's must not).

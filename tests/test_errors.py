@@ -73,6 +73,8 @@ def test_unknown_variant_and_option(qkv):
         variants.forward(*qkv, variant="fa2", blok_m=64)
     with pytest.raises(ValueError, match="block_m=48 must be a multiple of 16 \\* warps=64"):
         variants.forward(*qkv, variant="fa2", block_m=48)
+    with pytest.raises(ValueError, match="min_blocks_per_sm must be 0 .no launch bounds."):
+        variants.forward(*qkv, variant="fa2", min_blocks_per_sm=-1)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -81,7 +83,7 @@ def test_unknown_variant_and_option(qkv):
     (dict(q_splits=-1), "q_splits=-1: a count"),
     (dict(block_n=96), "block_n=96 must be a multiple of 16 \\* warps=64"),
     (dict(block_m=24), "block_m=24 must be a multiple of 16"),
-    (dict(warps=8, block_n=256), "fewer than 8 columns of O"),
+    (dict(warps=32), "64 threads of a row whole pairs of O's 64 columns"),
     (dict(block_n=1024), "need \\d+ bytes of shared memory, more than 232448"),
 ])
 def test_fa1_bad_options(qkv, options, message):

@@ -245,7 +245,8 @@ def build(cfg):
     def fa1_forward(q, k, v, o, lse, o_ws, m_ws, l_ws, n_q, n_k, kv_group, lo, hi, softcap,
                     softmax_scale, scale_log2):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse, m_ws, l_ws:
-        (B, H, N_q) fp32; o_ws: (B, H, N_q, d) fp32, O between K/V blocks (outer_loop="kv");
+        (B, H, N_q) fp32; o_ws: (B, H, N_q, D) fp32 (D = tiles.tile_columns(d)), O between K/V
+        blocks (outer_loop="kv");
         lo, hi, softcap: the mask (variants/fa2.py)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31

@@ -93,6 +93,9 @@ class Config:
         tiles.check_head_dim(self.head_dim, "fa2")
         if self.block_m % (16 * self.warps):
             raise ValueError(f"block_m={self.block_m} must be a multiple of 16 * warps={16 * self.warps}")
+        if self.min_blocks_per_sm < 0:
+            raise ValueError(f"min_blocks_per_sm must be 0 (no launch bounds) or a count of thread "
+                             f"blocks an SM is to hold, got {self.min_blocks_per_sm}")
         if self.kv_stages not in (1, 2):
             raise ValueError(f"kv_stages must be 1 or 2, got {self.kv_stages}")
         if self.block_n % 16:

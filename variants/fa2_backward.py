@@ -551,8 +551,8 @@ def build_backward(cfg):
     @kernel
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
                         softcap, softmax_scale, scale_log2, cu_q, cu_k):
-        """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, d)
-        fp32; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py).
+        """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, D)
+        fp32 (D = tiles.tile_columns(d)); dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py).
         VARLEN: B = 1, and batch b of the grid is the sequence of rows cu_q[b] .. cu_q[b+1] - 1
         (keys: cu_k), lo and hi relative to its top-left corner."""
         b, h_kv = uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)   # unsigned: no index wrap

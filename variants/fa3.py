@@ -1051,7 +1051,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
     Algorithm 2 with wgmma, TMA and a producer warp, head_dim 64 and 128; options: its
     BackwardConfig) or "fa2" (FA2's kernels, variants/fa2_backward.py, which also take softcap and
     every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the problem, else
-    "fa2" (d=256, softcap: fa3 has a forward only for them)."""
+    "fa2" (d=192 and 256, softcap: fa3 has a forward only for them)."""
     from variants import fa3_backward
     if kernel is None:
         head_dim = arrays.describe(q, "q").shape[-1]
