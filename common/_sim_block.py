@@ -137,3 +137,17 @@ def install():
     _kernel.BlockThread.syncthreads = _syncthreads
     _kernel.BlockManager.run = _run_block
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    from numba.cuda.simulator import kernelapi
+    kernelapi.FakeCUDAShared.__init__ = _poisoned_shared(kernelapi.FakeCUDAShared.__init__)
+
+
+def _poisoned_shared(zeroed_init):
+    """The simulator's dynamic shared memory starts as zeros, which a GPU's does not (it holds
+    whatever the SM's last block left): a kernel that reads a word it never wrote (a column a zero
+    fill should have cleared, a row no copy reached) would pass every simulated test. Here every
+    thread block's starts as 0xFF bytes instead, NaN as fp32, bf16 and fp16, so such a read
+    reaches the output."""
+    def init(self, dynshared_size):
+        zeroed_init(self, dynshared_size)
+        self._dynshared.fill(-1)
+    return init

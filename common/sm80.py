@@ -408,9 +408,14 @@ else:
 
 if SIMULATOR:
     def cp_async_16(dst, dst_offset, src, row, col, src_bytes):
-        dst = unwrap(dst)
+        dst, ary, r, c = unwrap(dst), unwrap(src), int(row), int(col)
+        # The address must lie inside the source even for a zero fill (src_bytes = 0), which reads
+        # nothing but is still an address the copy is given (an empty source has none to give).
+        if ary.shape[0] and not (0 <= r < ary.shape[0] and 0 <= c and c + 8 <= ary.shape[1]):
+            raise IndexError(f"cp.async source [{r}, {c}:{c + 8}] outside the {ary.shape} array "
+                             f"({int(src_bytes)} bytes)")
         if int(src_bytes) == 16:
-            values = unwrap(src)[int(row), int(col):int(col) + 8].copy()
+            values = ary[r, c:c + 8].copy()
         else:
             values = np.zeros(8, dtype=dst.dtype)
         async_groups("cp.async")[0].append((dst, int(dst_offset), values))
