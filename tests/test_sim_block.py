@@ -3,8 +3,9 @@ live thread arrives, a thread that returned no longer counts, and an exception i
 raised from the launch (naming the thread) without leaving the others blocked at the barrier."""
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, float32, uint16
 
+from common.target import SIMULATOR   # importing common.target installs _sim_block
 from tests.conftest import ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the simulator's block manager")
@@ -61,3 +62,22 @@ def test_an_exception_is_raised_from_the_launch_naming_its_thread():
     out = np.zeros(64, np.float32)        # and the simulator runs the next launch as before
     rotate_through_shared[1, 64](out, 1)
     np.testing.assert_array_equal(out, (np.arange(64) + 1) % 64)
+
+
+@cuda.jit
+def read_dynamic_shared(out):
+    """Each thread reads a word of dynamic shared memory that nothing wrote."""
+    f32 = cuda.shared.array(0, float32)
+    u16 = cuda.shared.array(0, uint16)
+    t = cuda.threadIdx.x
+    out[t, 0] = f32[t]
+    out[t, 1] = u16[t]
+
+
+def test_dynamic_shared_memory_starts_as_nan():
+    """A word no copy or store wrote reads as NaN (0xFF bytes), not as the simulator's zeros: a
+    kernel that relies on shared memory being clear fails in the simulator as it would on a GPU."""
+    assert SIMULATOR
+    out = np.zeros((32, 2), np.float32)
+    read_dynamic_shared[1, 32, 0, 256](out)
+    assert np.isnan(out[:, 0]).all() and (out[:, 1] == 0xFFFF).all()
