@@ -60,6 +60,15 @@ K_STEP = {e.ptx: e.k_step for e in ELEMENTS.values()}
 SWIZZLE_ATOM_BYTES = 1024    # 8 rows x 128 bytes: the pattern's period, the tiles' alignment
 
 
+def panel_columns(head_dim, element_bytes=2):
+    """Columns of a tile of rows of head_dim elements laid out in whole 128-byte panels: head_dim
+    rounded up to a multiple of 128 / element_bytes (64 16-bit columns). The bulk tensor copy
+    zero-fills a box's columns past head_dim (past the end of the tensor map's innermost
+    dimension), so the padding costs no HBM traffic, only tensor-core work on zeros."""
+    cols = SWIZZLE_BYTES // element_bytes
+    return -(-head_dim // cols) * cols
+
+
 def _swizzle(address):
     """Byte address -> where SWIZZLE_128B puts it (host and simulator side)."""
     return address ^ (((address >> 7) & 7) << 4)

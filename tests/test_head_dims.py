@@ -1,5 +1,5 @@
-"""standard, fa1 and fa2 at every head_dim the tile layer takes (multiples of 8 from 32 to 256),
-forward and backward, against float64 (issue 19).
+"""standard, fa1, fa2 and fa3 at every head_dim the tile layer takes (multiples of 8 from 32 to
+256), forward and backward, against float64 (issue 19).
 
 The head dims take three layouts (common/tiles.py): 64, 128 and 256 swizzled; the others padded
 rows, with tile copies dealt out in row-major order where a row's 16-byte chunks do not divide the
@@ -21,6 +21,7 @@ from common import tiles
 from tests.conftest import ON_GPU
 from tests.test_backward import backward_and_check
 from tests.test_variants import run_and_check
+from tests.test_varlen import VARIANT_OPTIONS, check_packed_forward
 from variants import fa1, fa2, fa2_backward
 
 if ON_GPU:
@@ -89,10 +90,41 @@ def test_fa3_wide_head_dims(rng, head_dim, seqlen, causal, options):
                   causal=causal, **options)
 
 
+# fa3 between its panel widths (Config.tile_dim): 96 in a 128-column tile, 40 in 64, 72 (S's
+# k-steps stop at 80, the last half of one zeros), 160 in 192; the columns past d zero-filled by
+# TMA past its tensor map's last column, or by cp.async (valid_cols), and left out of O's store.
+FA3_PADDED = [(96, 70, True, {}), (40, 50, False, dict(producer="cp_async")), (72, 40, False, {})]
+if ON_GPU:
+    FA3_PADDED += [(96, 1000, False, {}), (96, 2048, True, {}),
+                   (96, 1000, True, dict(producer="cp_async")), (96, 1000, False, dict(block_n=144)),
+                   (40, 1000, True, {}), (80, 1000, False, {}), (120, 1000, True, {}),
+                   (160, 1000, False, {}), (200, 1000, True, {})]
+
+
+@pytest.mark.parametrize("head_dim, seqlen, causal, options", FA3_PADDED,
+                         ids=lambda x: ",".join(f"{k}={v}" for k, v in x.items())
+                         if isinstance(x, dict) else str(x))
+def test_fa3_padded_head_dims(rng, head_dim, seqlen, causal, options):
+    run_and_check(rng, "fa3", batch=2 if ON_GPU else 1, seqlen=seqlen, heads=HEADS,
+                  heads_kv=HEADS_KV, head_dim=head_dim, dtype="bfloat16", causal=causal,
+                  **options)
+
+
+@pytest.mark.parametrize("variant", ["fa2", "fa3"])
+def test_varlen_at_a_padded_head_dim(rng, variant):
+    """A packed batch at a head_dim whose tiles have zero columns (fa2: 40 in 48 columns; fa3: 96
+    in 128, TMA's rows past a sequence's end being the next sequence's)."""
+    lengths = [(100, 100), (1000, 517), (0, 7), (130, 1000)] if ON_GPU else \
+        [(17, 40), (0, 5), (33, 12)]
+    check_packed_forward(rng, variant, lengths, dict(causal=True), HEADS, HEADS_KV,
+                         40 if variant == "fa2" else 96, VARIANT_OPTIONS[variant])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("head_dim", [96, 192, 256])
 def test_fa3_wide_head_dims_train_through_fa2s_backward(rng, head_dim):
-    """fa3's own backward takes d = 64, 128: past 128 its backward is FA2's (kernel=None)."""
+    """fa3's own backward takes d = 64, 128: at other head dims its backward is FA2's
+    (kernel=None)."""
     backward_and_check(rng, "fa3", batch=2, seqlen=1000, heads=HEADS, heads_kv=HEADS_KV,
                        head_dim=head_dim, dtype="bfloat16", causal=True, forward_variant="fa3",
                        small=False)

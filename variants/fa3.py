@@ -66,9 +66,13 @@ in shared memory before that block's P V wgmma (`clear_v_tail`: the stores, a pr
 warpgroup barrier run for a partial block only), so that an inf or NaN in one sequence's V stays
 out of the others' outputs. producer="cp_async" zero-fills past each sequence in its copies, as
 fa2 does (tests/test_varlen.py).
-head_dim 64, 128, 192 and 256 (d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in
-Q's room, both overlaps; d=192: three panels a tile, B_c = 112, FA3's own; past 128 the backward
-is FA2's).
+head_dim: every multiple of 8 from 32 to 256, in tiles of whole 64-column panels (`Config.tile_dim`:
+d=96 in 128 columns, 160 in 192) whose columns past d the copies zero-fill (TMA: past the tensor
+map's innermost dimension, so no HBM traffic); S = Q K^T takes only the k-steps of d, O += P~ V
+all of the tile's (FA3's own kernel takes d=96 in a 64-byte swizzle instead) and O's store leaves
+the zero columns out. d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's room,
+both overlaps; d=192: three panels a tile, B_c = 112, FA3's own. fa3's own backward takes d=64
+and 128; the others' is FA2's.
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
 """
 import math
@@ -84,7 +88,7 @@ from common.problem import (FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYP
                             prepare, prepare_varlen)
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
-HEAD_DIMS = (64, 128, 192, 256)
+HEAD_DIMS = tiles.HEAD_DIMS     # multiples of 8 from 32 to 256, in tiles of whole 64-column panels
 PRODUCERS = ("tma", "cp_async")
 FP8_HEAD_DIMS = (128, 256)   # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
 P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest probabilities that
@@ -143,6 +147,14 @@ class Config:
         return self.block_m // WG_ROWS
 
     @property
+    def tile_dim(self):
+        """Columns of the Q, K, V tiles: head_dim in whole 128-byte panels (sm90.panel_columns: 96
+        in 128, 40 in 64). The copies zero-fill the columns past head_dim (TMA: past its tensor
+        map's innermost dimension), QK^T skips the k-steps that hold only zeros, P V computes
+        zero columns of O that the store leaves out."""
+        return sm90.panel_columns(self.head_dim, self.operand.bytes)
+
+    @property
     def threads(self):   # the consumer warpgroups, then the producer warp (or warpgroup)
         return WG_THREADS * (self.consumers + 1) if self.setmaxnreg else WG_THREADS * self.consumers + 32
 
@@ -190,7 +202,7 @@ class Config:
         """Q_i's room (16-bit-sized in FP8 too: O_i may be staged there) and the stages x (K_j,
         V_j) after it; each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows a panel;
         FP8's V_j is V_j^T: d rows x 128 keys a panel)."""
-        return (2 * self.block_m + 2 * self.stages * self.block_n * self.operand.bytes) * self.head_dim
+        return (2 * self.block_m + 2 * self.stages * self.block_n * self.operand.bytes) * self.tile_dim
 
     @property
     def o_apart(self):
@@ -198,19 +210,18 @@ class Config:
         Q_{i+1} may land while O_i is written (persistent); else in Q_i's room, which is then
         released only after the store."""
         return (BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.ring_bytes()
-                + 2 * self.block_m * self.head_dim) <= MAX_SHARED_BYTES
+                + 2 * self.block_m * self.tile_dim) <= MAX_SHARED_BYTES
 
     def tile_bytes(self):
         """Bytes of the tiles after the first 1024-aligned byte past the mbarriers: Q_i at 0, the
         K/V ring, then O_i's staging room when it has its own (`o_apart`)."""
-        return self.ring_bytes() + (2 * self.block_m * self.head_dim if self.o_apart else 0)
+        return self.ring_bytes() + (2 * self.block_m * self.tile_dim if self.o_apart else 0)
 
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
         return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.tile_bytes()
 
     def validate(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"fa3 supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+        tiles.check_head_dim(self.head_dim, "fa3", HEAD_DIMS)
         if self.fp8 and self.head_dim not in FP8_HEAD_DIMS:
             raise ValueError(f"fa3 in FP8 supports head_dim in {FP8_HEAD_DIMS}, got "
                              f"{self.head_dim}")
@@ -220,7 +231,7 @@ class Config:
         if self.block_m % WG_ROWS or not 1 <= self.block_m // WG_ROWS <= 3:
             raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows a consumer "
                              "warpgroup, at most 3)")
-        if self.consumers == 3 and self.head_dim > 64:
+        if self.consumers == 3 and self.tile_dim > 64:
             raise ValueError(f"block_m=192 (three consumer warpgroups) does not fit head_dim "
                              f"{self.head_dim}: its O and S accumulators and P~ (160 registers) "
                              "leave nothing of the 160 a consumer thread gets (152 without "
@@ -283,6 +294,14 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             192: dict(block_m=128, block_n=112, stages=2, intra_overlap=True),
             # FP8 at d=256: B_c = 128 (whole 128-key rows of V^T; 2 stages fit beside Q)
             (256, "fp8"): dict(block_n=128)}
+# Every other head_dim runs in the tile of the panels above it (Config.tile_dim: d=96 in 128
+# columns, 40 in 64, 160 in 192) and takes that tile's defaults.
+for _d in HEAD_DIMS:
+    _t = sm90.panel_columns(_d)
+    if _d != _t:
+        DEFAULTS[_d] = DEFAULTS[_t]
+        if (_t, False) in DEFAULTS:
+            DEFAULTS[_d, False] = DEFAULTS[_t, False]
 
 default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTIONS, HEAD_DIMS)
 
@@ -293,12 +312,17 @@ LN2 = float32(math.log(2))
 @lru_cache(maxsize=None)
 def build(cfg):
     """Compile-time constants of one configuration, closed over by its kernel."""
-    D, BR, BC, STAGES, NWG = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    D, BR, BC, STAGES, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    HEAD_DIM = cfg.head_dim                     # d: the tiles' columns past it are zeros
     ELEM, CAUSAL, FP8, K_BLOCK_SCALES = cfg.element.code, cfg.causal, cfg.fp8, cfg.k_block_scales
     DTYPE, EB, OPERAND = cfg.operand.ptx, cfg.operand.bytes, cfg.operand.code
     ROW = sm90.SWIZZLE_BYTES // 2               # a 128-byte swizzled row in 16-bit smem elements
     PANEL = sm90.SWIZZLE_BYTES // EB            # its columns: 64 (16-bit) or 128 (e4m3)
     PANELS = D // PANEL
+    # columns of the last panel that hold data (0: all of them), for the copies (cp.async) that
+    # zero-fill the rest and for O's store, which leaves them out
+    LAST_PANEL_COLS = HEAD_DIM - (PANELS - 1) * PANEL if HEAD_DIM < D else 0
+    O_COLS = HEAD_DIM if HEAD_DIM < D else 0
     Q_BYTES, KV_BYTES = BR * D * EB, BC * D * EB
     WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's room for Q_i (16-bit elements:
                                                 # its O_i is staged there at the end)
@@ -329,7 +353,8 @@ def build(cfg):
     # FP8: V_j^T (d rows x B_c keys, K-major like K_j), panels of 128 keys d x 128 bytes apart.
     SBO = 8 * sm90.SWIZZLE_BYTES
     V_LBO = BC * sm90.SWIZZLE_BYTES
-    K_QK = D * EB // 32                         # wgmma k-steps of S = Q K^T (32 bytes of d each)
+    K_QK = -(-HEAD_DIM * EB // 32)            # wgmma k-steps of S = Q K^T (32 bytes of d each;
+                                                # none over the zero columns past d)
     K_PV = BC // cfg.operand.k_step             # ... of O += P~ V (16 or 32 keys each)
     MMA_S = sm90.wgmma_ss(BC, DTYPE)            # S = Q K^T         (m64 n=B_c k16 / k32)
     MMA_O = sm90.wgmma_rs(D, DTYPE, not FP8)    # O += P~ V         (m64 n=d, V transposed / V^T)
@@ -555,6 +580,11 @@ def build(cfg):
         return int32(0), int32((n_k + BC - 1) // BC)
 
     @device_function
+    def panel_cols(p):
+        """valid_cols of panel p's copy (cp.async): the last panel's columns of d, 0 for whole."""
+        return LAST_PANEL_COLS if p == PANELS - 1 else 0
+
+    @device_function
     def load_q(smem, tiles0, tmaps, q_h, row0, n_q, first_q, b, h, ptid):
         """Alg.1 l.5: Q_i, a 64-row room a consumer warpgroup, each PANEL columns a panel. q_h:
         the sequence's rows (cp.async); TMA reads rows first_q + row0.. of batch entry b (past a
@@ -565,7 +595,8 @@ def build(cfg):
                     dst = tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW
                     tiles.load_tile_async(smem[dst:dst + WG_ROWS * ROW], q_h,
                                           row0 + w * WG_ROWS, n_q, p * PANEL, WG_ROWS, PANEL,
-                                          PANEL, True, ptid, PRODUCER_THREADS, False)
+                                          PANEL, True, ptid, PRODUCER_THREADS, False,
+                                          panel_cols(p))
             sm90.cp_async_mbarrier_arrive(smem, BAR_Q)
         else:
             sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)
@@ -585,7 +616,8 @@ def build(cfg):
             for p in range(PANELS):
                 dst = dst0 + p * BC * ROW
                 tiles.load_tile_async(smem[dst:dst + BC * ROW], src, key0, n_k, p * PANEL, BC,
-                                      PANEL, PANEL, True, ptid, PRODUCER_THREADS, False)
+                                      PANEL, PANEL, True, ptid, PRODUCER_THREADS, False,
+                                      panel_cols(p))
             sm90.cp_async_mbarrier_arrive(smem, full)
             return
         sm90.mbarrier_arrive_expect_tx(smem, full, KV_BYTES)
@@ -909,7 +941,8 @@ def build(cfg):
             tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
             ptx.bar_sync(1 + wg, WG_THREADS)
             o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
-            tiles.store_tile(o_h, stage32, wg_row0, nq, WG_ROWS, D, D, True, wg_tid, WG_THREADS)
+            tiles.store_tile(o_h, stage32, wg_row0, nq, WG_ROWS, D, D, True, wg_tid, WG_THREADS,
+                             O_COLS)
             if not O_APART:   # O_i has left Q's room: the next Q may land there
                 ptx.bar_sync(1 + wg, WG_THREADS)
                 release(smem, BAR_EMPTY_Q, 0, lane)
@@ -1051,7 +1084,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
     Algorithm 2 with wgmma, TMA and a producer warp, head_dim 64 and 128; options: its
     BackwardConfig) or "fa2" (FA2's kernels, variants/fa2_backward.py, which also take softcap and
     every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the problem, else
-    "fa2" (d=192 and 256, softcap: fa3 has a forward only for them)."""
+    "fa2" (head dims other than 64 and 128, softcap: fa3 has a forward only for them)."""
     from variants import fa3_backward
     if kernel is None:
         head_dim = arrays.describe(q, "q").shape[-1]
@@ -1087,7 +1120,8 @@ REPORTED_HEAD_DIMS = (64, 128, 256)
 
 def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
-    launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), FP8 at d=128
+    launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), d=96 (a
+    padded tile) non-causal, FP8 at d=128
     non-causal (one scale a head), the cp.async producer, Gemma 2's band (a causal window with a
     softcap), a packed batch (varlen, causal), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
@@ -1097,7 +1131,8 @@ def compile_targets():
     cases = [(d, element, causal, (), {}) for d in REPORTED_HEAD_DIMS
              for element in (BFLOAT16, FLOAT16)
              for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
-    cases += [(128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False)), {}),
+    cases += [(96, BFLOAT16, False, (), {}),   # the tile of d=128 with 32 zero columns
+              (128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False)), {}),
               (128, BFLOAT16, False, (), dict(producer="cp_async")),
               (128, BFLOAT16, True, (("window", True), ("softcap", True)), {}),
               (128, BFLOAT16, True, (("varlen", True), ("bottom_right", True)), {})]
@@ -1107,7 +1142,7 @@ def compile_targets():
         # overlap or back to back each appears twice (the loop's and the first S / last P V
         # outside it)
         k = cfg.operand.k_step
-        qk, pv = head_dim // k, cfg.block_n // k
+        qk, pv = -(-head_dim // k), cfg.block_n // k
         total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
         tag = "".join(f" {f}" for f, on in problem
                       if on and f in ("window", "softcap", "varlen")) + \
