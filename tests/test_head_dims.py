@@ -29,7 +29,8 @@ if ON_GPU:
     # backward at one head dim of each of its arrangements (cold backward compiles take minutes)
     FORWARD = list(itertools.product(tiles.HEAD_DIMS, [17, 1000], [False, True], ["bfloat16"])) \
         + [(d, 1000, c, "float16") for d in (96, 256) for c in (False, True)]
-    BACKWARD = list(itertools.product([32, 40, 56, 80, 96, 144, 192, 200, 256], [130, 1000],
+    BACKWARD = list(itertools.product([32, 40, 56, 80, 96, 144, 160, 192, 200, 224, 256],
+                                      [130, 1000],
                                       [False, True], ["bfloat16"])) + [(96, 1000, True, "float16")]
 else:
     # padded rows and row-major copies (96), 32 (the narrowest), 256 (8 warps, swizzled); the quick
@@ -38,10 +39,12 @@ else:
     FORWARD = [(32, 17, False, "float16"), pytest.param(96, 70, True, "bfloat16", marks=slow),
                pytest.param(256, 40, True, "bfloat16", marks=slow),
                pytest.param(56, 33, True, "bfloat16", marks=slow)]   # a zero column chunk a row
-    # 96: padded 2-D warp tiles; 144: an odd n8 tail in dK_j, dV_j and dQ's slices; 40: 48 padded
-    # columns (copies dealt out, the last chunk of a row zero-filled, dQ's fragments cut at 40)
+    # 96: padded 2-D warp tiles; 144: an odd n8 tail in dK_j, dV_j and dQ's slices; 160: four
+    # warps across B_r (query_warps=4, d/4 slices); 40: 48 padded columns (copies dealt out, the
+    # last chunk of a row zero-filled, dQ's fragments cut at 40)
     BACKWARD = [pytest.param(96, 40, True, "bfloat16", marks=slow),
                 pytest.param(144, 40, False, "float16", marks=slow),
+                pytest.param(160, 40, True, "bfloat16", marks=slow),
                 pytest.param(40, 20, True, "bfloat16", marks=slow)]
 
 # Grouped-query heads: 4 query heads on 2 K/V heads on a GPU; in the simulator 2 on 1, the fewest

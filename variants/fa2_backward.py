@@ -259,17 +259,22 @@ def _backward_defaults(d):
     multiple of 16 takes the tiles of the next one (tiles.tile_columns)."""
     t = tiles.tile_columns(d)
     base = dict(BACKWARD_DEFAULTS[64] if t <= 64 else BACKWARD_DEFAULTS[128] if t <= 128 else
-                dict(block_m=64, block_n=64, query_warps=2, dq="atomic"))
+                dict(block_m=64, block_n=64, query_warps=4, dq="atomic"))
     if not tiles.swizzle_fits(t):
         base["swizzle"] = False
-    for path in (dict(), dict(dq_reduce="red"), dict(dq="separate")):
-        for wq in (0, 1, 2, 4, 8):
-            candidate = dict(base, dq_query_warps=wq, **path)
-            try:
-                BackwardConfig(d, BFLOAT16, False, **candidate).validate()
-                return candidate
-            except ValueError:
-                continue
+    # past 128, 4 warps across B_r (each a d/4 slice of dK_j, dV_j: 64 registers each at d=256)
+    # where the slices are whole n8 tiles, else 2: at d=256 query_warps=4 measured 4-6% faster
+    # than 2 (H100, 2k-8k, causal or not: docs/results/head_dims_h100_20261126b.txt)
+    for query_warps in ((4, 2) if t > 128 else (base["query_warps"],) if "query_warps" in base
+                        else (1,)):
+        for path in (dict(), dict(dq_reduce="red"), dict(dq="separate")):
+            for wq in (0, 1, 2, 4, 8):
+                candidate = dict(base, query_warps=query_warps, dq_query_warps=wq, **path)
+                try:
+                    BackwardConfig(d, BFLOAT16, False, **candidate).validate()
+                    return candidate
+                except ValueError:
+                    continue
     raise ValueError(f"fa2 backward: no default configuration fits head_dim {d}")
 
 
