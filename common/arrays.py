@@ -234,6 +234,20 @@ def as_elements(view, element, last_dim_divisor=1):
                                                     element, None, last_dim_divisor), view.owner)
 
 
+def row_range(view, start, stop, unit_axis=False):
+    """The kernel view of rows start .. stop - 1 (axis 2) of a (B, H, N, ...) kernel view: the
+    same memory, no copy (one sequence of a packed batch). unit_axis: a trailing axis of one
+    element appended ((B, H, N) -> (B, H, N, 1)), so that a 3-D view goes where 4-D ones do."""
+    shape = view.shape[:2] + (stop - start,) + view.shape[3:] + ((1,) if unit_axis else ())
+    strides = view.strides + ((view.dtype.itemsize,) if unit_axis else ())
+    sub = KernelView.over(view.ptr + start * view.strides[2], view_layout(shape, strides, view.dtype),
+                          view.owner)
+    if SIMULATOR:
+        sub._array = view.array[:, :, start:stop, ..., None] if unit_axis else \
+            view.array[:, :, start:stop]
+    return sub
+
+
 def stream_of(d):
     """The raw handle of the stream the caller's library is working on (kernels launch there),
     or 0 for the default stream."""

@@ -40,6 +40,8 @@ class Varlen:
     max_q: int            # the longest sequences (the grid covers max_q rows a sequence)
     max_k: int
     bottom_right: bool    # the band's diagonal at each sequence's bottom-right corner
+    starts_q: tuple = ()  # cu_q and cu_k as read back to the host (checked), batch + 1 ints
+    starts_k: tuple = ()
 
 
 @dataclass
@@ -103,6 +105,30 @@ class AttentionProblem:
     def result(self):
         return self.o_out, self.lse_out
 
+    def sequences(self):
+        """A packed batch's sequences one at a time, for kernels that take one sequence a launch
+        (standard): (first_q, n_q, first_k, n_k, problem) with problem the fixed-length problem of
+        a batch of one over the sequence's rows of the packed views (no copy), its band at its
+        own corner; None where the sequence has no query or no key (no kernel runs there)."""
+        seqs = self.varlen
+        for b in range(self.batch):
+            first_q, first_k = seqs.starts_q[b], seqs.starts_k[b]
+            n_q, n_k = seqs.starts_q[b + 1] - first_q, seqs.starts_k[b + 1] - first_k
+            sub = None
+            if n_q and n_k:
+                shift = n_k - n_q if seqs.bottom_right else 0
+                band = dataclasses.replace(
+                    self.band, lo=self.band.lo + shift if self.band.windowed else self.band.lo,
+                    hi=self.band.hi + shift if self.band.hi < masks.UNBOUNDED else self.band.hi)
+                sub = dataclasses.replace(
+                    self, batch=1, n_q=n_q, n_k=n_k, band=band, varlen=None,
+                    q=arrays.row_range(self.q, first_q, first_q + n_q),
+                    k=arrays.row_range(self.k, first_k, first_k + n_k),
+                    v=arrays.row_range(self.v, first_k, first_k + n_k),
+                    o32=arrays.row_range(self.o32, first_q, first_q + n_q),
+                    lse=arrays.row_range(self.lse, first_q, first_q + n_q))
+            yield first_q, n_q, first_k, n_k, sub
+
     def scratch(self, shape, dtype):
         """A work array in the caller's library (so its memory pool serves it)."""
         return arrays.empty(self.library, shape, dtype, like=self.like)
@@ -152,10 +178,10 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         if len(d.shape) != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) as in "
                              f"flash_attn_varlen_func, got shape {d.shape}")
-    cu_q, batch, max_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", dq.shape[0], max_seqlen_q,
-                                           "max_seqlen_q")
-    cu_k, batch_k, max_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", dk.shape[0],
-                                             max_seqlen_k, "max_seqlen_k")
+    cu_q, batch, max_q, starts_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", dq.shape[0],
+                                                     max_seqlen_q, "max_seqlen_q")
+    cu_k, batch_k, max_k, starts_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", dk.shape[0],
+                                                       max_seqlen_k, "max_seqlen_k")
     if batch != batch_k:
         raise ValueError(f"cu_seqlens_q holds {batch} sequences but cu_seqlens_k {batch_k}")
     if batch > 65535:
@@ -196,7 +222,7 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         o32=arrays.bits_view(one_batch(do), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
         lse=arrays.bits_view(one_batch(dl), np.float32),
         o_out=o_out, lse_out=lse_out, library=dq.library, stream=arrays.stream_of(dq), like=q,
-        varlen=Varlen(cu_q, cu_k, max_q, max_k, align == masks.BOTTOM_RIGHT))
+        varlen=Varlen(cu_q, cu_k, max_q, max_k, align == masks.BOTTOM_RIGHT, starts_q, starts_k))
 
 
 def one_batch(d):
@@ -206,7 +232,8 @@ def one_batch(d):
 
 
 def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
-    """(the int32 kernel view of cu_seqlens, the number of sequences, max_seqlen) after checking
+    """(the int32 kernel view of cu_seqlens, the number of sequences, max_seqlen, cu_seqlens on the
+    host as a tuple of ints) after checking
     that cu is 0, then non-decreasing, ending at `total`, and that no sequence is longer than
     max_seqlen; or the error that names the problem."""
     d = arrays.describe(cu, name)
@@ -221,7 +248,8 @@ def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
     longest = int(lengths.max())
     if int(max_seqlen) < longest:
         raise ValueError(f"{max_name}={max_seqlen} is below the longest sequence, {longest}")
-    return arrays.bits_view(d, np.int32), len(lengths), int(max_seqlen)
+    return arrays.bits_view(d, np.int32), len(lengths), int(max_seqlen), \
+        tuple(int(x) for x in host)
 
 
 # --------------------------------------------------------------------------- the per-call path

@@ -250,6 +250,10 @@ def launch(kern, grid, block, shared_bytes, stream, *args):
     the kernel's dynamic shared-memory limit when it asks for more than the default 48 KB
     (numba-cuda has no API for it: numba-cuda issue #94)."""
     if SIMULATOR:
+        for a in args:   # what the GPU path below can pass, so that the simulator refuses the rest
+            if not isinstance(a, KernelView) and type(a) not in _SCALAR_TYPES:
+                raise TypeError(f"launch takes KernelViews and np.int32 / np.float32 scalars, got "
+                                f"{type(a).__name__} {a!r}")
         kern[grid, block, 0, shared_bytes](*(a.array if isinstance(a, KernelView) else a
                                              for a in args))
         return

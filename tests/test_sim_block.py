@@ -81,3 +81,17 @@ def test_dynamic_shared_memory_starts_as_nan():
     out = np.zeros((32, 2), np.float32)
     read_dynamic_shared[1, 32, 0, 256](out)
     assert np.isnan(out[:, 0]).all() and (out[:, 1] == 0xFFFF).all()
+
+
+def test_launch_takes_only_what_the_gpu_path_passes():
+    """target.launch packs KernelViews and np.int32 / np.float32 scalars for cuLaunchKernel; the
+    simulator refuses any other argument too, so a call the GPU path cannot make fails in CI (a
+    np.uint32 fill value did: it passed the simulator and raised KeyError on the GPU)."""
+    from common import arrays, target
+    out = np.zeros(64, np.float32)
+    view = arrays.bits_view(arrays.describe(cuda.to_device(out)), np.float32)
+    with pytest.raises(TypeError, match="np.int32 / np.float32 scalars, got uint32"):
+        target.launch(rotate_through_shared, 1, 64, 0, 0, view, np.uint32(1))
+    with pytest.raises(TypeError, match="got int"):
+        target.launch(rotate_through_shared, 1, 64, 0, 0, view, 1)
+    target.launch(rotate_through_shared, 1, 64, 0, 0, view, np.int32(1))

@@ -14,13 +14,17 @@ from common import arrays, checks, inputs, masks, reference
 from tests.conftest import ON_GPU
 
 OPTIONS = {} if ON_GPU else dict(block_m=64, block_n=32, warps=2)
-VARIANT_OPTIONS = {"fa2": OPTIONS, "fa3": {} if ON_GPU else dict(block_n=64)}
+VARIANT_OPTIONS = {"fa2": OPTIONS, "fa3": {} if ON_GPU else dict(block_n=64),
+                   # fa1: K/V blocks of 64 keys, each sequence's query blocks split two ways
+                   "fa1": {} if ON_GPU else dict(block_n=64, q_splits=2),
+                   "standard": {}}
 
 # (N_q, N_k) of each sequence: a sequence with no query, one with no key (its rows: O = 0,
 # LSE = -inf), one of a single token, more keys than queries and fewer.
 LENGTHS = [(17, 40), (0, 5), (70, 70), (1, 1), (33, 12), (9, 0)]
 if ON_GPU:
-    LENGTHS = [(100, 100), (2048, 2048), (0, 7), (1000, 3000), (8192, 8192), (517, 130), (1, 1)]
+    LENGTHS = [(100, 100), (2048, 2048), (0, 7), (1000, 3000), (8192, 8192), (517, 130), (1, 1),
+               (9, 0)]
 
 CASES = [
     (dict(), 2, 1),                                                     # GQA, no mask
@@ -34,6 +38,8 @@ if ON_GPU:
 # no key: O = 0), on the GPU every case
 FORWARD_CASES = [("fa2", *c) for c in CASES] + \
     [("fa3", *c) for c in (CASES if ON_GPU else CASES[1:2])]
+if ON_GPU:   # fa1 and standard in the simulator: test_fa1_and_standard_varlen (shorter sequences)
+    FORWARD_CASES += [(v, *c) for v in ("fa1", "standard") for c in CASES]
 
 
 def packed(rng, lengths, heads, heads_kv, head_dim, dtype):
@@ -140,18 +146,59 @@ SMALL_BACKWARD = {} if ON_GPU else dict(block_m=64, block_n=32, warps=2, dq_bloc
 @pytest.mark.parametrize("mask, heads, heads_kv, options", BACKWARD_CASES,
                          ids=lambda x: str(x).replace(" ", ""))
 def test_varlen_backward_matches_each_sequence_alone(rng, mask, heads, heads_kv, options):
+    check_packed_backward(rng, "fa2", mask, heads, heads_kv, options)
+
+
+# fa1 and standard over a packed batch, in the simulator over shorter sequences than LENGTHS (its
+# cost grows with the thread blocks: fa1's split query blocks, standard's launches a sequence),
+# still with a sequence of no query, one of no key and K/V blocks past a sequence's end
+SHORT_LENGTHS = [(17, 40), (0, 5), (33, 12), (9, 0)]
+FA1_STANDARD = [("fa1", dict(causal=True), {}),
+                ("standard", dict(causal=True, align=masks.TOP_LEFT, window_size=(24, -1),
+                                  softcap=2.0), {})]
+if ON_GPU:
+    # fa1's other loop order (the ladder's rungs: FA2's grid, deferred rescaling), its causal
+    # block skipping and q_splits=0 (enough splits to fill the GPU)
+    FA1_STANDARD += [("fa1", dict(causal=True), o) for o in (
+        dict(outer_loop="q"), dict(outer_loop="q", deferred_rescale=True), dict(causal_skip=True),
+        dict(q_splits=0))]
+
+
+@pytest.mark.parametrize("variant, mask, options", FA1_STANDARD,
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_fa1_and_standard_varlen(rng, variant, mask, options):
+    check_packed_forward(rng, variant, LENGTHS if ON_GPU else SHORT_LENGTHS, mask, 2, 1, 64,
+                         dict(VARIANT_OPTIONS[variant], **options))
+
+
+# fa1's backward of a packed batch: Algorithm 4's schedule (a thread block per sequence and K/V
+# head walking its K/V blocks) of fa2's kernel, dQ by vector atomics; standard's: its kernels one
+# sequence at a time (the rows of a sequence with no key or no query zeroed)
+@pytest.mark.parametrize("variant, mask", [("fa1", dict(causal=True)),
+                                           ("standard", dict(causal=True, softcap=2.0))]
+                         + ([("fa1", dict(window_size=(24, 5), softcap=2.0)),
+                             ("standard", dict(window_size=(24, 5)))] if ON_GPU else []),
+                         ids=lambda x: ",".join(x) if isinstance(x, dict) else x)
+def test_fa1_and_standard_varlen_backward(rng, variant, mask):
+    check_packed_backward(rng, variant, mask, 2, 1, {}, LENGTHS if ON_GPU else SHORT_LENGTHS)
+
+
+def check_packed_backward(rng, variant, mask, heads, heads_kv, options, lengths=LENGTHS):
     dtype, head_dim = "bfloat16", 64
-    q, k, v, cu_q, cu_k = packed(rng, LENGTHS, heads, heads_kv, head_dim, dtype)
+    q, k, v, cu_q, cu_k = packed(rng, lengths, heads, heads_kv, head_dim, dtype)
     do = rng.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
     library = inputs.default_library()
     dq_, dk_, dv_, ddo, dcq, dck = (inputs.to_device(x, library) for x in (q, k, v, do, cu_q, cu_k))
-    max_q, max_k = max(n for n, _ in LENGTHS), max(n for _, n in LENGTHS)
-    o, lse = variants.forward_varlen(dq_, dk_, dv_, dcq, dck, max_q, max_k, **mask, **OPTIONS)
+    max_q, max_k = max(n for n, _ in lengths), max(n for _, n in lengths)
+    o, lse = variants.forward_varlen(dq_, dk_, dv_, dcq, dck, max_q, max_k, variant=variant,
+                                     **mask, **VARIANT_OPTIONS[variant])
     grads = tuple(inputs.poison(arrays.empty(library, x.shape, dtype, like=dq_)) for x in (q, k, v))
+    small = {k: v for k, v in SMALL_BACKWARD.items() if variant == "fa2" or
+             (variant == "fa1" and k in ("block_m", "block_n", "warps"))}
     variants.backward_varlen(ddo, dq_, dk_, dv_, o, lse, dcq, dck, max_q, max_k, grads=grads,
-                             **mask, **SMALL_BACKWARD, **options)
+                             variant=variant, **mask, **small, **options)
     dq, dk, dv = (inputs.to_host(x).astype(np.float32) for x in grads)
-    for b, (n_q, n_k) in enumerate(LENGTHS):
+    for b, (n_q, n_k) in enumerate(lengths):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         where = f"sequence {b} (N_q={n_q}, N_k={n_k}) {mask} {options}"
         if n_q == 0 or n_k == 0:   # nothing flows: zero gradients, not garbage
@@ -211,8 +258,6 @@ def test_varlen_errors_name_the_problem(rng):
         call(cu_k=np.array([0, 9], np.int32), max_k=9)
     with pytest.raises(ValueError, match="3-D"):
         call(q=inputs.to_device(q[None], library))
-    with pytest.raises(ValueError, match="no variable-length forward; these do: fa2, fa3"):
-        call(variant="fa1")
     with pytest.raises(TypeError, match="fa3 takes float16 or bfloat16"):   # no FP8 packed
         call(variant="fa3", q=inputs.to_device(np.zeros(q.shape, np.uint8), library))
     with pytest.raises(ValueError, match="takes 16-bit inputs, not FP8 \\(q_descale\\)"):

@@ -30,6 +30,11 @@ The switches, each a rung of the ladder in the order of the FA2 paper:
   q_splits=n             n thread blocks per (batch, head) along the queries, each running Alg. 1
                          over its share of query blocks; 0: enough to fill the GPU (FA1's released
                          kernels' `num_splits`, which the FA2 paper's FA1 numbers had)
+
+Packed batches (`forward_varlen`, as FA1's own `flash_attn_unpadded_func`): the grid's batch index
+is a sequence of the packed tensors, whose rows and keys the block reads from cu_seqlens; O, l, m
+make their round trips through HBM in the packed rows. The backward is Algorithm 4's schedule of
+fa2's kernel, as for fixed lengths (`backward_varlen`).
 """
 import math
 from dataclasses import dataclass
@@ -38,10 +43,11 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint16
 
-from common import configs, masks, pipeline, softmax, splitk, target, tiles
+from common import arrays, configs, masks, pipeline, softmax, splitk, target, tiles
 from common import backward as bwd
 from common.elements import BFLOAT16, FLOAT16, Element
-from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
+from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare, \
+    prepare_varlen
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
@@ -65,6 +71,8 @@ class Config:
     causal_skip: bool = False    # visit only K/V blocks inside the band (on or below the diagonal)
     q_splits: int = 1            # thread blocks per (batch, head) along the queries (outer_loop="kv";
                                  # 0: enough for every SM to hold RESIDENT of them)
+    varlen: bool = False         # a packed batch of sequences (forward_varlen): bounds per block
+    bottom_right: bool = True    # varlen: the band's diagonal at each sequence's bottom-right
 
     @property
     def threads(self):
@@ -161,6 +169,7 @@ def build(cfg):
     ELEM, BANDED, DEFERRED, SOFTCAP = cfg.element.code, cfg.causal, cfg.deferred_rescale, cfg.softcap
     WINDOW = cfg.window
     OUTER_KV, SKIP = cfg.outer_loop == "kv", cfg.causal and cfg.causal_skip
+    VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     SWIZZLE = tiles.swizzle_fits(D)                  # swizzled 16-bit tiles, or padded rows
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -243,16 +252,31 @@ def build(cfg):
 
     @kernel
     def fa1_forward(q, k, v, o, lse, o_ws, m_ws, l_ws, n_q, n_k, kv_group, lo, hi, softcap,
-                    softmax_scale, scale_log2):
+                    softmax_scale, scale_log2, cu_q, cu_k):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse, m_ws, l_ws:
         (B, H, N_q) fp32; o_ws: (B, H, N_q, D) fp32 (D = tiles.tile_columns(d)), O between K/V
         blocks (outer_loop="kv");
-        lo, hi, softcap: the mask (variants/fa2.py)."""
+        lo, hi, softcap: the mask (variants/fa2.py). VARLEN: B = 1 and batch b of the grid is the
+        sequence of rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k), lo and hi relative to its top-left
+        corner (as fa2's forward)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         b, h = cuda.blockIdx.y, cuda.blockIdx.z
-        q_bh, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
-        o_bh, lse_bh, m_bh, l_bh = o[b, h], lse[b, h], m_ws[b, h], l_ws[b, h]
+        if VARLEN:   # sequence b of the packed batch: its rows, and its own band
+            first_q, first_k = cu_q[b], cu_k[b]
+            n_q, n_k = int32(cu_q[b + 1] - first_q), int32(cu_k[b + 1] - first_k)
+            if SHIFT:
+                lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
+            q_bh = q[0, h, first_q:first_q + n_q]
+            k_h = k[0, h // kv_group, first_k:first_k + n_k]
+            v_h = v[0, h // kv_group, first_k:first_k + n_k]
+            o_bh, lse_bh = o[0, h, first_q:first_q + n_q], lse[0, h, first_q:first_q + n_q]
+            m_bh, l_bh = m_ws[0, h, first_q:first_q + n_q], l_ws[0, h, first_q:first_q + n_q]
+            o_ws_bh = o_ws[0, h, first_q:first_q + n_q] if OUTER_KV else o_ws[0, 0]
+        else:
+            q_bh, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
+            o_bh, lse_bh, m_bh, l_bh = o[b, h], lse[b, h], m_ws[b, h], l_ws[b, h]
+            o_ws_bh = o_ws[b, h] if OUTER_KV else o_ws[0, 0]
         smem = cuda.shared.array(0, uint16)
         k_s, v_s = smem[K0:K0 + KV_TILE], smem[V0:V0 + KV_TILE]
         f32 = cuda.shared.array(0, float32)
@@ -273,7 +297,11 @@ def build(cfg):
             share = (t_r + cuda.gridDim.x - 1) // cuda.gridDim.x
             i_begin = cuda.blockIdx.x * share
             i_end = min(t_r, i_begin + share)
-            if SKIP:   # query blocks that see no key at all are never visited: O = 0, L = -inf
+            if VARLEN and i_begin >= i_end:   # the grid covers the longest sequence
+                return
+            # query blocks that see no key at all (skipping; a packed sequence of no key) are
+            # never visited: O = 0, L = -inf
+            if SKIP or VARLEN:
                 for i in range(i_begin, i_end):
                     j_first, j_stop = masks.key_blocks(i * BR, BR, n_q, n_k, BC, lo, hi)
                     if j_stop <= j_first and i * BR + row < n_q:
@@ -321,7 +349,7 @@ def build(cfg):
                     if j > j_first and grow < n_q:
                         m_old, l_old = m_bh[grow], l_bh[grow]
                         for c in range(CHUNK):
-                            o_own[c] = o_ws[b, h, grow, c0 + c]
+                            o_own[c] = o_ws_bh[grow, c0 + c]
                     # l.9-10 over each warp's keys; maxima, sums and P~ V exchanged (split-K).
                     q_s = smem[q0:q0 + Q_TILE]
                     scores_and_partial_max(s, q_frag, q_s, k_s, red_max, row0, col0, n_k, lo, hi,
@@ -340,7 +368,7 @@ def build(cfg):
                                          softmax_scale)
                         else:
                             for c in range(CHUNK):
-                                o_ws[b, h, grow, c0 + c] = o_own[c]
+                                o_ws_bh[grow, c0 + c] = o_own[c]
                             if c0 == 0:
                                 m_bh[grow] = m_new
                                 l_bh[grow] = l_new
@@ -348,6 +376,8 @@ def build(cfg):
             # FA2's loop order: this thread block is query block i; O_i, l_i, m_i stay on chip.
             i = masks.query_block(SKIP)   # skipping blocks: the longest first
             row0 = i * BR
+            if VARLEN and row0 >= n_q:    # the grid covers the longest sequence
+                return
             j0, j1 = int32(0), int32(t_c)
             if SKIP:
                 j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
@@ -396,23 +426,46 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa1", window_size=window_size, softcap=softcap,
                    align=align)
+    return _run(prob, options)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                   align=masks.BOTTOM_RIGHT, out=None, **options):
+    """FA1 forward over a packed batch of sequences; arguments and results as
+    variants.fa2.forward_varlen. The grid covers max_seqlen_q rows of every sequence (its query
+    blocks split q_splits ways); a block past its sequence's end returns at once."""
+    prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal=causal, softmax_scale=softmax_scale, out=out,
+                          head_dims=HEAD_DIMS, variant="fa1", window_size=window_size,
+                          softcap=softcap, align=align)
+    return _run(prob, options)
+
+
+def _run(prob, options):
     cfg = default_config(prob.head_dim, prob.element, prob.banded, configs.mask_fields(prob),
                          **options)
-    b, h, n_q = prob.batch, prob.heads, prob.n_q
-    t_r = (n_q + cfg.block_m - 1) // cfg.block_m
+    b, h, n_q = prob.batch, prob.heads, prob.n_q    # packed: b sequences, n_q rows in all
+    seqs = prob.varlen
+    rows = n_q if seqs is None else seqs.max_q      # the grid covers the longest sequence
+    cu_q, cu_k = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
+        (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
+    ws = (1 if seqs is not None else b, h, n_q)      # the workspaces: rows as O's
+    t_r = (rows + cfg.block_m - 1) // cfg.block_m
     if cfg.outer_loop == "kv":
         splits = cfg.q_splits or -(-RESIDENT * target.multiprocessor_count() // (b * h))
         grid = (min(splits, t_r), b, h)
-        o_ws = prob.scratch_view((b, h, n_q, cfg.tile_dim))    # O between K/V blocks, fp32
+        o_ws = prob.scratch_view(ws + (cfg.tile_dim,))    # O between K/V blocks, fp32
     else:
         grid = (t_r, b, h)
         o_ws = prob.scratch_view((1, 1, 1, cfg.tile_dim))      # not used
-    m_ws, l_ws = (prob.scratch_view((b, h, n_q)) for _ in range(2))
+    m_ws, l_ws = (prob.scratch_view(ws) for _ in range(2))
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse,
            o_ws, m_ws, l_ws,
            np.int32(n_q), np.int32(prob.n_k), np.int32(prob.kv_group), *prob.mask_args(),
-           np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)))
+           np.float32(prob.softmax_scale), np.float32(prob.softmax_scale * math.log2(math.e)),
+           cu_q, cu_k)
     return prob.result()
 
 
@@ -460,13 +513,32 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     return fa2_backward.run_backward(g, cfg)
 
 
+def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    align=masks.BOTTOM_RIGHT, grads=None, **options):
+    """The backward of forward_varlen: Algorithm 4's schedule of fa2's kernel over each sequence
+    of the packed batch (a thread block per (sequence, K/V head) walking its K/V blocks), dQ added
+    by vector atomics (dq_reduce="red": the bulk reduction's staging is per query block of one
+    sequence); arguments as variants.fa2_backward.backward_varlen."""
+    from variants import fa2_backward
+    g = bwd.prepare_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                    grads=grads, head_dims=HEAD_DIMS, variant="fa1",
+                                    window_size=window_size, softcap=softcap, align=align)
+    options.setdefault("dq_reduce", "red")
+    cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
+                                  configs.mask_fields(g.prob), **options)
+    return fa2_backward.run_backward(g, cfg)
+
+
 def compile_targets():
     """(name, kernel, argument types, mma count in its PTX) of the configurations `forward`
     launches by default in bf16 (fp16: d=64 non-causal), and of the ladder's other fa1 rungs
     (d=128, bf16)."""
     ws4, ws3 = types.Array(types.float32, 4, "C"), LSE_TYPE
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, ws4, ws3, ws3, types.int32,
-                types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32)
+                types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE,
+                                                          SEQS_TYPE)
     rungs = [dict(), dict(outer_loop="q"), dict(outer_loop="q", deferred_rescale=True)]
     for head_dim in (64, 128):   # the other head dims change tile widths, not the code
         for element in (BFLOAT16, FLOAT16):

@@ -162,11 +162,10 @@ class BackwardConfig:
             raise ValueError(f"dq_reduce must be 'bulk' or 'red', got {self.dq_reduce!r}")
         if self.kv_blocks not in ("parallel", "sequential"):
             raise ValueError(f"kv_blocks must be 'parallel' or 'sequential', got {self.kv_blocks!r}")
-        if self.varlen and (self.bulk or self.kv_blocks == "sequential"):
+        if self.varlen and self.bulk:
             raise ValueError("a packed batch (varlen) adds dQ by dq_reduce='red' or computes it "
                              "with dq='separate': dq_reduce='bulk' stages it in per-query-block "
-                             "fragment order and kv_blocks='sequential' walks one sequence's "
-                             "blocks, neither of which a packed batch has yet")
+                             "fragment order, which a packed batch has not yet")
         if self.kv_blocks == "sequential" and self.dq != "atomic":
             raise ValueError("kv_blocks='sequential' (FA1's schedule) accumulates dQ in its own "
                              "kernel: it needs dq='atomic'")

@@ -16,7 +16,13 @@ keeps nothing N x N once it returns):
     Alg.3 l.2-4  P = exp(S - L) and dS = P o (dP - D), D = rowsum(P o dP), one warp a row
     Alg.3 l.3  dV = P^T dO;  l.5  dQ = dS K, dK = dS^T Q (the output kernel, A or A^T)
 Extra memory: 12 bytes per score (S and dP in fp32, P and dS in 16 bits).
+
+Packed batches (`forward_varlen`, `backward_varlen`): the same kernels one sequence at a time, each
+launch over that sequence's rows of the packed tensors (`AttentionProblem.sequences`), so S and P
+are N_q x N_k of that sequence; a launch a kernel and sequence, so the host's time grows with the
+number of sequences.
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -27,7 +33,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 from common import arrays, masks, ptx, softmax, tiles
 from common import backward as bwd
 from common.elements import BFLOAT16, FLOAT16, Element
-from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare
+from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare, prepare_varlen
 from common.target import device_function, kernel, launch
 
 HEAD_DIMS = tiles.HEAD_DIMS
@@ -303,6 +309,37 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="standard",
                              window_size=window_size, softcap=softcap, align=align)
+    return _backward(g)
+
+
+def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    align=masks.BOTTOM_RIGHT, grads=None):
+    """The backward of forward_varlen, one sequence at a time as the forward; arguments as
+    variants.fa2_backward.backward_varlen. The rows of a sequence with no key (dQ) or no query
+    (dK, dV) are zero."""
+    g = bwd.prepare_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                    grads=grads, head_dims=HEAD_DIMS, variant="standard",
+                                    window_size=window_size, softcap=softcap, align=align)
+    for first_q, n_q, first_k, n_k, sub in g.prob.sequences():
+        if sub is not None:
+            _backward(dataclasses.replace(
+                g, prob=sub, do=arrays.row_range(g.do, first_q, first_q + n_q),
+                do32=arrays.row_range(g.do32, first_q, first_q + n_q),
+                dq32=arrays.row_range(g.dq32, first_q, first_q + n_q),
+                dk32=arrays.row_range(g.dk32, first_k, first_k + n_k),
+                dv32=arrays.row_range(g.dv32, first_k, first_k + n_k)))
+        elif n_q:      # no key: dQ = 0
+            _fill(g.prob, arrays.row_range(g.dq32, first_q, first_q + n_q), np.int32(0))
+        elif n_k:      # no query: dK = dV = 0
+            for grad in (g.dk32, g.dv32):
+                _fill(g.prob, arrays.row_range(grad, first_k, first_k + n_k), np.int32(0))
+    return g.result()
+
+
+def _backward(g):
+    """Algorithm 3's kernels for the checked problem `g` (common.backward.prepare_backward)."""
     prob = g.prob
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
@@ -345,6 +382,57 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="standard", window_size=window_size,
                    softcap=softcap, align=align)
+    return _forward(prob)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                   causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                   align=masks.BOTTOM_RIGHT, out=None):
+    """Standard attention over a packed batch of sequences; arguments and results as
+    variants.fa2.forward_varlen. The baseline runs its three kernels one sequence at a time, each
+    over that sequence's rows of the packed tensors, with its own S and P (N_q x N_k of that
+    sequence, no padding to the longest): three launches a sequence, so a batch of many short
+    sequences costs the host more than its kernels. A sequence with no key gets O = 0 and
+    LSE = -inf."""
+    prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal=causal, softmax_scale=softmax_scale, out=out,
+                          head_dims=HEAD_DIMS, variant="standard", window_size=window_size,
+                          softcap=softcap, align=align)
+    for first_q, n_q, _, _, sub in prob.sequences():
+        if sub is not None:
+            _forward(sub)
+        elif n_q:   # no key
+            _fill(prob, arrays.row_range(prob.o32, first_q, first_q + n_q), np.int32(0))
+            _fill(prob, arrays.row_range(prob.lse, first_q, first_q + n_q, unit_axis=True),
+                  np.float32(-math.inf))
+    return prob.result()
+
+
+@lru_cache(maxsize=None)
+def build_fill():
+    """fill(x, value): every element of a (1, H, n, w) view <- value (the rows of a packed batch
+    that no kernel writes: a sequence with no key or no query)."""
+
+    @kernel
+    def fill(x, value):
+        h = cuda.blockIdx.y
+        step = cuda.gridDim.x * cuda.blockDim.x
+        for r in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, x.shape[2], step):
+            for c in range(x.shape[3]):
+                x[0, h, r, c] = value
+
+    return fill
+
+
+def _fill(prob, view, value):
+    """fill(view, value) on the problem's stream; value np.int32 (stored as the view's uint32
+    words: `launch` passes int32 and float32 scalars) or np.float32."""
+    launch(build_fill(), ((view.shape[2] + THREADS - 1) // THREADS, view.shape[1]), THREADS, 0,
+           prob.stream, view, value)
+
+
+def _forward(prob):
+    """Algorithm 0's three kernels for the checked problem `prob` (common.problem.prepare)."""
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
