@@ -193,10 +193,10 @@ class DqLayout:
 # --------------------------------------------------------------------------- the row kernels
 
 @lru_cache(maxsize=None)
-def build_preprocess(head_dim, element, zero_dq):
+def build_preprocess(head_dim, element, zero_dq, dq_cols):
     """D = rowsum(dO o O) in fp32 (and, when zero_dq, rows < n_acc of dQ's accumulator set to 0:
-    n_acc >= n_q covers an accumulator padded to whole query blocks, its rows tile_columns wide)."""
-    WORDS, D, ZERO_DQ, ELEM = head_dim // 2, tiles.tile_columns(head_dim), zero_dq, element.code
+    n_acc >= n_q covers an accumulator padded to whole query blocks, its rows dq_cols wide)."""
+    WORDS, D, ZERO_DQ, ELEM = head_dim // 2, dq_cols, zero_dq, element.code
 
     @kernel
     def preprocess(o32, do32, d_vec, dq_acc, n_q, n_acc):
@@ -294,11 +294,12 @@ def preprocess(g, zero_dq, dq_layout=None):
     prob = g.prob
     g.d_vec = prob.scratch_view((prob.view_batch, prob.heads, prob.n_q))
     rows = dq_layout.padded_rows(prob.n_q) if dq_layout is not None else prob.n_q
-    shape = (prob.view_batch, prob.heads, rows, tiles.tile_columns(prob.head_dim)) if zero_dq \
-        else (1, 1, 1, 1)
+    # a row of the accumulator: the tile's columns (fa3's backward: whole 64-column panels)
+    cols = dq_layout.cols if dq_layout is not None else tiles.tile_columns(prob.head_dim)
+    shape = (prob.view_batch, prob.heads, rows, cols) if zero_dq else (1, 1, 1, 1)
     g.dq_acc = prob.scratch_view(shape)     # (1, 1, 1, 1): not used, one kernel signature
     g.dq_layout = dq_layout
-    launch(build_preprocess(prob.head_dim, prob.element, bool(zero_dq)), _row_grid(prob, rows),
+    launch(build_preprocess(prob.head_dim, prob.element, bool(zero_dq), cols), _row_grid(prob, rows),
            32 * WARPS, 0, prob.stream, prob.o32, g.do32, g.d_vec, g.dq_acc, np.int32(prob.n_q),
            np.int32(rows if zero_dq else 0))
 
@@ -325,7 +326,8 @@ def compile_targets():
     from common.problem import LSE_TYPE, OUT_TYPE
     f32_4 = types.Array(types.float32, 4, "C")
     for head_dim in (64, 128):
-        yield f"backward preprocess d={head_dim} bf16", build_preprocess(head_dim, BFLOAT16, True), \
+        yield f"backward preprocess d={head_dim} bf16", build_preprocess(head_dim, BFLOAT16, True,
+                                                                             head_dim), \
             (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32, types.int32), 0
         yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, BFLOAT16), \
             (f32_4, OUT_TYPE, types.int32, types.float32), 0

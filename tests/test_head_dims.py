@@ -123,10 +123,29 @@ def test_varlen_at_a_padded_head_dim(rng, variant):
                          40 if variant == "fa2" else 96, VARIANT_OPTIONS[variant])
 
 
+# fa3's own backward (variants/fa3_backward.py) between its panel widths: 96 in d=128's tile (B_r =
+# 64, dQ's 128 accumulator columns split across the two warpgroups, 32 of them zeros), 40 in 64
+# (B_r = 128), 72 (S^T's and dP^T's k-steps stop at 80); Q, K, V, dO zero-filled past d by TMA,
+# dK, dV stored and dQ converted without the zero columns.
+FA3_OWN_BACKWARD = [(96, 70, True), (40, 50, False)]
+if ON_GPU:
+    FA3_OWN_BACKWARD = [(96, 1000, False), (96, 2048, True), (40, 1000, True), (72, 1000, False),
+                        (80, 130, True), (120, 1000, True)]
+
+
+@pytest.mark.parametrize("head_dim, seqlen, causal", FA3_OWN_BACKWARD)
+def test_fa3_own_backward_at_padded_head_dims(rng, head_dim, seqlen, causal):
+    # (one head in the simulator: test_backward.py's fa3 shapes cover grouped heads)
+    backward_and_check(rng, "fa3", batch=2 if ON_GPU else 1, seqlen=seqlen,
+                       heads=HEADS if ON_GPU else 1, heads_kv=HEADS_KV if ON_GPU else 1,
+                       head_dim=head_dim, dtype="bfloat16", causal=causal,
+                       forward_variant="fa3", small=False, kernel="wgmma")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [96, 192, 256])
+@pytest.mark.parametrize("head_dim", [192, 256])
 def test_fa3_wide_head_dims_train_through_fa2s_backward(rng, head_dim):
-    """fa3's own backward takes d = 64, 128: at other head dims its backward is FA2's
+    """fa3's own backward takes d <= 128 (96 in d=128's tile): past 128 its backward is FA2's
     (kernel=None)."""
     backward_and_check(rng, "fa3", batch=2, seqlen=1000, heads=HEADS, heads_kv=HEADS_KV,
                        head_dim=head_dim, dtype="bfloat16", causal=True, forward_variant="fa3",
@@ -136,8 +155,18 @@ def test_fa3_wide_head_dims_train_through_fa2s_backward(rng, head_dim):
 @pytest.mark.parametrize("head_dim", tiles.HEAD_DIMS)
 def test_every_head_dim_has_configurations_that_fit(head_dim):
     """The defaults of every head dim validate (shared memory within a thread block's, whole
-    fragments, copies that split), causal or not, with and without a packed batch's dQ path."""
+    fragments, copies that split), causal or not, with and without a packed batch's dQ path; fa3's
+    forward in the tile of whole panels (and its cp.async producer), fa1's packed backward."""
+    from variants import fa3
+    packed = (("varlen", True), ("bottom_right", True))
     for causal in (False, True):
+        for producer in ("tma", "cp_async"):
+            cfg = fa3.default_config(head_dim, "bfloat16", causal, producer=producer)
+            assert cfg.tile_dim % 64 == 0 and head_dim <= cfg.tile_dim < head_dim + 64
+        fa3.default_config(head_dim, "bfloat16", causal, packed)
+        fa2_backward.default_backward_config(head_dim, "bfloat16", causal, packed,
+                                             dq_reduce="red")
+        fa1.default_backward_config(head_dim, "bfloat16", causal, packed, dq_reduce="red")
         cfg = fa2.default_config(head_dim, "bfloat16", causal)
         assert cfg.swizzle == tiles.swizzle_fits(tiles.tile_columns(head_dim))
         bwd = fa2_backward.default_backward_config(head_dim, "bfloat16", causal)
@@ -154,7 +183,7 @@ def test_tile_columns():
         [32, 48, 48, 64, 128, 256, 256]
 
 
-@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2", "fa3"])
 @pytest.mark.parametrize("head_dim", [8, 24, 44, 264, 512])
 def test_other_head_dims_are_refused_by_name(rng, variant, head_dim):
     import numpy as np

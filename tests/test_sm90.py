@@ -385,8 +385,10 @@ def test_wgmma_lands_at_its_wait():
     """The stand-in runs a warpgroup's wgmmas in the wgmma_wait that covers them, the latest a GPU
     may (its accumulators are undefined until then): a read before the wait sees the old value,
     and a kernel that returns without waiting is an error, as for cp.async."""
-    out = np.zeros((2, 128), np.float32)
+    dev = cuda.to_device(np.zeros((2, 128), np.float32))
+    out = arrays.bits_view(arrays.describe(dev), np.float32)   # launch takes kernel views
     launch(build_lands_at_wait_kernel(True), 1, 128, 16384, 0, out)
-    assert (out[0] == 7).all() and (out[1] == 0).all()
+    got = dev.copy_to_host()
+    assert (got[0] == 7).all() and (got[1] == 0).all()
     with pytest.raises(RuntimeError, match="wgmma issued but never waited for"):
         launch(build_lands_at_wait_kernel(False), 1, 128, 16384, 0, out)

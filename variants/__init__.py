@@ -12,7 +12,7 @@ diagonal instead of the bottom-right one (common/masks.py). A row that sees no k
 LSE = -inf.
 
     o, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-runs a packed batch of sequences of different lengths (flash_attn_varlen_func; fa2, fa3), and
+runs a packed batch of sequences of different lengths (flash_attn_varlen_func; every variant), and
     dq, dk, dv = backward(do, q, k, v, o, lse, variant="fa2", causal=True)
 
 is the backward pass (recomputing P from lse, nothing N x N stored except by `standard`), and

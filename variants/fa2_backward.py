@@ -251,8 +251,9 @@ BACKWARD_DEFAULTS = {64: dict(block_m=128, query_warps=2, dq="atomic", dq_block_
 def _backward_defaults(d):
     """Defaults at head dims other than 64 and 128: not yet tuned by measurement, but FA2's
     arrangement where it fits. The tiles of the nearer of 64 and 128 (past 128: B_c = B_r = 64, so
-    that a warp's dK_j, dV_j slices stay at d / 2 registers a thread, as FA2's kernels at d = 256);
-    padded rows where the swizzle does not fit (2-D warp tiles of d / 2 columns then need only
+    that a warp's dK_j, dV_j slices stay at d / 2 registers a thread, as FA2's kernels at d = 256,
+    with the 8 warps 4 across B_r where d / 4 is whole n8 tiles, else 2: measured below); padded
+    rows where the swizzle does not fit (2-D warp tiles of d / 2 or d / 4 columns then need only
     whole n8 tiles); then the first dQ split over the warps, and the first dQ path, that fits
     (bulk reduction, then red.global.add, then the separate kernel). A head_dim that is not a
     multiple of 16 takes the tiles of the next one (tiles.tile_columns)."""

@@ -71,8 +71,8 @@ d=96 in 128 columns, 160 in 192) whose columns past d the copies zero-fill (TMA:
 map's innermost dimension, so no HBM traffic); S = Q K^T takes only the k-steps of d, O += P~ V
 all of the tile's (FA3's own kernel takes d=96 in a 64-byte swizzle instead) and O's store leaves
 the zero columns out. d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's room,
-both overlaps; d=192: three panels a tile, B_c = 112, FA3's own. fa3's own backward takes d=64
-and 128; the others' is FA2's.
+both overlaps; d=192: three panels a tile, B_c = 112, FA3's own. fa3's own backward takes d up to
+128 in the same tiles of whole panels (variants/fa3_backward.py); past 128 it is FA2's.
 Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
 """
 import math
@@ -233,7 +233,7 @@ class Config:
                              "warpgroup, at most 3)")
         if self.consumers == 3 and self.tile_dim > 64:
             raise ValueError(f"block_m=192 (three consumer warpgroups) does not fit head_dim "
-                             f"{self.head_dim}: its O and S accumulators and P~ (160 registers) "
+                             f"{self.head_dim} (a {self.tile_dim}-column tile): its O and S accumulators and P~ (160 registers) "
                              "leave nothing of the 160 a consumer thread gets (152 without "
                              "setmaxnreg)")
         if self.block_n % 16 or not 64 <= self.block_n <= 256:
@@ -1081,10 +1081,10 @@ BACKWARD_KERNELS = ("wgmma", "fa2")
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=None, **options):
     """fa3's backward from its o and lse: `kernel="wgmma"` (variants/fa3_backward.py: FA2's
-    Algorithm 2 with wgmma, TMA and a producer warp, head_dim 64 and 128; options: its
+    Algorithm 2 with wgmma, TMA and a producer warp, head_dim 32 to 128; options: its
     BackwardConfig) or "fa2" (FA2's kernels, variants/fa2_backward.py, which also take softcap and
     every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the problem, else
-    "fa2" (head dims other than 64 and 128, softcap: fa3 has a forward only for them)."""
+    "fa2" (head dims past 128, softcap: fa3 has a forward only for them)."""
     from variants import fa3_backward
     if kernel is None:
         head_dim = arrays.describe(q, "q").shape[-1]

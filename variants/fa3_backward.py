@@ -59,7 +59,7 @@ from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, OUT_TYPE
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = tuple(d for d in tiles.HEAD_DIMS if d <= 128)   # multiples of 8 from 32 to 128
 WG_KEYS = 64            # keys of one consumer warpgroup: the M of wgmma.m64nNk16
 WG_THREADS = 128
 BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles
@@ -95,6 +95,13 @@ class BackwardConfig:
         return self.block_n // WG_KEYS
 
     @property
+    def tile_dim(self):
+        """Columns of the Q, K, V, dO tiles and of dQ's accumulator rows: head_dim in whole 64-column
+        panels (as fa3's forward: TMA zero-fills the columns past head_dim, S^T and dP^T skip their
+        k-steps, dK, dV and dQ's conversion leave them out)."""
+        return sm90.panel_columns(self.head_dim)
+
+    @property
     def threads(self):
         return WG_THREADS * (self.consumers + 1) if self.setmaxnreg else WG_THREADS * self.consumers + 32
 
@@ -113,7 +120,7 @@ class BackwardConfig:
         V_j (TMA panels of B_c rows x 128 bytes), the stages' Q_i and dO_i (B_r-row panels), two
         dS^T buffers (B_c keys x B_r queries, panels of 64 queries), dQ's fp32 staging
         (B_r x d), the stages' L_i log2(e) and D_i (2 B_r floats each)."""
-        d, br, bc = self.head_dim, self.block_m, self.block_n
+        d, br, bc = self.tile_dim, self.block_m, self.block_n
         sizes = [("k", bc * d * 2), ("v", bc * d * 2), ("qdo", self.stages * 2 * br * d * 2),
                  ("ds", 2 * bc * br * 2), ("dq", br * d * 4), ("stats", self.stages * 2 * br * 4)]
         out, at = {}, 0
@@ -130,20 +137,21 @@ class BackwardConfig:
         (row tile 4 r + v, column tile c) = warp v of the warpgroup in row group r, column group
         c, holding rows 16 (4 r + v).. and columns c d / (W / B_r * 64).. (common/backward.py:
         DqLayout)."""
-        return bwd.DqLayout(rows=self.block_m, cols=self.head_dim,
+        return bwd.DqLayout(rows=self.block_m, cols=self.tile_dim,
                             threads=WG_THREADS * self.consumers,
                             warps_across=self.consumers // self.dq_row_groups)
 
     def validate(self):
         if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"fa3's backward supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+            raise ValueError(f"fa3's backward supports head_dim in multiples of 8 from 32 to 128, "
+                             f"got {self.head_dim}")
         if self.block_m not in (64, 128) or self.consumers % self.dq_row_groups:
             raise ValueError(f"fa3's backward: block_m={self.block_m} must be 64, or 128 with "
                              "block_n=128 (two consumer warpgroups, one a 64-row half of dQ_i)")
         if self.block_n not in (64, 128):
             raise ValueError(f"fa3's backward: block_n={self.block_n} must be 64 or 128 (64 keys "
                              "a consumer warpgroup, one or two)")
-        if (self.head_dim * self.dq_row_groups // self.consumers) % 16:
+        if (self.tile_dim * self.dq_row_groups // self.consumers) % 16:
             raise ValueError(f"fa3's backward: head_dim {self.head_dim} does not split into "
                              f"{self.consumers // self.dq_row_groups} dQ column blocks of a "
                              "multiple of 16")
@@ -170,6 +178,9 @@ BACKWARD_OPTIONS = configs.options_of(BackwardConfig)
 #   d=128  early_dv off: within 1% of on.
 BACKWARD_DEFAULTS = {64: dict(block_m=128, block_n=128, early_dv=False),
                      128: dict(block_m=64, block_n=128)}
+# the other head dims take the defaults of their tile (BackwardConfig.tile_dim: 96 runs in 128)
+BACKWARD_DEFAULTS.update({d: BACKWARD_DEFAULTS[sm90.panel_columns(d)] for d in HEAD_DIMS
+                          if d not in BACKWARD_DEFAULTS})
 default_backward_config = configs.default_config_function(
     "fa3 backward", BackwardConfig, BACKWARD_DEFAULTS, BACKWARD_OPTIONS, HEAD_DIMS)
 
@@ -177,7 +188,8 @@ default_backward_config = configs.default_config_function(
 @lru_cache(maxsize=None)
 def build_backward(cfg):
     """The kernel of one configuration."""
-    D, BR, BC, STAGES, NWG = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    D, BR, BC, STAGES, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    DV = cfg.head_dim if cfg.head_dim < D else 0   # valid columns of dK, dV's stores (0: all)
     ELEM, DTYPE, CAUSAL, WINDOW = cfg.element.code, cfg.element.ptx, cfg.causal, cfg.window
     PANELS = D // PANEL_COLS
     ROW = ROW_BYTES // 2                        # a 128-byte row in 16-bit elements
@@ -200,7 +212,8 @@ def build_backward(cfg):
     DQ_COLS = D // CG                           # dQ columns of a warpgroup
     DQF_WARP = BR * D // (4 * NWG)              # floats of one warp's dQ terms
     SBO = 8 * ROW_BYTES
-    K_D = D // 16                               # k-steps of S^T, dP^T (16 of d each)
+    K_D = -(-cfg.head_dim // 16)                # k-steps of S^T, dP^T (16 of d each; none over
+                                                # the tile's zero columns)
     K_Q = BR // 16                              # ... of dV, dK (16 queries each)
     K_K = BC // 16                              # ... of dQ (16 keys each)
     MMA_ST = sm90.wgmma_ss(BR, DTYPE)                      # S^T, dP^T   (m64 n=B_r k16)
@@ -476,8 +489,8 @@ def build_backward(cfg):
         tiles.stage_accumulator(k32, dk, warp_key, lane, D, True, ELEM)
         tiles.stage_accumulator(v32, dv, warp_key, lane, D, True, ELEM)
         ptx.bar_sync(DS_BARRIER, CONSUMERS)
-        tiles.store_tile(dk32[b, h_kv], k32, key0, n_k, BC, D, D, True, tid, CONSUMERS)
-        tiles.store_tile(dv32[b, h_kv], v32, key0, n_k, BC, D, D, True, tid, CONSUMERS)
+        tiles.store_tile(dk32[b, h_kv], k32, key0, n_k, BC, D, D, True, tid, CONSUMERS, DV)
+        tiles.store_tile(dv32[b, h_kv], v32, key0, n_k, BC, D, D, True, tid, CONSUMERS, DV)
 
     return fa3_backward_kv
 
@@ -485,7 +498,8 @@ def build_backward(cfg):
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
              softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
     """fa3's backward (Hopper, sm_90a): (dq, dk, dv) shaped like (q, k, v) from the forward's inputs,
-    o, lse and dO (like o), fp16 or bf16, head_dim 64 or 128. options: BackwardConfig's."""
+    o, lse and dO (like o), fp16 or bf16, head_dim a multiple of 8 from 32 to 128 (in tiles of
+    64 or 128 columns). options: BackwardConfig's."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa3",
                              window_size=window_size, softcap=softcap, align=align)
@@ -515,7 +529,7 @@ def compile_targets():
     (fp16 changes only the wgmma type): S^T, dP^T d/16 each, dV, dK B_r/16 each, dQ B_c/16."""
     argtypes = (TMAP_TYPE, LSE_TYPE, F32_3, F32_4, OUT_TYPE, OUT_TYPE) + (types.int32,) * 5 + \
         (types.float32, types.float32)
-    for head_dim in HEAD_DIMS:
+    for head_dim in (64, 128):   # the tiles' two widths; the head dims between take their code
         for causal in (False, True):
             cfg = default_backward_config(head_dim, BFLOAT16, causal)
             # deferred, the dQ product is issued in the loop and once more after it
