@@ -521,14 +521,10 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     by vector atomics (dq_reduce="red": the bulk reduction's staging is per query block of one
     sequence); arguments as variants.fa2_backward.backward_varlen."""
     from variants import fa2_backward
-    g = bwd.prepare_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                    grads=grads, head_dims=HEAD_DIMS, variant="fa1",
-                                    window_size=window_size, softcap=softcap, align=align)
-    options.setdefault("dq_reduce", "red")
-    cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
-                                  configs.mask_fields(g.prob), **options)
-    return fa2_backward.run_backward(g, cfg)
+    return fa2_backward.run_backward_varlen(
+        (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+             align=align, grads=grads), options, "fa1", default_backward_config)
 
 
 def compile_targets():

@@ -718,13 +718,21 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     from the forward's inputs, o (total_q, H, d), lse (H, total_q) and dO like o. dQ is added by
     vector atomics into a row-major accumulator (dq_reduce="red", the default here) or computed
     by the separate kernel (dq="separate")."""
-    g = bwd.prepare_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                    grads=grads, head_dims=HEAD_DIMS, variant="fa2",
-                                    window_size=window_size, softcap=softcap, align=align)
+    return run_backward_varlen(
+        (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+             align=align, grads=grads), options, "fa2", default_backward_config)
+
+
+def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_function):
+    """A packed batch's backward through this module's kernels, for fa2 and fa1 (which differ in
+    the variant's name and its configuration function): checked, dQ by vector atomics unless
+    options say otherwise (the bulk reduction's staging is per query block of one sequence)."""
+    g = bwd.prepare_backward_varlen(*arrays_and_lengths, head_dims=HEAD_DIMS, variant=variant,
+                                    **mask)
     options.setdefault("dq_reduce", "red")
-    cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
-                                  configs.mask_fields(g.prob), **options)
+    cfg = config_function(g.prob.head_dim, g.prob.element, g.prob.banded,
+                          configs.mask_fields(g.prob), **options)
     return run_backward(g, cfg)
 
 
