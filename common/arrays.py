@@ -213,25 +213,75 @@ def torch_stream(device_index):
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def empty_view(library, shape, dtype, element, like=None):
-    """(a new contiguous device array of `library` (see `empty`), its bits_view as `element`):
-    the per-call path for work arrays and outputs, with no description of the new array."""
+def empty_with_view(library, shape, dtype, element, like=None, last_dim_divisor=1):
+    """(a new contiguous device array of `library` (see `empty`), its bits_view as `element`s):
+    an output and the kernel's view of it, without describing the new array (torch)."""
     x = empty(library, shape, dtype, like=like)
-    if library == "torch":
-        itemsize = DTYPES[dtype].itemsize
-        return x, KernelView.over(x.data_ptr(), view_layout_of(
-            tuple(shape), _contiguous_strides(tuple(shape), itemsize), itemsize, element), x)
-    return x, bits_view(describe(x), element)
+    if library != "torch":
+        return x, bits_view(describe(x), element, None, last_dim_divisor)
+    itemsize = DTYPES[dtype].itemsize
+    shape = tuple(shape)
+    return x, KernelView.over(x.data_ptr(), view_layout_of(
+        shape, _contiguous_strides(shape, itemsize), itemsize, element, None, last_dim_divisor), x)
+
+
+SCRATCH_ALIGN = 256   # bytes between the work arrays `empty_views` carves from one allocation
+
+
+def views_bytes(specs):
+    """Bytes of one allocation that holds the work arrays of `specs` ((shape, element) pairs, each
+    256-byte aligned) for `views_over`."""
+    at = 0
+    for shape, element in specs:
+        size = np.dtype(element).itemsize
+        for n in shape:
+            size *= n
+        at += (size + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
+    return max(at, SCRATCH_ALIGN)
+
+
+def empty_views(library, specs, like=None):
+    """Kernel views of new contiguous work arrays, one per (shape, element) in `specs` (element a
+    NumPy type: np.float32, np.uint16, ...), carved from ONE allocation of `library`: a call's
+    scratch costs one allocator call, not one an array. Each view keeps the whole allocation
+    alive."""
+    return views_over(empty(library, (views_bytes(specs),), "uint8", like=like), specs)
+
+
+def views_over(buf, specs):
+    """Kernel views of contiguous arrays of `specs` ((shape, element) pairs) laid one after another
+    (each 256-byte aligned) in `buf`, a 1-D uint8 device array of at least views_bytes(specs)
+    bytes: a packed batch's sequences carve theirs from one allocation, one sequence after
+    another (their kernels run in stream order)."""
+    torch_buf = _torch_module(buf) is not None
+    d = None if torch_buf else describe(buf)
+    at = buf.data_ptr() if torch_buf else d.ptr
+    views = []
+    for shape, element in specs:
+        itemsize = np.dtype(element).itemsize
+        shape = tuple(shape)
+        strides = _contiguous_strides(shape, itemsize)
+        if torch_buf:
+            views.append(KernelView.over(at, view_layout_of(shape, strides, itemsize, element),
+                                         buf))
+        else:   # the simulator's views need their host arrays: bits_view over the carved part
+            views.append(bits_view(Described(d.library, at, shape, strides,
+                                             np.dtype(element).name, itemsize, buf), element))
+        size = itemsize
+        for n in shape:
+            size *= n
+        at += (size + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
+    return views
 
 
 def as_elements(view, element, last_dim_divisor=1):
-    """Another kernel view of a whole array's memory, in its axis order (a view from `empty_view`),
-    as `element`s (see bits_view): e.g. 16-bit P as pairs (uint32) for one kernel and as uint16
-    for the next."""
-    if SIMULATOR:
-        return bits_view(describe(view.owner), element, None, last_dim_divisor)
-    return KernelView.over(view.ptr, view_layout_of(view.shape, view.strides, view.dtype.itemsize,
-                                                    element, None, last_dim_divisor), view.owner)
+    """Another kernel view of a contiguous kernel view's memory (one from `empty_views`), in its
+    axis order, as `element`s (see bits_view): e.g. 16-bit P as pairs (uint32) for one kernel and
+    as uint16 for the next."""
+    dtype = view.dtype
+    return bits_view(Described("sim" if SIMULATOR else "view", view.ptr, view.shape, view.strides,
+                               dtype.name, dtype.itemsize, view.owner), element, None,
+                     last_dim_divisor)
 
 
 def row_range(view, start, stop, unit_axis=False):

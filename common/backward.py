@@ -292,12 +292,12 @@ def preprocess(g, zero_dq, dq_layout=None):
     """Fill g.d_vec (allocating it) and, when zero_dq, a zeroed g.dq_acc: row-major, or in
     `dq_layout`'s fragment order (rows padded to whole query blocks)."""
     prob = g.prob
-    g.d_vec = prob.scratch_view((prob.view_batch, prob.heads, prob.n_q))
     rows = dq_layout.padded_rows(prob.n_q) if dq_layout is not None else prob.n_q
     # a row of the accumulator: the tile's columns (fa3's backward: whole 64-column panels)
     cols = dq_layout.cols if dq_layout is not None else tiles.tile_columns(prob.head_dim)
     shape = (prob.view_batch, prob.heads, rows, cols) if zero_dq else (1, 1, 1, 1)
-    g.dq_acc = prob.scratch_view(shape)     # (1, 1, 1, 1): not used, one kernel signature
+    g.d_vec, g.dq_acc = prob.scratch_views(          # dq_acc (1, 1, 1, 1): not used, one signature
+        ((prob.view_batch, prob.heads, prob.n_q), np.float32), (shape, np.float32))
     g.dq_layout = dq_layout
     launch(build_preprocess(prob.head_dim, prob.element, bool(zero_dq), cols), _row_grid(prob, rows),
            32 * WARPS, 0, prob.stream, prob.o32, g.do32, g.d_vec, g.dq_acc, np.int32(prob.n_q),

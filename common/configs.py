@@ -3,7 +3,7 @@ variant: unknown options and head dims are refused by name, `None` means "the de
 come per head_dim (refined per (head_dim, causal) where a measurement asked for it), and each
 distinct configuration is built and validated once (it keys the kernel caches)."""
 from dataclasses import fields, replace
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 from common import elements, tiles
 
@@ -12,6 +12,23 @@ from common import elements, tiles
 # common/masks.py (causal or a sliding window): its bounds are kernel arguments.
 PROBLEM_FIELDS = ("head_dim", "element", "causal", "fp8", "k_block_scales", "softcap", "window",
                   "varlen", "bottom_right")
+
+
+def once_per_config(method):
+    """A Config method without arguments (a shared-memory layout, say) computed once per
+    configuration and kept in the instance's __dict__, beside (not among) its dataclass fields:
+    configurations are immutable and made once each (default_config's cache), and the launch path
+    asks for the same layout every call (~3-11 us a call to rebuild)."""
+    name = "_once_" + method.__name__
+
+    @wraps(method)
+    def once(self):
+        memo = self.__dict__
+        if name not in memo:
+            memo[name] = method(self)
+        return memo[name]
+
+    return once
 
 
 def options_of(config_class):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import arrays, elements
-from common.problem import HALF_DTYPES, _check_layout
+from common.problem import HALF_DTYPES, _check_layout, misaligned, remember, torch_call_key
+from common.target import KernelView
 
 
 @dataclass
@@ -65,8 +66,73 @@ class DecodeProblem:
         return self.page_size.bit_length() - 1 if self.paged else 0
 
 
+# The per-call path (as common/problem.py's for the forward): with check=False nothing depends on
+# the data, so the first call with a geometry (every tensor's shape, strides, dtype and device, and
+# the options) runs every check and keeps the problem as a template without its addresses; later
+# calls with that key read the addresses, check their alignment and read the current stream.
+# torch tensors only; anything else (check=True, other libraries, a misaligned address) takes the
+# checked path, so errors are unchanged.
+_TEMPLATES = {}
+_PER_CALL = ("q", "k_cache", "v_cache", "k_new", "v_new", "block_table", "cache_seqlens",
+             "stream", "like")
+
+
+class _DecodeTemplate:
+    """A DecodeProblem of torch tensors without its addresses and stream."""
+
+    def __init__(self, prob):
+        self.fields = {f: (None if f in _PER_CALL else x) for f, x in vars(prob).items()}
+        if not prob.paged:    # the placeholder table: the same array every call
+            self.fields["block_table"] = prob.block_table
+        self.layouts = {f: getattr(prob, f).layout for f in _PER_CALL[:7]
+                        if getattr(prob, f) is not None and (f != "block_table" or prob.paged)}
+        self.device = prob.like.device.index
+
+    def problem(self, tensors):
+        """The problem over `tensors` (name -> tensor, the _PER_CALL views' arrays; None: an
+        address is not 16-byte aligned)."""
+        ptrs = {f: x.data_ptr() for f, x in tensors.items()}
+        if misaligned(*(ptrs[f] for f in ("q", "k_cache", "v_cache", "k_new", "v_new")
+                        if f in ptrs)):
+            return None
+        prob = DecodeProblem.__new__(DecodeProblem)
+        prob.__dict__.update(self.fields)
+        for f, layout in self.layouts.items():
+            setattr(prob, f, KernelView.over(ptrs[f], layout, tensors[f]))
+        prob.stream = arrays.torch_stream(self.device)
+        prob.like = tensors["q"]
+        return prob
+
+
 def prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, causal,
                    softmax_scale, head_dims, check):
+    """The checked DecodeProblem of a call (check: read the lengths and block table back and
+    refuse bad ones); a call with an earlier call's geometry and check=False only reads
+    addresses."""
+    key = None
+    if not check:
+        tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens}
+        for f, x in (("block_table", block_table), ("k_new", k), ("v_new", v)):
+            if x is not None:
+                tensors[f] = x
+        key = torch_call_key(tuple(tensors.values()), (
+            tuple(tensors), bool(causal), softmax_scale, tuple(head_dims)))
+        template = _TEMPLATES.get(key) if key is not None else None
+        if template is not None:
+            prob = template.problem(tensors)
+            if prob is not None:
+                return prob
+    prob = _prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                           causal=causal, softmax_scale=softmax_scale, head_dims=head_dims,
+                           check=check)
+    if key is not None:
+        remember(_TEMPLATES, key, _DecodeTemplate(prob))
+    return prob
+
+
+def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, causal,
+                    softmax_scale, head_dims, check):
+    """prepare_decode's checked path."""
     dq, dkc, dvc = (arrays.describe(x, name) for x, name in
                     ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     for d, name in ((dq, "q"), (dkc, "k_cache"), (dvc, "v_cache")):

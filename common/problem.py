@@ -5,6 +5,7 @@ and returns the zero-copy views the kernels take:
   q, k, v  (B, H, N, d) uint16 (uint8 for FP8 inputs)     o32  (B, H, N_q, d/2) uint32 over the output
   lse      (B, H, N_q) float32
 """
+import copy
 import dataclasses
 import math
 import sys
@@ -109,33 +110,45 @@ class AttentionProblem:
         """A packed batch's sequences one at a time, for kernels that take one sequence a launch
         (standard): (first_q, n_q, first_k, n_k, problem) with problem the fixed-length problem of
         a batch of one over the sequence's rows of the packed views (no copy), its band at its
-        own corner; None where the sequence has no query or no key (no kernel runs there)."""
+        own corner; None where the sequence has no query or no key (no kernel runs there).
+
+        The most work (N_q x N_k) first: a launch costs the host more than a short sequence's
+        kernels take, so issuing the long sequences first lets the host's launches for the short
+        ones run while the long ones' kernels do (in the packed batch's order, the GPU would wait
+        on the host for the short ones, then the host on the GPU for the long ones)."""
         seqs = self.varlen
-        for b in range(self.batch):
+        sq, sk = seqs.starts_q, seqs.starts_k
+        work = [(sq[b + 1] - sq[b]) * (sk[b + 1] - sk[b]) for b in range(self.batch)]
+        for b in sorted(range(self.batch), key=lambda b: -work[b]):
             first_q, first_k = seqs.starts_q[b], seqs.starts_k[b]
             n_q, n_k = seqs.starts_q[b + 1] - first_q, seqs.starts_k[b + 1] - first_k
             sub = None
             if n_q and n_k:
                 shift = n_k - n_q if seqs.bottom_right else 0
-                band = dataclasses.replace(
-                    self.band, lo=self.band.lo + shift if self.band.windowed else self.band.lo,
-                    hi=self.band.hi + shift if self.band.hi < masks.UNBOUNDED else self.band.hi)
-                sub = dataclasses.replace(
-                    self, batch=1, n_q=n_q, n_k=n_k, band=band, varlen=None,
-                    q=arrays.row_range(self.q, first_q, first_q + n_q),
-                    k=arrays.row_range(self.k, first_k, first_k + n_k),
-                    v=arrays.row_range(self.v, first_k, first_k + n_k),
-                    o32=arrays.row_range(self.o32, first_q, first_q + n_q),
-                    lse=arrays.row_range(self.lse, first_q, first_q + n_q))
+                band = self.band
+                if shift and (band.windowed or band.hi < masks.UNBOUNDED):
+                    band = dataclasses.replace(
+                        band, lo=band.lo + shift if band.windowed else band.lo,
+                        hi=band.hi + shift if band.hi < masks.UNBOUNDED else band.hi)
+                # a shallow copy with its own fields (dataclasses.replace re-runs __init__ over
+                # every field: the host's time a sequence, and standard runs one a sequence)
+                sub = copy.copy(self)
+                sub.batch, sub.n_q, sub.n_k, sub.band, sub.varlen = 1, n_q, n_k, band, None
+                sub.q = arrays.row_range(self.q, first_q, first_q + n_q)
+                sub.k = arrays.row_range(self.k, first_k, first_k + n_k)
+                sub.v = arrays.row_range(self.v, first_k, first_k + n_k)
+                sub.o32 = arrays.row_range(self.o32, first_q, first_q + n_q)
+                sub.lse = arrays.row_range(self.lse, first_q, first_q + n_q)
             yield first_q, n_q, first_k, n_k, sub
 
     def scratch(self, shape, dtype):
         """A work array in the caller's library (so its memory pool serves it)."""
         return arrays.empty(self.library, shape, dtype, like=self.like)
 
-    def scratch_view(self, shape, dtype="float32", element=np.float32):
-        """A new work array as a kernel view of `element`s (the view keeps the array alive)."""
-        return arrays.empty_view(self.library, shape, dtype, element, like=self.like)[1]
+    def scratch_views(self, *specs):
+        """New work arrays, one kernel view per (shape, element) in `specs`, from one allocation
+        (arrays.empty_views)."""
+        return arrays.empty_views(self.library, specs, like=self.like)
 
 
 def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=HALF_DTYPES,

@@ -2,14 +2,18 @@
 a problem too small for the GPU to matter (B=1, N=64, 128 heads of 64: one K/V step a block), and
 the same calls replayed from a CUDA graph (what is left when the host path is gone).
 
-    python experiments/host_overhead.py [variants, default fa2,fa3]     (GPU host, torch installed)
+    python experiments/host_overhead.py [variants, default fa2,fa3] [--rounds R]   (GPU host, torch)
 
-Per call: 300 calls back to back, wall clock to a final synchronize, after 20 warm-up calls.
-"prepare" is the argument checks, output allocation and kernel views alone; "backward" is
-variants.backward given O and LSE (torch: autograd.grad of O with dO, the forward's graph kept);
-"autograd" is what a model pays: forward and backward through torch autograd
-(`variants.attention`, a torch.autograd.Function; SDPA's own autograd node), autograd.grad of O
-with dO from leaves q, k, v.
+Per call: `calls` (100) calls back to back, wall clock to a final synchronize, after 20 warm-up
+calls. The lent hosts are VMs whose speed drifts within a run (the same call measured 77 and 119
+us a minute apart), so every case is measured in R rounds (default 7), each round going once
+through all the cases, SDPA's included: the table gives the median and the lowest of the R, and
+"x sdpa" is the median over the rounds of the call's time over SDPA's same pass in the same round
+(a drift then moves both). "prepare" is the argument checks, output allocation and kernel views
+alone; "backward" is variants.backward given O and LSE (torch: autograd.grad of O with dO, the
+forward's graph kept); "autograd" is what a model pays: forward and backward through torch
+autograd (`variants.attention`, a torch.autograd.Function; SDPA's own autograd node),
+autograd.grad of O with dO from leaves q, k, v.
 """
 import sys
 import time
@@ -21,7 +25,7 @@ import common  # noqa: E402
 common.select_backend()
 
 
-def per_call_us(fn, calls=300):
+def per_call_us(fn, calls=100):
     import torch
     for _ in range(20):
         fn()
@@ -58,7 +62,9 @@ def small_problem():
                  + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
 
 
-def main(names=("fa2", "fa3")):
+def main(names=("fa2", "fa3"), rounds=7):
+    import statistics
+
     import torch
 
     import variants
@@ -68,35 +74,53 @@ def main(names=("fa2", "fa3")):
 
     q, k, v, do = small_problem()
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    print(f"# {target.describe()}, torch {torch.__version__}; microseconds a call")
-    print(f"{'what':12s} {'pass':9s} {'eager':>8s} {'graph':>8s}")
-
-    def report(name, pass_, eager, graph=float("nan")):   # printed as measured
-        print(f"{name:12s} {pass_:9s} {eager:8.1f} {graph:8.1f}", flush=True)
-
+    cases = {}     # (name, pass) -> fn
     for name in names:
         module = variants.get(name)
         o, lse = module.forward(q, k, v)
-        fwd = lambda m=module: m.forward(q, k, v)                                 # noqa: E731
-        bwd = lambda m=module: m.backward(do, q, k, v, o, lse)                    # noqa: E731
-        both = lambda n=name: torch.autograd.grad(                                # noqa: E731
+        cases[name, "forward"] = lambda m=module: m.forward(q, k, v)
+        cases[name, "backward"] = lambda m=module, o=o, lse=lse: m.backward(do, q, k, v, o, lse)
+        cases[name, "autograd"] = lambda n=name: torch.autograd.grad(
             variants.attention(*leaves, variant=n), leaves, do)
-        report(name, "forward", per_call_us(fwd), graph_replay_us(fwd))
-        report(name, "backward", per_call_us(bwd), graph_replay_us(bwd))
-        report(name, "autograd", per_call_us(both), graph_replay_us(both))
-    report("prepare", "forward", per_call_us(
-        lambda: prepare(q, q, q, causal=False, softmax_scale=None, out=None, head_dims=(64, 128),
-                        variant="fa2")))
+    cases["prepare", "forward"] = lambda: prepare(
+        q, q, q, causal=False, softmax_scale=None, out=None, head_dims=(64, 128), variant="fa2")
     sdpa = peers.forward_fn("sdpa_flash", False, None, False)
-    with torch.no_grad():
-        report("sdpa_flash", "forward", per_call_us(lambda: sdpa(q, k, v)),
-               graph_replay_us(lambda: sdpa(q, k, v)))
+
+    def sdpa_forward():
+        with torch.no_grad():
+            return sdpa(q, k, v)
+
+    cases["sdpa_flash", "forward"] = sdpa_forward
+    cases["sdpa_flash", "autograd"] = lambda: torch.autograd.grad(sdpa(*leaves), leaves, do)
+    # Replayed from CUDA graphs first: a capture fails once the leaves' gradient nodes are held
+    # by a graph made outside it (SDPA's backward case below keeps its forward's graph).
+    graph = {case: float("nan") if case == ("prepare", "forward") else graph_replay_us(fn)
+             for case, fn in cases.items()}
     o_t = sdpa(*leaves)
-    report("sdpa_flash", "backward", per_call_us(
-        lambda: torch.autograd.grad(o_t, leaves, do, retain_graph=True)))
-    both = lambda: torch.autograd.grad(sdpa(*leaves), leaves, do)                 # noqa: E731
-    report("sdpa_flash", "autograd", per_call_us(both), graph_replay_us(both))
+    cases["sdpa_flash", "backward"] = lambda: torch.autograd.grad(o_t, leaves, do,
+                                                                  retain_graph=True)
+    graph["sdpa_flash", "backward"] = float("nan")
+
+    eager = {case: [] for case in cases}
+    for _ in range(rounds):     # interleaved: each round measures every case once
+        for case, fn in cases.items():
+            eager[case].append(per_call_us(fn))
+
+    print(f"# {target.describe()}, torch {torch.__version__}; microseconds a call, {rounds} rounds "
+          "of 100 calls")
+    print(f"{'what':12s} {'pass':9s} {'median':>8s} {'lowest':>8s} {'graph':>8s} {'x sdpa':>7s}")
+    for (name, pass_), times in sorted(eager.items(), key=lambda c: c[0][0] == "sdpa_flash"):
+        peer = eager.get(("sdpa_flash", pass_))
+        ratio = statistics.median(t / p for t, p in zip(times, peer)) \
+            if peer and name != "prepare" else float("nan")
+        print(f"{name:12s} {pass_:9s} {statistics.median(times):8.1f} {min(times):8.1f} "
+              f"{graph[name, pass_]:8.1f} {ratio:7.2f}", flush=True)
 
 
 if __name__ == "__main__":
-    main(tuple(sys.argv[1].split(",")) if len(sys.argv) > 1 else ("fa2", "fa3"))
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variants", nargs="?", default="fa2,fa3")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    main(tuple(args.variants.split(",")), args.rounds)

@@ -107,3 +107,44 @@ def test_calls_launch_on_the_current_stream(rng):
         got, _ = variants.forward(q, k, v, variant="fa2")
     side.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_decode_calls_of_a_known_geometry_match_the_checked_path(rng, append):
+    """decode with check=False keeps a template per geometry (common/kvcache.py): a later call on
+    new caches, queries and block table returns, bit for bit, what the checked call returns on
+    the same data, and a misaligned q of that geometry is still refused."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from common import kvcache
+    from tests.test_decode import make_cache
+    lengths, heads, heads_kv, d, page = [300, 1000], 8, 2, 128, 256
+    capacity = -(-(max(lengths) + 1) // page) * page + page
+    dev = lambda x: inputs.to_device(x, "torch")                                  # noqa: E731
+
+    def draw():
+        k_cache, v_cache, table = make_cache(rng, lengths, heads_kv, d, "bfloat16", page, capacity)
+        q = rng.standard_normal((len(lengths), 1, heads, d), dtype=np.float32)
+        kn, vn = (rng.standard_normal((len(lengths), 1, heads_kv, d), dtype=np.float32)
+                  for _ in range(2))
+        return [dev(x.astype(inputs.DTYPES["bfloat16"])) if x.dtype != np.int32 else dev(x)
+                for x in (q, k_cache, v_cache, table, kn, vn)]
+
+    def call(q, kc, vc, tbl, kn, vn, check):
+        lens = dev(np.array(lengths, dtype=np.int32))
+        new = dict(k=kn, v=vn) if append else {}
+        return variants.decode(q, kc, vc, lens, block_table=tbl, check=check, num_splits=4, **new)
+
+    kvcache._TEMPLATES.clear()
+    call(*draw(), check=False)                      # the checked path; makes the template
+    assert len(kvcache._TEMPLATES) == 1
+    args = draw()
+    got = call(*[x.clone() for x in args], check=False)     # the per-call path
+    want = call(*args, check=True)                           # checked, on the same data
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    q = args[0]
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)
+    shifted = flat[1:1 + q.numel()].view(q.shape)
+    with pytest.raises(ValueError, match="16-byte"):
+        call(shifted, *args[1:], check=False)

@@ -424,3 +424,16 @@ def test_fp8_job_quantises_and_reports_rmse(tmp_path):
 def test_fp8_job_for_a_variant_without_fp8_is_refused(tmp_path):
     out = run(["variant=fa2", "dtype=fp8", f"hydra.run.dir={tmp_path}/run"], tmp_path)
     assert out.returncode != 0 and "dtype=fp8 runs fa3's forward" in out.stderr
+
+
+def test_once_per_config_keeps_a_layout_beside_the_fields():
+    """configs.once_per_config: the layout is built once per configuration object, and neither
+    equality, hashing nor repr (what the kernel cache keys on) sees it."""
+    from common.elements import BFLOAT16
+    from variants import fa2
+    cfg = fa2.default_config(64, BFLOAT16, False)
+    twin = dataclasses.replace(cfg)
+    assert cfg.smem_layout() is cfg.smem_layout()
+    assert cfg == twin and hash(cfg) == hash(twin) and repr(cfg) == repr(twin)
+    assert twin.smem_layout() is not cfg.smem_layout()
+    assert twin.smem_bytes() == cfg.smem_bytes()

@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, kvcache, ptx, softmax, splitk, target, tiles
+from common import arrays, configs, kvcache, ptx, softmax, splitk, target, tiles
 from common.elements import BFLOAT16, Element
 from common.smem import SharedLayout
 from common.target import device_function, kernel, launch
@@ -80,6 +80,7 @@ class Config:
         between the 8 row groups of a lane's stores)."""
         return self.head_dim + 8
 
+    @configs.once_per_config
     def smem_layout(self):
         """Q | stages x (K, V) | the warps' row statistics (m, l). After the loop the K/V region
         holds the fp32 O buffer the warps add into."""
@@ -589,20 +590,21 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
                       prob.paged, splits > 1, **options)
     lib, like = prob.library, prob.like
     dtype = prob.dtype
+    want = (prob.batch, prob.n_q, prob.heads, prob.head_dim)
     if out is None:
-        o = arrays.empty(lib, (prob.batch, prob.n_q, prob.heads, prob.head_dim), dtype, like=like)
-        lse = arrays.empty(lib, (prob.batch, prob.heads, prob.n_q), "float32", like=like)
+        o, o32 = arrays.empty_with_view(lib, want, dtype, np.uint32, like, last_dim_divisor=2)
+        lse, lse_v = arrays.empty_with_view(lib, (prob.batch, prob.heads, prob.n_q), "float32",
+                                            np.float32, like)
     else:
         o, lse = out
-    do, dl = arrays.describe(o, "out[0]"), arrays.describe(lse, "out[1]")
-    want = (prob.batch, prob.n_q, prob.heads, prob.head_dim)
-    if do.shape != want or do.dtype != dtype or dl.shape != want[:1] + (prob.heads, prob.n_q) \
-            or dl.dtype != "float32":
-        raise ValueError(f"out must be (o: {dtype} {want}, lse: float32 "
-                         f"{(prob.batch, prob.heads, prob.n_q)}), got {do.dtype} {do.shape} and "
-                         f"{dl.dtype} {dl.shape}")
-    o32 = arrays.bits_view(do, np.uint32, None, 2)
-    lse_v = arrays.bits_view(dl, np.float32)
+        do, dl = arrays.describe(o, "out[0]"), arrays.describe(lse, "out[1]")
+        if do.shape != want or do.dtype != dtype or dl.shape != want[:1] + (prob.heads, prob.n_q) \
+                or dl.dtype != "float32":
+            raise ValueError(f"out must be (o: {dtype} {want}, lse: float32 "
+                             f"{(prob.batch, prob.heads, prob.n_q)}), got {do.dtype} {do.shape} "
+                             f"and {dl.dtype} {dl.shape}")
+        o32 = arrays.bits_view(do, np.uint32, None, 2)
+        lse_v = arrays.bits_view(dl, np.float32)
     scale = np.float32(prob.softmax_scale)
     scale_log2 = np.float32(prob.softmax_scale * math.log2(math.e))
     grid = (splits, prob.batch, prob.heads_kv)
@@ -616,10 +618,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
                lse_v, part, arrays.placeholder(lib, 4, like), counters, *scalars)
     else:
-        part = arrays.empty_view(lib, (splits, prob.batch, prob.heads, prob.n_q, prob.head_dim),
-                                 "float32", np.float32, like=like)[1]
-        lse_part = arrays.empty_view(lib, (splits, prob.batch, prob.heads, prob.n_q), "float32",
-                                     np.float32, like=like)[1]
+        rows = (splits, prob.batch, prob.heads, prob.n_q)
+        part, lse_part = arrays.empty_views(lib, ((rows + (prob.head_dim,), np.float32),
+                                                  (rows, np.float32)), like=like)
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
                lse_v, part, lse_part, counters, *scalars)
         if not cfg.fused:

@@ -98,6 +98,7 @@ class Config:
     def partial_o_stride(self):  # floats a row of a warp's partial P~ V tile: 8 mod 32, so the 8
         return self.tile_dim + 8  # row groups of an accumulator store land in distinct banks
 
+    @configs.once_per_config
     def smem_layout(self):
         """K_j | V_j | Q tile(s) (16-bit, swizzled) | split-K's exchange area (fp32): each warp's
         partial P~ V, row maxima and row sums."""
@@ -455,11 +456,12 @@ def _run(prob, options):
     if cfg.outer_loop == "kv":
         splits = cfg.q_splits or -(-RESIDENT * target.multiprocessor_count() // (b * h))
         grid = (min(splits, t_r), b, h)
-        o_ws = prob.scratch_view(ws + (cfg.tile_dim,))    # O between K/V blocks, fp32
+        o_shape = ws + (cfg.tile_dim,)                    # O between K/V blocks, fp32
     else:
         grid = (t_r, b, h)
-        o_ws = prob.scratch_view((1, 1, 1, cfg.tile_dim))      # not used
-    m_ws, l_ws = (prob.scratch_view(ws) for _ in range(2))
+        o_shape = (1, 1, 1, cfg.tile_dim)                 # not used
+    o_ws, m_ws, l_ws = prob.scratch_views((o_shape, np.float32), (ws, np.float32),
+                                          (ws, np.float32))
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse,
            o_ws, m_ws, l_ws,
@@ -488,6 +490,17 @@ def default_backward_config(head_dim, element, causal, problem=(), **options):
     """The configuration of fa2's backward kernel that `backward` launches: Algorithm 4's schedule
     (kv_blocks="sequential", dq="atomic"), causal_skip False unless set, the rest fa2's backward
     defaults (variants/fa2_backward.py), overridden by the options (BACKWARD_OPTIONS) not None."""
+    if not options:   # the common call: resolved once per problem
+        return _plain_backward_config(head_dim, element, causal, tuple(problem))
+    return _backward_config(head_dim, element, causal, problem, **options)
+
+
+@lru_cache(maxsize=None)
+def _plain_backward_config(head_dim, element, causal, problem):
+    return _backward_config(head_dim, element, causal, problem)
+
+
+def _backward_config(head_dim, element, causal, problem, **options):
     from variants import fa2_backward
     unknown = set(options) - set(BACKWARD_OPTIONS)
     if unknown:

@@ -79,6 +79,7 @@ class Config:
     def tile_dim(self):  # columns of the Q, K, V tiles: head_dim, zero-padded to a multiple of 16
         return tiles.tile_columns(self.head_dim)
 
+    @configs.once_per_config
     def smem_layout(self):
         """Q_i | kv_stages x (K_j, V_j) | P~ (p_in_registers=False): 16-bit tiles."""
         d = tiles.tile_row_stride(self.tile_dim, self.swizzle)

@@ -121,6 +121,7 @@ class BackwardConfig:
     def bulk(self):
         return self.dq == "atomic" and self.dq_reduce == "bulk"
 
+    @configs.once_per_config
     def smem_layout(self):
         """The K/V kernel's shared memory: K_j | V_j | 2 x (Q_i | dO_i) | 2 x dS^T | P^T (2-D warp
         tiles) in 16-bit tiles, then fp32: 2 x (L_i log2 e, D_i) | dQ_i's terms (bulk
@@ -137,6 +138,7 @@ class BackwardConfig:
     def smem_bytes(self):
         return self.smem_layout().bytes
 
+    @configs.once_per_config
     def dq_layout(self):
         """Where the fused dQ product's terms go in dQ's accumulator: fragment order when added
         by bulk reductions (a query block's B_r x d floats contiguous), else row-major (None)."""
@@ -145,6 +147,7 @@ class BackwardConfig:
         return bwd.DqLayout(rows=self.block_m, cols=self.tile_dim, threads=self.threads,
                             warps_across=self.dq_split[1])
 
+    @configs.once_per_config
     def dq_smem_layout(self):
         """The separate dQ kernel's: Q_i | dO_i | 2 x (K_j, V_j), 16-bit tiles."""
         d = tiles.tile_row_stride(self.tile_dim, self.swizzle)

@@ -217,6 +217,7 @@ class Config:
         K/V ring, then O_i's staging room when it has its own (`o_apart`)."""
         return self.ring_bytes() + (2 * self.block_m * self.tile_dim if self.o_apart else 0)
 
+    @configs.once_per_config
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
         return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.tile_bytes()
 

@@ -129,9 +129,11 @@ class BackwardConfig:
             at += size
         return out, at
 
+    @configs.once_per_config
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
         return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.regions()[1]
 
+    @configs.once_per_config
     def dq_layout(self):
         """dQ's accumulator as the warps stage it: a query block's B_r x d floats contiguous, warp
         (row tile 4 r + v, column tile c) = warp v of the warpgroup in row group r, column group

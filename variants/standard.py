@@ -19,7 +19,8 @@ Extra memory: 12 bytes per score (S and dP in fp32, P and dS in 16 bits).
 
 Packed batches (`forward_varlen`, `backward_varlen`): the same kernels one sequence at a time, each
 launch over that sequence's rows of the packed tensors (`AttentionProblem.sequences`), so S and P
-are N_q x N_k of that sequence; a launch a kernel and sequence, so the host's time grows with the
+are N_q x N_k of that sequence, carved from one allocation sized for the longest sequences that
+each sequence reuses in turn; a launch a kernel and sequence, so the host's time grows with the
 number of sequences.
 """
 import dataclasses
@@ -322,6 +323,7 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                                     max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                     grads=grads, head_dims=HEAD_DIMS, variant="standard",
                                     window_size=window_size, softcap=softcap, align=align)
+    scratch = _scratch_for_sequences(g.prob, _BACKWARD_WORK)
     for first_q, n_q, first_k, n_k, sub in g.prob.sequences():
         if sub is not None:
             _backward(dataclasses.replace(
@@ -329,7 +331,7 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                 do32=arrays.row_range(g.do32, first_q, first_q + n_q),
                 dq32=arrays.row_range(g.dq32, first_q, first_q + n_q),
                 dk32=arrays.row_range(g.dk32, first_k, first_k + n_k),
-                dv32=arrays.row_range(g.dv32, first_k, first_k + n_k)))
+                dv32=arrays.row_range(g.dv32, first_k, first_k + n_k)), scratch)
         elif n_q:      # no key: dQ = 0
             _fill(g.prob, arrays.row_range(g.dq32, first_q, first_q + n_q), np.int32(0))
         elif n_k:      # no query: dK = dV = 0
@@ -338,16 +340,16 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     return g.result()
 
 
-def _backward(g):
-    """Algorithm 3's kernels for the checked problem `g` (common.backward.prepare_backward)."""
+def _backward(g, scratch=None):
+    """Algorithm 3's kernels for the checked problem `g` (common.backward.prepare_backward); the
+    work arrays in `scratch` when given (_scratch_for_sequences)."""
     prob = g.prob
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
     cfg = Config(prob.head_dim, prob.element)
     n_pad = padded_keys(n_k)
-    s_view, dp_view = (prob.scratch_view((b, h, n_q, n_pad)) for _ in range(2))    # S, dP: fp32
-    p16, ds16 = (prob.scratch_view((b, h, n_q, n_pad), prob.dtype, np.uint16) for _ in range(2))
+    s_view, dp_view, p16, ds16 = _work_arrays(prob, scratch, _BACKWARD_WORK, b, h, n_q, n_k)
     row_tiles = (n_q + TILE - 1) // TILE
     sizes = (np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group))
 
@@ -391,16 +393,18 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """Standard attention over a packed batch of sequences; arguments and results as
     variants.fa2.forward_varlen. The baseline runs its three kernels one sequence at a time, each
     over that sequence's rows of the packed tensors, with its own S and P (N_q x N_k of that
-    sequence, no padding to the longest): three launches a sequence, so a batch of many short
-    sequences costs the host more than its kernels. A sequence with no key gets O = 0 and
+    sequence, no padding to the longest, in one allocation that the sequences reuse in turn):
+    three launches a sequence, so a batch of many short sequences costs the host more than its
+    kernels. A sequence with no key gets O = 0 and
     LSE = -inf."""
     prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal=causal, softmax_scale=softmax_scale, out=out,
                           head_dims=HEAD_DIMS, variant="standard", window_size=window_size,
                           softcap=softcap, align=align)
+    scratch = _scratch_for_sequences(prob, _FORWARD_WORK)
     for first_q, n_q, _, _, sub in prob.sequences():
         if sub is not None:
-            _forward(sub)
+            _forward(sub, scratch)
         elif n_q:   # no key
             _fill(prob, arrays.row_range(prob.o32, first_q, first_q + n_q), np.int32(0))
             _fill(prob, arrays.row_range(prob.lse, first_q, first_q + n_q, unit_axis=True),
@@ -431,15 +435,39 @@ def _fill(prob, view, value):
            prob.stream, view, value)
 
 
-def _forward(prob):
-    """Algorithm 0's three kernels for the checked problem `prob` (common.problem.prepare)."""
+_FORWARD_WORK = (np.float32, np.uint16)                           # S, P
+_BACKWARD_WORK = (np.float32, np.float32, np.uint16, np.uint16)   # S, dP, P, dS
+
+
+def _work_specs(work, b, h, n_q, n_k):
+    """(shape, element) of each N_q x N_k matrix the kernels write (rows padded to whole tiles)."""
+    return tuple(((b, h, n_q, padded_keys(n_k)), element) for element in work)
+
+
+def _work_arrays(prob, scratch, work, b, h, n_q, n_k):
+    """The views of the N x N work arrays: in `scratch` (a packed batch's one allocation, big
+    enough for its longest sequences) or in a new allocation."""
+    specs = _work_specs(work, b, h, n_q, n_k)
+    return arrays.views_over(scratch, specs) if scratch is not None else prob.scratch_views(*specs)
+
+
+def _scratch_for_sequences(prob, work):
+    """One allocation for a packed batch's work arrays, sized for its longest sequences, that every
+    sequence's launches reuse in turn (one allocator call a call, not one a sequence)."""
+    seqs = prob.varlen
+    size = arrays.views_bytes(_work_specs(work, 1, prob.heads, seqs.max_q, seqs.max_k))
+    return arrays.empty(prob.library, (size,), "uint8", like=prob.like)
+
+
+def _forward(prob, scratch=None):
+    """Algorithm 0's three kernels for the checked problem `prob` (common.problem.prepare); the
+    work arrays in `scratch` when given (_scratch_for_sequences)."""
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
     cfg = Config(prob.head_dim, prob.element)
     n_pad = padded_keys(n_k)
-    s_view = prob.scratch_view((b, h, n_q, n_pad))                         # S, fp32
-    p16 = prob.scratch_view((b, h, n_q, n_pad), prob.dtype, np.uint16)      # P, 16-bit
+    s_view, p16 = _work_arrays(prob, scratch, _FORWARD_WORK, b, h, n_q, n_k)   # S fp32, P 16-bit
     row_tiles = (n_q + TILE - 1) // TILE
 
     scores, smem = build_scores(cfg)
