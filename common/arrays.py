@@ -255,7 +255,7 @@ def views_over(buf, specs):
     another (their kernels run in stream order)."""
     torch_buf = _torch_module(buf) is not None
     d = None if torch_buf else describe(buf)
-    at = buf.data_ptr() if torch_buf else d.ptr
+    at = start = buf.data_ptr() if torch_buf else d.ptr
     views = []
     for shape, element in specs:
         itemsize = np.dtype(element).itemsize
@@ -271,6 +271,9 @@ def views_over(buf, specs):
         for n in shape:
             size *= n
         at += (size + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
+    have = buf.numel() if torch_buf else d.shape[0]
+    if at - start > have:
+        raise ValueError(f"work arrays of {at - start} bytes do not fit a {have}-byte buffer")
     return views
 
 

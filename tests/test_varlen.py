@@ -298,3 +298,21 @@ def test_varlen_experiment_runs(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["case"] for r in rows] == ["varlen", "singles (sum)", "padded"]
     assert all(r["check"] == "ok" for r in rows)
+
+
+def test_standard_packed_scratch_is_sized_by_the_largest_sequence(rng):
+    """standard's one work allocation for a packed batch holds its largest sequence's S and P
+    (the lengths read back), not max_seqlen_q x max_seqlen_k: with (N_q, N_k) = (1, 256) and
+    (256, 1) the maxima would ask for 256 x 256 scores, each sequence needs 256 x 64 at most."""
+    from common.problem import prepare_varlen
+    from variants import standard
+    lengths = [(1, 256), (256, 1)]
+    q, k, v, cu_q, cu_k = packed(rng, lengths, 1, 1, 64, "bfloat16")
+    library = inputs.default_library()
+    dq_, dk_, dv_, dcq, dck = (inputs.to_device(x, library) for x in (q, k, v, cu_q, cu_k))
+    prob = prepare_varlen(dq_, dk_, dv_, dcq, dck, 300, 300, causal=False, softmax_scale=None,
+                          out=None, head_dims=standard.HEAD_DIMS, variant="standard")
+    scratch = standard._scratch_for_sequences(prob, standard._FORWARD_WORK)
+    assert arrays.describe(scratch).shape == (256 * 64 * (4 + 2),)
+    with pytest.raises(ValueError, match="do not fit"):
+        arrays.views_over(scratch, standard._work_specs(standard._FORWARD_WORK, 1, 1, 300, 300))

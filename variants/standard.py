@@ -452,10 +452,13 @@ def _work_arrays(prob, scratch, work, b, h, n_q, n_k):
 
 
 def _scratch_for_sequences(prob, work):
-    """One allocation for a packed batch's work arrays, sized for its longest sequences, that every
-    sequence's launches reuse in turn (one allocator call a call, not one a sequence)."""
-    seqs = prob.varlen
-    size = arrays.views_bytes(_work_specs(work, 1, prob.heads, seqs.max_q, seqs.max_k))
+    """One allocation for a packed batch's work arrays, sized for its largest sequence (by the
+    lengths read back, not max_seqlen: a loose bound, or the longest N_q and the longest N_k from
+    two sequences, would ask for more), that every sequence's launches reuse in turn (one
+    allocator call a call, not one a sequence)."""
+    sq, sk = prob.varlen.starts_q, prob.varlen.starts_k
+    size = max(arrays.views_bytes(_work_specs(work, 1, prob.heads, sq[b + 1] - sq[b],
+                                              sk[b + 1] - sk[b])) for b in range(prob.batch))
     return arrays.empty(prob.library, (size,), "uint8", like=prob.like)
 
 
