@@ -19,7 +19,7 @@ Extra memory: 12 bytes per score (S and dP in fp32, P and dS in 16 bits).
 
 Packed batches (`forward_varlen`, `backward_varlen`): the same kernels one sequence at a time, each
 launch over that sequence's rows of the packed tensors (`AttentionProblem.sequences`), so S and P
-are N_q x N_k of that sequence, carved from one allocation sized for the longest sequences that
+are N_q x N_k of that sequence, carved from one allocation sized for the largest sequence that
 each sequence reuses in turn; a launch a kernel and sequence, so the host's time grows with the
 number of sequences.
 """
@@ -446,7 +446,7 @@ def _work_specs(work, b, h, n_q, n_k):
 
 def _work_arrays(prob, scratch, work, b, h, n_q, n_k):
     """The views of the N x N work arrays: in `scratch` (a packed batch's one allocation, big
-    enough for its longest sequences) or in a new allocation."""
+    enough for its largest sequence) or in a new allocation."""
     specs = _work_specs(work, b, h, n_q, n_k)
     return arrays.views_over(scratch, specs) if scratch is not None else prob.scratch_views(*specs)
 
