@@ -32,7 +32,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from common import arrays, elements, ptx, tiles
+from common import arrays, elements, ptx, sm90, tiles
 from common.checks import UNIT_ROUNDOFF as _UNIT_ROUNDOFF
 from common.problem import _BSHD_TO_BHSD
 from common.target import device_function, kernel, launch
@@ -46,6 +46,7 @@ DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multipl
 HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
 THREADS = 128
 V_KEYS = 128                     # keys of V a block of the K-major pre-pass moves (8 groups of 16)
+V_UNIT_KEYS = 128                # keys of V fa3's producer transposes at a time (a V^T panel)
 V_THREADS = 256                  # ... with this many threads
 
 
@@ -311,6 +312,81 @@ def _gather_bytes(a, b, c, d, shift):
     m = uint32(0xFF)
     return (((a >> shift) & m) | (((b >> shift) & m) << uint32(8))
             | (((c >> shift) & m) << uint32(16)) | (((d >> shift) & m) << uint32(24)))
+
+
+@lru_cache(maxsize=None)
+def unit_transposer(head_dim, warps):
+    """transpose(smem, src, dst, warp, lane): fa3's in-kernel V^T (FA3 section 3.3, "in-kernel
+    transpose"), by `warps` warps of the producer: V_UNIT_KEYS keys of V as TMA lands them (rows of
+    head_dim e4m3 bytes in 128-byte panels of V_UNIT_KEYS rows, 128-byte swizzled) at 16-bit
+    element `src` of shared memory `smem`, into one panel of V^T at element `dst` (head_dim rows of
+    V_UNIT_KEYS keys, keys in KEY_ORDER within each 16, swizzled likewise): what `v_k_major` writes
+    to HBM, for one 128-key panel, in the layout the P V wgmma's descriptor reads.
+
+    FA3's way, with the 8x8 16-bit matrix instructions: a warp moves 16 keys x 32 columns at a
+    time. ldmatrix.x4.trans reads them as four 8x8 matrices of 16-bit pairs (keys 0-7 and 8-15 of
+    two 16-byte column chunks), so that lane (c, t) holds bytes (2c, 2c + 1) of keys 2t, 2t + 1 in
+    one register and of keys 2t + 8, 2t + 9 in the next; two byte permutes make of them column 2c's
+    and column 2c + 1's four keys in KEY_ORDER's positions 4t .. 4t + 3 (EVEN, ODD: a PRMT each), and
+    stmatrix.x4 writes the four registers as 16-byte rows of V^T. Every address is a lane's row:
+    the swizzle is applied per row, and neither the reads nor the writes have bank conflicts (the
+    selectors are chosen per lane so that a matrix holds 8 rows of distinct row mod 8). A warp's
+    blocks are compile-time constants (`blocks_of`), so a block costs six instructions: two
+    addresses of an XOR and an add each, the ldmatrix, four PRMTs, the stmatrix."""
+    ROW = 64                                      # a 128-byte row, in 16-bit elements
+    PANEL = V_UNIT_KEYS * ROW                     # a staged panel: V_UNIT_KEYS keys x 128 bytes
+    GROUPS = V_UNIT_KEYS // 16
+    BLOCKS = (head_dim // 32) * GROUPS            # (32-column block, 16-key group) pairs
+    ITERS = -(-BLOCKS // warps)                   # blocks a warp, at most
+
+    @device_function
+    def blocks_of(smem, ld0, ld_swz, st0, st_swz, sel0, sel1, w):
+        """Warp w's blocks w, w + warps, ...: inlined once per w with w a constant, so that each
+        block's group g and column block cb are constants and an address is a lane's part, one XOR
+        (the swizzle: the lane's row mod 8 against the block's chunk) and one add."""
+        for k in range(ITERS):
+            x = w + warps * k
+            if x < BLOCKS:
+                g, cb = x % GROUPS, x // GROUPS
+                r0, r1, r2, r3 = ptx.ldmatrix_x4_trans(
+                    smem, ld0 + (ld_swz ^ uint32(((2 * cb) & 7) << 3))
+                    + uint32((cb >> 2) * PANEL + g * 16 * ROW))
+                sm90.stmatrix_x4(smem, st0 + (st_swz ^ uint32(g << 3)) + uint32(32 * cb * ROW),
+                                 ptx.prmt(r0, r1, sel0), ptx.prmt(r0, r1, sel1),
+                                 ptx.prmt(r2, r3, sel0), ptx.prmt(r2, r3, sel1))
+
+    @device_function
+    def transpose(smem, src, dst, warp, lane):
+        m, r = uint32(lane) >> uint32(3), uint32(lane) & uint32(7)   # the matrix, the row a lane addresses
+        half = m >> uint32(1)
+        # ldmatrix: key 8 (m & 1) + r of the group, 16-byte chunk 2 cb + half, which the swizzle
+        # puts at chunk (2 cb + half) ^ r = 2 cb ^ (half ^ r) (2 cb even, half 0 or 1)
+        ld0 = uint32(src) + (uint32(8) * (m & uint32(1)) + r) * uint32(ROW)
+        ld_swz = (half ^ r) << uint32(3)
+        # The words: lane (c, t) makes column 2c's (selector EVEN) and column 2c + 1's (ODD) from
+        # the ldmatrix registers; lanes c < 4 put column 2c in stmatrix's first register of the
+        # chunk, lanes c >= 4 column 2c + 1, so that a matrix's 8 rows are rows 0, 2, 4, 6, 9, 11,
+        # 13, 15 (or 1, 3, 5, 7, 8, 10, 12, 14) of the chunk's 16: all 8 rows mod 8, all 8 chunks
+        # of the swizzle, no bank conflict
+        flip = (uint32(lane) >> uint32(4)) & uint32(1)                # c >= 4
+        sel0 = EVEN if flip == 0 else ODD
+        sel1 = ODD if flip == 0 else EVEN
+        # stmatrix: lane (m, r) addresses row r of matrix m: V^T row 32 cb + vt_row, whose chunk
+        # g the swizzle puts at g ^ (vt_row mod 8)
+        vt_row = uint32(16) * half + uint32(2) * r + ((m & uint32(1)) ^ (r >> uint32(2)))
+        st0 = uint32(dst) + vt_row * uint32(ROW)
+        st_swz = (vt_row & uint32(7)) << uint32(3)
+        for w in range(warps):
+            if warp == w:
+                blocks_of(smem, ld0, ld_swz, st0, st_swz, sel0, sel1, w)
+
+    return transpose
+
+
+# prmt selectors: from lo = bytes (c, c + 1) of keys k, k + 1 and hi = the same of keys k + 8,
+# k + 9 (two 16-bit pairs each, as ldmatrix.trans gives them), column c's (EVEN) and column
+# c + 1's (ODD) word of keys (k, k + 1, k + 8, k + 9), low byte first
+EVEN, ODD = uint32(0x6420), uint32(0x7531)
 
 
 def v_k_major(v8, like=None):

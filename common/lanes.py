@@ -93,6 +93,19 @@ def mma_lanes(a_regs, b_regs, c_regs, dtype):
     return c_fragment_registers(a @ b + c_fragment_matrix(c_regs))
 
 
+def stmatrix_lanes(smem, offsets, regs):
+    """stmatrix.x4 (sm_90, the inverse of ldmatrix.x4 without .trans): lanes 8i..8i+7 give the 8
+    row offsets of 8x8 matrix i; register i of lane l goes to elements (l//4, 2(l%4)) (low half)
+    and (l//4, 2(l%4)+1) of matrix i. smem: 16-bit elements, written in place."""
+    smem = np.asarray(smem).view(np.uint16)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    regs = np.asarray(regs, dtype=np.uint32)
+    for i in range(4):
+        rows = offsets[8 * i:8 * i + 8]
+        smem[rows[_G] + 2 * _T] = (regs[:, i] & 0xFFFF).astype(np.uint16)
+        smem[rows[_G] + 2 * _T + 1] = (regs[:, i] >> 16).astype(np.uint16)
+
+
 def ldmatrix_lanes(smem, offsets, trans):
     """ldmatrix.x4 (.trans): lanes 8i..8i+7 give the 8 row offsets of 8x8 matrix i; register i of
     lane l gets elements (l//4, 2(l%4)) and (l//4, 2(l%4)+1) of matrix i, or with .trans

@@ -17,6 +17,7 @@ bar_sync = sm80.bar_sync
 bar_arrive = sm80.bar_arrive
 ex2_approx = sm80.ex2_approx
 rcp_approx = sm80.rcp_approx
+prmt = sm80.prmt
 pack_bf16x2 = sm80.pack_bf16x2
 pack_f16x2 = sm80.pack_f16x2
 pack_e4m3x4 = sm80.pack_e4m3x4

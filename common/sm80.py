@@ -26,6 +26,7 @@ groups, exit checks) and common/_inline_asm.py (the inline-PTX codegen helpers).
 |                                      | the value is warp-uniform (uniform registers)          |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
 | rcp_approx                           | rcp.approx.ftz.f32                                     |
+| prmt                                 | prmt.b32: 4 of 8 bytes, by a selector in a register    |
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
 | pack_e4m3x4                          | cvt.rn.satfinite.e4m3x2.f32 (x2): four fp32 -> e4m3    |
 | unpack_bf16x2, unpack_f16x2          | mov.b32 {lo, hi}; cvt.f32.{bf16,f16} (both halves)     |
@@ -204,6 +205,25 @@ else:
 
     ex2_approx = _make_f32_unary("ex2.approx.ftz.f32 $0, $1;")
     rcp_approx = _make_f32_unary("rcp.approx.ftz.f32 $0, $1;")
+
+
+if SIMULATOR:
+    def prmt(a, b, selector):
+        """prmt.b32 with a selector in a register: byte i of the result is byte
+        (selector >> 4 i) & 7 of the 8 bytes b:a (a's bytes 0-3, b's 4-7)."""
+        both, sel = int(a) | (int(b) << 32), int(selector)
+        return np.uint32(sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i)
+                             for i in range(4)))
+else:
+    @intrinsic
+    def prmt(typingctx, a, b, selector):
+        sig = types.uint32(a, b, selector)
+
+        def codegen(context, builder, sig, args):
+            ops = [_as(context, builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+            return _asm(builder, _i32, ops, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+
+        return sig, codegen
 
 
 # =========================================================================== conversions

@@ -164,6 +164,14 @@ if SIMULATOR:
         return lanes.halves_to_float(mem[a].astype(np.uint16) | (mem[a + 1].astype(np.uint16) << 8),
                                      dtype)
 
+    def stmatrix_x4(smem, offset, r0, r1, r2, r3):
+        """stmatrix.sync.aligned.m8n8.x4.shared.b16: lanes.stmatrix_lanes over the warp's lanes,
+        offset in smem's 16-bit elements."""
+        ary = sim.unwrap(smem)
+        sim.warp_collective((int(offset), int(r0), int(r1), int(r2), int(r3)),
+                            lambda ops: lanes.stmatrix_lanes(ary, [o[0] for o in ops],
+                                                             [o[1:] for o in ops]))
+
     def _warpgroup():
         t = threading.current_thread()
         return t.thread_id // 128, t.thread_id % 128
@@ -543,6 +551,23 @@ else:
                 return types.void(acc, acc2, acc3, acc4, acc5), codegen
         wait.cache_name = f"wgmma_wait{pending}_" + "_".join(map(str, counts))
         return wait
+
+    @intrinsic
+    def stmatrix_x4(typingctx, smem, offset, r0, r1, r2, r3):
+        """Four 8x8 matrices of 16-bit elements to shared memory, a row address a lane (lanes
+        8i..8i+7: matrix i's rows), register i of each lane two elements of a row of matrix i
+        (lanes.stmatrix_lanes); offset in smem's elements."""
+        sig = types.void(smem, offset, r0, r1, r2, r3)
+
+        def codegen(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            regs = [_as(context, builder, v, t, types.uint32) for v, t in zip(args[2:], sig.args[2:])]
+            _asm(builder, ir.VoidType(), [addr] + regs,
+                 "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1,$2,$3,$4};",
+                 "r,r,r,r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     def _make_setmaxnreg(direction, count):
         instruction = _make_statement(f"setmaxnreg.{direction}.sync.aligned.u32 {count};")

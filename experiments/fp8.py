@@ -15,7 +15,8 @@ K), FP8 + both — next to the paper's numbers.
 speed: the FA2 paper's grid (batch x seqlen = 16k, 16 heads of 128, bf16 inputs), forward
 TFLOP/s of sdpa_flash, sdpa_cudnn, fa3 bf16, and fa3 FP8 with one scale a head ("fp8") and a
 scale per 256 rows of Q and K ("fp8 block"). FP8's forward includes V's K-major pre-pass (`v_k_major`),
-which is also timed alone ("v_prep"; "fp8 kernel" = fp8 - v_prep), and the quantisation of
+which is also timed alone ("v_prep"; "fp8 kernel" = fp8 - v_prep); "fp8 in-kern" is fp8 with V
+transposed by the kernel's producer instead (transpose_v="producer": no pre-pass), and the quantisation of
 q, k, v from bf16 ("quant", per block with incoherent processing); "fp8 e2e" = quant + fp8, the
 figure to compare with bf16 when the inputs start in bf16.
 """
@@ -126,11 +127,11 @@ def speed(args):
             check_rows = np.unique(rng.choice(n, 32))
             ref = reference.attention(*hosts[0], causal=causal, rows=check_rows)
 
-            def fp8_fn(block):
+            def fp8_fn(block, **options):
                 def fn(i):
                     q8, k8, v8, qd, kd, vd = quantised[block][i % n_sets]
                     return variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
-                                            k_descale=kd, v_descale=vd)
+                                            k_descale=kd, v_descale=vd, **options)
                 return fn
 
             fns = {}
@@ -139,6 +140,7 @@ def speed(args):
                 fns[p] = lambda i, f=f: f(*sets[i % n_sets])
             fns["fa3 bf16"] = lambda i: variants.forward(*sets[i % n_sets], variant="fa3", causal=causal)
             fns["fp8"] = fp8_fn(None)
+            fns["fp8 in-kern"] = fp8_fn(None, transpose_v="producer")   # V^T by the producer
             fns["fp8 block"] = fp8_fn(BLOCK)
             ms, status = {}, {}
             for name, fn in fns.items():
@@ -165,7 +167,8 @@ def speed(args):
                      for c in SPEED_COLUMNS]
             bad = [k for k, v in status.items() if v != "ok"]
             print(f"{int(causal):>6} {n:>6} " + " ".join(cells) +
-                  f"   fp8/bf16 {tf['fp8'] / tf['fa3 bf16']:.2f}" + (f"  FAIL: {bad}" if bad else ""),
+                  f"   fp8/bf16 {tf['fp8'] / tf['fa3 bf16']:.2f}"
+                  f" in-kern/bf16 {tf['fp8 in-kern'] / tf['fa3 bf16']:.2f}" + (f"  FAIL: {bad}" if bad else ""),
                   flush=True)
             for k, v in ms.items():
                 rows_out.append(dict(kernel=k, causal=causal, seqlen=n, batch=b, heads=heads,
@@ -250,7 +253,7 @@ def figure(args):
     print(f"wrote {args.out}")
 
 
-SPEED_COLUMNS = ("sdpa_flash", "sdpa_cudnn", "fa3 bf16", "fp8", "fp8 block", "fp8 kernel",
+SPEED_COLUMNS = ("sdpa_flash", "sdpa_cudnn", "fa3 bf16", "fp8", "fp8 in-kern", "fp8 block", "fp8 kernel",
                  "fp8 e2e", "quant", "v_prep")
 
 

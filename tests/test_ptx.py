@@ -9,7 +9,7 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
 from common import lanes as sem
-from common import elements, inputs, ptx, target
+from common import elements, inputs, ptx, sm90, target
 from tests.conftest import ON_GPU
 
 DTYPES = ["bfloat16", "float16"]
@@ -67,6 +67,21 @@ def test_ldmatrix_lane_semantics(rng, trans):
             assert regs[lane, i] == int(m[row, col]) | int(m[row, col + 1]) << 16
 
 
+def test_stmatrix_lane_semantics(rng):
+    """stmatrix.x4 writes what ldmatrix.x4 (no .trans) reads back, and row lane/4, columns
+    2(lane%4), +1 of matrix i come from register i of lane (the PTX ISA's figure for stmatrix)."""
+    offsets = rng.choice(4096 // 8, 32, replace=False) * 8
+    regs = rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
+    smem = np.zeros(4096, np.uint16)
+    sem.stmatrix_lanes(smem, offsets, regs)
+    np.testing.assert_array_equal(sem.ldmatrix_lanes(smem, offsets, False), regs)
+    for i in range(4):
+        for lane in range(32):
+            row = offsets[8 * i + lane // 4]
+            col = 2 * (lane % 4)
+            assert int(smem[row + col]) | int(smem[row + col + 1]) << 16 == regs[lane, i]
+
+
 # ----------------------------------------------------------------- the intrinsics in kernels
 
 @cuda.jit
@@ -114,6 +129,48 @@ def test_ldmatrix(rng, trans):
     out = np.zeros((32, 4), np.uint32)
     ldmatrix_kernel[1, 32](src, offsets, out, trans)
     np.testing.assert_array_equal(out, sem.ldmatrix_lanes(src, offsets, trans))
+
+
+@cuda.jit
+def stmatrix_kernel(regs, offsets, out):
+    lane = cuda.threadIdx.x
+    smem = cuda.shared.array(4096, uint16)
+    for i in range(lane, 4096, 32):
+        smem[i] = 0
+    cuda.syncthreads()
+    sm90.stmatrix_x4(smem, offsets[lane], regs[lane, 0], regs[lane, 1], regs[lane, 2], regs[lane, 3])
+    cuda.syncthreads()
+    for i in range(lane, 4096, 32):
+        out[i] = smem[i]
+
+
+def test_stmatrix(rng):
+    """(sm_90: the lent GPUs are Hopper)"""
+    regs = rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
+    offsets = (rng.choice(4096 // 8, 32, replace=False) * 8).astype(np.int32)
+    out = np.zeros(4096, np.uint16)
+    stmatrix_kernel[1, 32](regs, offsets, out)
+    want = np.zeros(4096, np.uint16)
+    sem.stmatrix_lanes(want, offsets, regs)
+    np.testing.assert_array_equal(out, want)
+
+
+@cuda.jit
+def prmt_kernel(a, b, selectors, out):
+    lane = cuda.threadIdx.x
+    out[lane] = ptx.prmt(a[lane], b[lane], selectors[lane])
+
+
+def test_prmt(rng):
+    """prmt.b32: result byte i is byte selector[i] of b:a (a's bytes 0-3, b's 4-7)."""
+    a, b = (rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    picks = rng.integers(0, 8, (32, 4))
+    selectors = (picks << (4 * np.arange(4))).sum(1).astype(np.uint32)
+    out = np.zeros(32, np.uint32)
+    prmt_kernel[1, 32](a, b, selectors, out)
+    both = np.concatenate([a.view(np.uint8).reshape(32, 4), b.view(np.uint8).reshape(32, 4)], 1)
+    want = np.take_along_axis(both, picks, 1).copy().view(np.uint32)[:, 0]
+    np.testing.assert_array_equal(out, want)
 
 
 @cuda.jit

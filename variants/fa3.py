@@ -40,8 +40,9 @@ Scheduling (FA3 section 3.1-3.2), each a switch:
 FP8 (FA3 section 3.3; e4m3 q, k, v with descale factors, `forward(..., q_descale=...)`): the same
 kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 in registers
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
-(`common/fp8.py: v_k_major`). The descales fold into the softmax scale (Q: one a warpgroup; K:
-one a head, or one a key block, multiplied into S), V's into O's final 1/l; P~ is computed as
+(`common/fp8.py: v_k_major`) or by the producer (below). The descales fold into the softmax scale
+(Q: one a warpgroup; K: one a head, or one a key block, multiplied into S), V's into O's final
+1/l; P~ is computed as
 2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again.
 Persistence (`persistent`, FA3's tile scheduler): a block a SM, each looping over its share of the
 (query block, batch, head) tiles, so that the producer loads the next tile's Q and first K/V
@@ -73,7 +74,11 @@ all of the tile's (FA3's own kernel takes d=96 in a 64-byte swizzle instead) and
 the zero columns out. d=256: B_c = 80 so that two K/V stages fit beside Q, O staged in Q's room,
 both overlaps; d=192: three panels a tile, B_c = 112, FA3's own. fa3's own backward takes d up to
 128 in the same tiles of whole panels (variants/fa3_backward.py); past 128 it is FA2's.
-Still to come: a TMA store of O, V transposed in the producer instead of the pre-pass.
+V^T without the pre-pass (`transpose_v="producer"`, FA3's in-kernel transpose): TMA brings V_j as it
+is into staging buffers and three producer warps write V_j^T into the ring (ldmatrix.trans, PRMT,
+stmatrix: `fp8.unit_transposer`), bit for bit the pre-pass's tile; 0.78-1.02x the pre-pass path on
+an H100 (docs/performance.md), so the pre-pass stays the default.
+Still to come: a TMA store of O.
 """
 import math
 from dataclasses import dataclass
@@ -96,7 +101,11 @@ P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest pro
                         # subnormals (FA3.md: "P scaled before its cast to e4m3")
 WG_ROWS = 64            # query rows of one consumer warpgroup: the M of wgmma.m64nNk16
 WG_THREADS = 128
-BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (18 at 4 stages)
+BARRIER_BYTES = 256     # room for 32 mbarriers ahead of the tiles (22 at 4 stages)
+TRANSPOSE_V = ("prepass", "producer")
+V_UNIT = fp8.V_UNIT_KEYS   # keys of V the producer transposes at a time: one 128-byte-wide
+                           # panel of V^T (a k32 wgmma step reads 32 of its keys)
+TRANSPOSERS = 3         # producer warps that transpose V (the fourth issues the copies)
 
 
 def work_items(n_blocks, batch_heads, paired):
@@ -119,7 +128,7 @@ class Config:
     head_dim: int
     element: Element        # the 16-bit type of the inputs, or of the output for FP8 inputs
     causal: bool
-    fp8: bool = False       # e4m3 inputs (k32 wgmmas, V^T from the pre-pass)
+    fp8: bool = False       # e4m3 inputs (k32 wgmmas, V read K-major: V^T)
     k_block_scales: bool = False   # FP8: K's descale varies by key block (multiplied into S)
     block_m: int = 128      # B_r: 64 query rows per consumer warpgroup
     block_n: int = 128      # B_c: keys per step (the N of the QK^T wgmma)
@@ -141,6 +150,13 @@ class Config:
     softcap: bool = False        # scores soft-capped (Gemma 2): S <- cap tanh(S / cap) (16-bit)
     varlen: bool = False         # a packed batch of sequences (forward_varlen): bounds per tile
     bottom_right: bool = True    # varlen: the band's diagonal at each sequence's bottom-right
+    transpose_v: str = "prepass" # FP8: who makes V^T, the K-major V that the e4m3 P V wgmma
+                                 # reads: "prepass" (a kernel before, fp8.v_k_major, V^T in HBM)
+                                 # or "producer" (FA3's: TMA brings V_j as it is into a staging
+                                 # buffer, three producer warps transpose it into the ring's V^T
+                                 # tile: no pre-pass, no V^T in HBM)
+    v_staging: int = 2           # transpose_v="producer": staging buffers of V_UNIT keys (TMA
+                                 # fills one while the transposers empty another)
 
     @property
     def consumers(self):
@@ -182,6 +198,11 @@ class Config:
         address arithmetic: FA3 gives it 40 with two consumer warpgroups)."""
         if self.cp_async and self.consumers == 2:
             return 224, 40
+        if self.v_in_producer and self.consumers == 2:
+            # transpose_v="producer": three of its warps transpose V (fp8.unit_transposer); on 24
+            # registers ptxas spilled 220 bytes there, on 40 it spills 28 (and the consumers, on
+            # 232, one value outside their K/V loop)
+            return 232, 40
         return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
     @property
@@ -198,28 +219,53 @@ class Config:
         """What the persistent blocks are dealt in turn (`work_items`, the same in the kernel)."""
         return work_items(n_blocks, batch_heads, self.paired)
 
+    @property
+    def v_in_producer(self):
+        """FP8 with V transposed by the producer warpgroup (`transpose_v="producer"`)."""
+        return self.fp8 and self.transpose_v == "producer"
+
+    @property
+    def staging_units(self):
+        """Staging buffers of V_UNIT keys for the producer's transpose of V (`v_staging`), none
+        without it."""
+        return self.v_staging if self.v_in_producer else 0
+
     def ring_bytes(self):
         """Q_i's room (16-bit-sized in FP8 too: O_i may be staged there) and the stages x (K_j,
         V_j) after it; each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows a panel;
         FP8's V_j is V_j^T: d rows x 128 keys a panel)."""
         return (2 * self.block_m + 2 * self.stages * self.block_n * self.operand.bytes) * self.tile_dim
 
+    def unit_bytes(self):
+        """A staging buffer of the producer's transpose: V_UNIT keys of V as TMA lands them (rows
+        of head_dim e4m3 bytes, in 128-byte panels)."""
+        return V_UNIT * self.tile_dim * self.operand.bytes
+
+    @staticmethod
+    def _fixed_bytes():   # the mbarriers and the worst-case alignment pad before the tiles
+        return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2
+
     @property
     def o_apart(self):
-        """O_i is staged for its store in a room of its own after the ring when that fits, so that
-        Q_{i+1} may land while O_i is written (persistent); else in Q_i's room, which is then
-        released only after the store."""
-        return (BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.ring_bytes()
+        """O_i is staged for its store in a room of its own after the ring when that fits (beside
+        the staging buffers of V, when the producer transposes it), so that Q_{i+1} may land while
+        O_i is written (persistent); else in Q_i's room, which is then released only after the
+        store."""
+        return (self._fixed_bytes() + self.ring_bytes() + self.staging_units * self.unit_bytes()
                 + 2 * self.block_m * self.tile_dim) <= MAX_SHARED_BYTES
+
+    def o_room_bytes(self):
+        return 2 * self.block_m * self.tile_dim if self.o_apart else 0
 
     def tile_bytes(self):
         """Bytes of the tiles after the first 1024-aligned byte past the mbarriers: Q_i at 0, the
-        K/V ring, then O_i's staging room when it has its own (`o_apart`)."""
-        return self.ring_bytes() + (2 * self.block_m * self.tile_dim if self.o_apart else 0)
+        K/V ring, O_i's staging room when it has its own (`o_apart`), then the staging buffers
+        of V for the producer's transpose (`staging_units`)."""
+        return self.ring_bytes() + self.o_room_bytes() + self.staging_units * self.unit_bytes()
 
     @configs.once_per_config
     def smem_bytes(self):   # the mbarriers, the worst-case alignment pad, the tiles
-        return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2 + self.tile_bytes()
+        return self._fixed_bytes() + self.tile_bytes()
 
     def validate(self):
         tiles.check_head_dim(self.head_dim, "fa3", HEAD_DIMS)
@@ -247,6 +293,16 @@ class Config:
             raise ValueError(f"producer must be one of {PRODUCERS}, got {self.producer!r}")
         if self.softcap and self.fp8:
             raise ValueError("fa3 in FP8 takes no softcap (the cap applies to descaled scores)")
+        if self.transpose_v not in TRANSPOSE_V:
+            raise ValueError(f"transpose_v must be one of {TRANSPOSE_V}, got {self.transpose_v!r}")
+        if self.transpose_v == "producer" and not self.fp8:
+            raise ValueError("transpose_v='producer' is for FP8 (e4m3) inputs: 16-bit V is read "
+                             "as it is (the wgmma transposes 16-bit B operands itself)")
+        if self.v_in_producer and not 1 <= self.v_staging <= 4:
+            raise ValueError(f"v_staging must be 1 to 4, got {self.v_staging}")
+        if self.v_in_producer and not self.setmaxnreg:
+            raise ValueError("transpose_v='producer' needs the producer warpgroup "
+                             "(setmaxnreg=True): three of its warps transpose V")
         if self.cp_async and self.fp8:
             raise ValueError("fa3 in FP8 copies with TMA only (producer='tma'): V^T's zero "
                              "fill past the last key is the copy engine's")
@@ -294,7 +350,7 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             # the largest B_c whose two stages fit beside Q (221 KB); not tuned here yet
             192: dict(block_m=128, block_n=112, stages=2, intra_overlap=True),
             # FP8 at d=256: B_c = 128 (whole 128-key rows of V^T; 2 stages fit beside Q)
-            (256, "fp8"): dict(block_n=128)}
+            (256, "fp8"): dict(block_n=128, v_staging=1)}
 # Every other head_dim runs in the tile of the panels above it (Config.tile_dim: d=96 in 128
 # columns, 40 in 64, 160 in 192) and takes that tile's defaults.
 for _d in HEAD_DIMS:
@@ -346,6 +402,16 @@ def build(cfg):
     # once O_i is stored), so that the producer loads the next tile's Q.
     BAR_Q, BAR_EMPTY_Q, BAR_K, BAR_V = 0, 4, 8, 8 + 4 * STAGES
     BAR_EMPTY_K, BAR_EMPTY_V = 8 + 8 * STAGES, 8 + 12 * STAGES
+    # transpose_v="producer" (FP8): V_j comes in V_UNIT-key units, each landed by TMA in a staging
+    # buffer (its "full" mbarrier: the bytes; "empty": one arrival a transposer warp once it has
+    # read it) and transposed by TRANSPOSERS warps into panel u of the stage's V^T tile, whose full
+    # mbarrier then takes one arrival a transposer warp (V_FULL_COUNT) instead of TMA's bytes.
+    TRANSPOSE, VS, UNITS = cfg.v_in_producer, max(cfg.staging_units, 1), BC // V_UNIT
+    BAR_VS_FULL, BAR_VS_EMPTY = 8 + 16 * STAGES, 8 + 16 * STAGES + 4 * VS
+    V_FULL_COUNT = TRANSPOSERS if TRANSPOSE else FULL_COUNT
+    STAGING0 = (cfg.ring_bytes() + cfg.o_room_bytes()) // 2   # 16-bit offset of staging buffer 0
+    UNIT_BYTES = cfg.unit_bytes()
+    TRANSPOSE_UNIT = fp8.unit_transposer(D, TRANSPOSERS) if TRANSPOSE else None
     O_APART = cfg.o_apart
     O_ROOM = cfg.ring_bytes() // 2              # 16-bit offset of O's staging room (o_apart)
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
@@ -632,11 +698,72 @@ def build(cfg):
                                  h_kv, b, smem, full)
 
     @device_function
+    def load_v_units(smem, tiles0, tmaps, it, key0, first_k, b, h_kv):
+        """transpose_v="producer": V_j as it is, V_UNIT keys at a time, each into the next staging
+        buffer once the transposers have read what it held."""
+        for u in range(UNITS):
+            unit, parity = pipeline.phase_slot(it * UNITS + u, VS)
+            if it * UNITS + u >= VS:
+                sm90.mbarrier_wait(smem, BAR_VS_EMPTY + 4 * unit, parity ^ 1)
+            sm90.mbarrier_arrive_expect_tx(smem, BAR_VS_FULL + 4 * unit, UNIT_BYTES)
+            dst = tiles0 + STAGING0 + unit * (UNIT_BYTES // 2)
+            for p in range(PANELS):
+                sm90.tma_load_4d(smem, dst + p * V_UNIT * ROW, tmaps, 2, p * PANEL,
+                                 first_k + key0 + u * V_UNIT, h_kv, b, smem,
+                                 BAR_VS_FULL + 4 * unit)
+
+    @device_function
+    def transpose_v(smem, tiles0, n, twarp, lane):
+        """transpose_v="producer", a transposer warp: the units of V_UNIT keys of this block's n
+        K/V blocks, one after another as TMA lands them in the staging buffers, into their panel
+        of V_j^T in ring stage j % STAGES (`fp8.unit_transposer`: the K-major, key-ordered
+        128-byte swizzled panel that the e4m3 P V wgmma reads), once the consumers have released
+        that stage's V (l.7). A unit's writes are fenced for the async proxy (wgmma reads through
+        it) before the warp hands its staging buffer back; after a block's last unit the warp
+        arrives on the stage's V full mbarrier. One flat loop, so that the producer's 40
+        registers a thread hold one unit's state."""
+        for step in range(n * UNITS):
+            it, u = step // UNITS, step % UNITS
+            stage, parity = slot(it)
+            if u == 0 and it >= STAGES:
+                sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
+            unit, unit_parity = pipeline.phase_slot(step, VS)
+            sm90.mbarrier_wait(smem, BAR_VS_FULL + 4 * unit, unit_parity)
+            TRANSPOSE_UNIT(smem, tiles0 + STAGING0 + unit * (UNIT_BYTES // 2),
+                           tiles0 + K0 + stage * 2 * K_TILE_ELEMS + K_TILE_ELEMS + u * D * ROW,
+                           twarp, lane)
+            ptx.fence_proxy_async_shared()
+            ptx.syncwarp()
+            if lane == 0:
+                sm90.mbarrier_arrive(smem, BAR_VS_EMPTY + 4 * unit)
+                if u == UNITS - 1:
+                    sm90.mbarrier_arrive(smem, BAR_V + 4 * stage)
+
+    @device_function
+    def ring_blocks(n_q, n_k, heads, batch_heads, lo, hi, cu_q, cu_k):
+        """The K/V blocks that go through this block's ring, over all its tiles (as `produce`
+        loads them): what the transposers follow, without the tiles' state in their registers
+        (the producer warpgroup has 40 a thread)."""
+        n_blocks = (n_q + BR - 1) // BR
+        n_items = count_items(n_blocks, batch_heads, PAIRED)
+        rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
+        total = int32(0)
+        for t in range(rounds * SPAN):
+            go, i, b, _, _ = next_tile(t, rounds, n_items, n_blocks, heads, batch_heads)
+            if go < 0:
+                break
+            if go > 0:
+                _, _, _, nq, nk, lo_b, hi_b = sequence(b, n_q, n_k, lo, hi, cu_q, cu_k)
+                if not VARLEN or i * BR < nq:
+                    total += steps(i * BR, nq, nk, lo_b, hi_b)[1]
+        return total
+
+    @device_function
     def produce(smem, tiles0, tmaps, q, k, v, n_q, n_k, kv_group, heads, batch_heads, lo, hi,
                 cu_q, cu_k, ptid):
         """The producer (one thread for TMA, every producer thread for cp.async): for each of the
         block's tiles, Q_i once the previous tile has released its Q, then K_j, V_j into the ring's
-        next stage once it is free."""
+        next stage once it is free (with transpose_v="producer": V_j into staging buffers)."""
         if not CP_ASYNC:
             for m in range(3):
                 sm90.tensormap_acquire(tmaps, m)
@@ -670,11 +797,14 @@ def build(cfg):
                 k_h = k[bb, h_kv, first_k:first_k + nk] if VARLEN else k[b, h_kv]
                 load_kv(smem, k0, tmaps, 1, k_h, key0, nk, first_k, bb, h_kv, BAR_K + 4 * stage,
                         ptid)                                                      # l.8
-                if it >= STAGES:   # ... and its V
-                    sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
-                v_h = v[bb, h_kv, first_k:first_k + nk] if VARLEN else v[b, h_kv]
-                load_kv(smem, k0 + K_TILE_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
-                        BAR_V + 4 * stage, ptid)
+                if TRANSPOSE:      # ... and its V, for the transposers
+                    load_v_units(smem, tiles0, tmaps, it, key0, first_k, bb, h_kv)
+                else:
+                    if it >= STAGES:   # ... and its V
+                        sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
+                    v_h = v[bb, h_kv, first_k:first_k + nk] if VARLEN else v[b, h_kv]
+                    load_kv(smem, k0 + K_TILE_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
+                            BAR_V + 4 * stage, ptid)
                 it += 1
             done += 1
 
@@ -706,19 +836,27 @@ def build(cfg):
             sm90.mbarrier_init(smem, BAR_EMPTY_Q, 4 * NWG)    # one arrival a consumer warp
             for s in range(STAGES):
                 sm90.mbarrier_init(smem, BAR_K + 4 * s, FULL_COUNT)
-                sm90.mbarrier_init(smem, BAR_V + 4 * s, FULL_COUNT)
+                sm90.mbarrier_init(smem, BAR_V + 4 * s, V_FULL_COUNT)
                 sm90.mbarrier_init(smem, BAR_EMPTY_K + 4 * s, 4 * NWG)
                 sm90.mbarrier_init(smem, BAR_EMPTY_V + 4 * s, 4 * NWG)
+            if TRANSPOSE:
+                for s in range(VS):
+                    sm90.mbarrier_init(smem, BAR_VS_FULL + 4 * s, 1)
+                    sm90.mbarrier_init(smem, BAR_VS_EMPTY + 4 * s, TRANSPOSERS)
             sm90.fence_mbarrier_init()
         cuda.syncthreads()
 
         if warp >= PRODUCER_WARP:
             if SETMAXNREG:
-                GIVE_REGISTERS()   # the whole producer warpgroup (TMA: then 3 of its warps leave)
+                GIVE_REGISTERS()   # the whole producer warpgroup (TMA: then 3 of its warps leave,
+                                   # or transpose V)
             ptid = tid - WG_THREADS * NWG
             if ptid < PRODUCER_THREADS:
                 produce(smem, tiles0, tmaps, q, k, v, n_q, n_k, kv_group, heads, batch_heads, lo,
                         hi, cu_q, cu_k, ptid)
+            elif TRANSPOSE and ptid >= 32:   # the other producer warps: V_j^T, block after block
+                transpose_v(smem, tiles0, ring_blocks(n_q, n_k, heads, batch_heads, lo, hi, cu_q,
+                                                      cu_k), (ptid >> 5) - 1, lane)
             return
         if SETMAXNREG:
             TAKE_REGISTERS()
@@ -977,8 +1115,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                    softcap=softcap, align=align)
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
-        v_panel = fp8.v_k_major(v)
-        v_view = arrays.bits_view(arrays.describe(v_panel), np.uint8)
+
+        def v_view(cfg):   # what the V tensor map reads: V itself, or V^T from the pre-pass
+            if cfg.v_in_producer:
+                return prob.v
+            return arrays.bits_view(arrays.describe(fp8.v_k_major(v)), np.uint8)
         problem = (("fp8", True), ("k_block_scales", k_block_scales))
         qkv = tuple(arrays.bits_view(arrays.describe(x), np.uint16, (0, 2, 1, 3),
                                      last_dim_divisor=2)
@@ -1019,14 +1160,18 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def _run(prob, qkv, v_view, scales, rows, problem, options):
-    """Launch the problem's configuration: a block a tile, or (persistent) one a SM."""
+    """Launch the problem's configuration: a block a tile, or (persistent) one a SM. FP8:
+    v_view(cfg) gives the view the V tensor map reads (it runs V's pre-pass when there is one)."""
     problem += configs.mask_fields(prob)   # ("window", True) for a sliding window; varlen's fields
     cfg = default_config(prob.head_dim, prob.element, prob.band.banded, problem, **options)
     seqs = prob.varlen
-    fp8_in = cfg.fp8
     box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
+    if cfg.fp8:   # V^T (head_dim rows of 128 keys a box), or V for the producer's transpose
+        v_view, v_rows = v_view(cfg), (V_UNIT if cfg.v_in_producer else prob.head_dim)
+    else:
+        v_rows = cfg.block_n
     tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
-                              (v_view, prob.head_dim if fp8_in else cfg.block_n, box)), prob.stream)
+                              (v_view, v_rows, box)), prob.stream)
     n_q, n_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
     cu_q, cu_k = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
         (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
@@ -1123,7 +1268,7 @@ def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16 changes only the wgmma type: d=64 non-causal), d=96 (a
     padded tile) non-causal, FP8 at d=128
-    non-causal (one scale a head), the cp.async producer, Gemma 2's band (a causal window with a
+    non-causal (one scale a head; V^T from the pre-pass and from the producer), the cp.async producer, Gemma 2's band (a causal window with a
     softcap), a packed batch (varlen, causal), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
         + (types.float32,) * 3 + (SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32, types.int32,
@@ -1134,6 +1279,8 @@ def compile_targets():
              for causal in (False, True) if element == BFLOAT16 or (d == 64 and not causal)]
     cases += [(96, BFLOAT16, False, (), {}),   # the tile of d=128 with 32 zero columns
               (128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False)), {}),
+              (128, BFLOAT16, False, (("fp8", True), ("k_block_scales", False)),
+               dict(transpose_v="producer")),
               (128, BFLOAT16, False, (), dict(producer="cp_async")),
               (128, BFLOAT16, True, (("window", True), ("softcap", True)), {}),
               (128, BFLOAT16, True, (("varlen", True), ("bottom_right", True)), {})]
