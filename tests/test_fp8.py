@@ -206,6 +206,9 @@ def test_transpose_v_is_for_fp8_with_a_producer_warpgroup(rng):
     with pytest.raises(ValueError, match="needs the producer warpgroup"):
         variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s,
                          transpose_v="producer", setmaxnreg=False)
+    with pytest.raises(ValueError, match="v_staging=4 at head_dim 128 needs .* shared memory"):
+        variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s,
+                         transpose_v="producer", v_staging=4, stages=3)
 
 
 def _fp8_inputs(rng, n=64, d=128):

@@ -307,9 +307,11 @@ class Config:
             raise ValueError("fa3 in FP8 copies with TMA only (producer='tma'): V^T's zero "
                              "fill past the last key is the copy engine's")
         if self.smem_bytes() > MAX_SHARED_BYTES:
+            staging = f", v_staging={self.v_staging}" if self.v_in_producer else ""
             raise ValueError(f"fa3 block_m={self.block_m}, block_n={self.block_n}, stages="
-                             f"{self.stages} at head_dim {self.head_dim} needs {self.smem_bytes()} "
-                             f"bytes of shared memory; the limit is {MAX_SHARED_BYTES}")
+                             f"{self.stages}{staging} at head_dim {self.head_dim} needs "
+                             f"{self.smem_bytes()} bytes of shared memory; the limit is "
+                             f"{MAX_SHARED_BYTES}")
         return self
 
 
