@@ -210,10 +210,16 @@ else:
 if SIMULATOR:
     def prmt(a, b, selector):
         """prmt.b32 with a selector in a register: byte i of the result is byte
-        (selector >> 4 i) & 7 of the 8 bytes b:a (a's bytes 0-3, b's 4-7)."""
-        both, sel = int(a) | (int(b) << 32), int(selector)
-        return np.uint32(sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i)
-                             for i in range(4)))
+        (selector >> 4 i) & 7 of the 8 bytes b:a (a's bytes 0-3, b's 4-7), or, when bit 3 of
+        that nibble is set, that byte's sign bit replicated (0x00 or 0xFF)."""
+        both, sel, out = int(a) | (int(b) << 32), int(selector), 0
+        for i in range(4):
+            nibble = (sel >> (4 * i)) & 15
+            byte = (both >> (8 * (nibble & 7))) & 0xFF
+            if nibble & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * i)
+        return np.uint32(out)
 else:
     @intrinsic
     def prmt(typingctx, a, b, selector):

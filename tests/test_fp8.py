@@ -170,26 +170,33 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, d):
     assert (lse_err <= 2.0 ** -10 * terms + 1e-5).all(), lse_err.max()
 
 
-TRANSPOSE_CASES = [(130, True, 1, 128)]
+TRANSPOSE_CASES = [(130, True, 1, {})]
 if ON_GPU:
-    TRANSPOSE_CASES += [(64, False, 1, 128), (700, False, 2, 128), (4096, True, 2, 128),
-                        (3000, False, 1, 128), (1000, True, 1, 256), (2048, False, 4, 256)]
+    TRANSPOSE_CASES += [(64, False, 1, {}), (700, False, 2, {}), (4096, True, 2, {}),
+                        (3000, False, 1, {}), (1000, True, 1, dict(v_staging=3)),
+                        (700, False, 1, dict(stages=1, v_staging=1)),
+                        (900, True, 1, dict(persistent=False)),
+                        (600, True, 1, dict(block_n=128, intra_overlap=True, v_staging=4))]
 
 
-@pytest.mark.parametrize("seqlen, causal, kv_group, d", TRANSPOSE_CASES)
-def test_fa3_fp8_v_transposed_by_the_producer_is_the_prepass(rng, seqlen, causal, kv_group, d):
+@pytest.mark.parametrize("seqlen, causal, kv_group, options", TRANSPOSE_CASES)
+def test_fa3_fp8_v_transposed_by_the_producer_is_the_prepass(rng, seqlen, causal, kv_group,
+                                                              options):
     """transpose_v="producer" (V^T made in shared memory by the producer warpgroup) gives the bits
     of the pre-pass path (V^T made in HBM by fp8.v_k_major, checked against float64 above): the
     same V^T tile in the same order, the same wgmmas. Lengths past one 128-key unit, not a multiple
     of one (TMA's zero rows past the end), many tiles a persistent block (4096, causal pairs), GQA,
-    d=256 (two panels a key row, one staging buffer)."""
+    1 to 4 staging buffers, one ring stage, a block a tile, B_c = 128 with the intra-warpgroup
+    overlap."""
+    d = 128
     b, h = 2 if seqlen >= 1000 else 1, 2 * kv_group
     q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((b, seqlen, h // kv_group, d)).astype(ml_dtypes.bfloat16)
             for _ in range(2))
     (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize_fp8(dev(x), block=None) for x in (q, k, v))
     outs = [variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd, k_descale=kd,
-                             v_descale=vd, transpose_v=mode) for mode in ("prepass", "producer")]
+                             v_descale=vd, transpose_v=mode, **options)
+            for mode in ("prepass", "producer")]
     (o_pre, lse_pre), (o_in, lse_in) = ((arrays_to_host(o), arrays_to_host(lse)) for o, lse in outs)
     assert np.isfinite(o_pre.astype(np.float32)).all()
     np.testing.assert_array_equal(o_in.view(np.uint16), o_pre.view(np.uint16))
@@ -206,6 +213,14 @@ def test_transpose_v_is_for_fp8_with_a_producer_warpgroup(rng):
     with pytest.raises(ValueError, match="needs the producer warpgroup"):
         variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s,
                          transpose_v="producer", setmaxnreg=False)
+    d256 = dev(rng.standard_normal((1, 64, 2, 256)).astype(ml_dtypes.bfloat16))
+    y8, t = fp8.quantize_fp8(d256, block=None)
+    with pytest.raises(ValueError, match="transpose_v='producer' is for head_dim 128, got 256"):
+        variants.forward(y8, y8, y8, variant="fa3", q_descale=t, k_descale=t, v_descale=t,
+                         transpose_v="producer")
+    with pytest.raises(ValueError, match="v_staging must be 1 to 4"):
+        variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s,
+                         v_staging=0)
     with pytest.raises(ValueError, match="v_staging=4 at head_dim 128 needs .* shared memory"):
         variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s,
                          transpose_v="producer", v_staging=4, stages=3)

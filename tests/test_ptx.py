@@ -144,8 +144,10 @@ def stmatrix_kernel(regs, offsets, out):
         out[i] = smem[i]
 
 
+@pytest.mark.gpu
 def test_stmatrix(rng):
-    """(sm_90: the lent GPUs are Hopper)"""
+    """The instruction against its lane semantics (sm_90: the lent GPUs are Hopper); in the
+    simulator the stand-in is those semantics, hence GPU-only."""
     regs = rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
     offsets = (rng.choice(4096 // 8, 32, replace=False) * 8).astype(np.int32)
     out = np.zeros(4096, np.uint16)
@@ -162,14 +164,17 @@ def prmt_kernel(a, b, selectors, out):
 
 
 def test_prmt(rng):
-    """prmt.b32: result byte i is byte selector[i] of b:a (a's bytes 0-3, b's 4-7)."""
+    """prmt.b32: result byte i is byte selector[i] & 7 of b:a (a's bytes 0-3, b's 4-7), or with
+    bit 3 of the nibble set that byte's sign bit replicated (0x00 or 0xFF)."""
     a, b = (rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(2))
-    picks = rng.integers(0, 8, (32, 4))
+    picks = rng.integers(0, 16, (32, 4))   # bit 3 of a nibble: the byte's sign bit, replicated
     selectors = (picks << (4 * np.arange(4))).sum(1).astype(np.uint32)
     out = np.zeros(32, np.uint32)
     prmt_kernel[1, 32](a, b, selectors, out)
     both = np.concatenate([a.view(np.uint8).reshape(32, 4), b.view(np.uint8).reshape(32, 4)], 1)
-    want = np.take_along_axis(both, picks, 1).copy().view(np.uint32)[:, 0]
+    chosen = np.take_along_axis(both, picks & 7, 1)
+    chosen = np.where(picks >= 8, np.where(chosen >= 128, 255, 0), chosen).astype(np.uint8)
+    want = chosen.copy().view(np.uint32)[:, 0]
     np.testing.assert_array_equal(out, want)
 
 

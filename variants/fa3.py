@@ -76,8 +76,8 @@ both overlaps; d=192: three panels a tile, B_c = 112, FA3's own. fa3's own backw
 128 in the same tiles of whole panels (variants/fa3_backward.py); past 128 it is FA2's.
 V^T without the pre-pass (`transpose_v="producer"`, FA3's in-kernel transpose): TMA brings V_j as it
 is into staging buffers and three producer warps write V_j^T into the ring (ldmatrix.trans, PRMT,
-stmatrix: `fp8.unit_transposer`), bit for bit the pre-pass's tile; 0.78-1.02x the pre-pass path on
-an H100 (docs/performance.md), so the pre-pass stays the default.
+stmatrix: `fp8.unit_transposer`; d=128), bit for bit the pre-pass's tile; 0.91-1.02x the pre-pass
+path on an H100 (docs/performance.md), so the pre-pass stays the default.
 Still to come: a TMA store of O.
 """
 import math
@@ -200,8 +200,8 @@ class Config:
             return 224, 40
         if self.v_in_producer and self.consumers == 2:
             # transpose_v="producer": three of its warps transpose V (fp8.unit_transposer); on 24
-            # registers ptxas spilled 220 bytes there, on 40 it spills 28 (and the consumers, on
-            # 232, one value outside their K/V loop)
+            # registers ptxas spilled 220 bytes there, on 40 it spills 36 (56 causal; and the
+            # consumers, on 232, one value outside their K/V loop)
             return 232, 40
         return {1: (256, 56), 2: (240, 24), 3: (160, 32)}[self.consumers]
 
@@ -298,8 +298,14 @@ class Config:
         if self.transpose_v == "producer" and not self.fp8:
             raise ValueError("transpose_v='producer' is for FP8 (e4m3) inputs: 16-bit V is read "
                              "as it is (the wgmma transposes 16-bit B operands itself)")
-        if self.v_in_producer and not 1 <= self.v_staging <= 4:
+        if not 1 <= self.v_staging <= 4:
             raise ValueError(f"v_staging must be 1 to 4, got {self.v_staging}")
+        if self.v_in_producer and self.head_dim != 128:
+            raise ValueError(
+                f"transpose_v='producer' is for head_dim 128, got {self.head_dim}: at 256 the "
+                "consumers' 240 registers leave the transposing warps 24, on which ptxas spills "
+                "680 bytes (416 of stack), and 232 make it serialise the consumers' wgmmas; use "
+                "transpose_v='prepass'")
         if self.v_in_producer and not self.setmaxnreg:
             raise ValueError("transpose_v='producer' needs the producer warpgroup "
                              "(setmaxnreg=True): three of its warps transpose V")
@@ -352,7 +358,7 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             # the largest B_c whose two stages fit beside Q (221 KB); not tuned here yet
             192: dict(block_m=128, block_n=112, stages=2, intra_overlap=True),
             # FP8 at d=256: B_c = 128 (whole 128-key rows of V^T; 2 stages fit beside Q)
-            (256, "fp8"): dict(block_n=128, v_staging=1)}
+            (256, "fp8"): dict(block_n=128)}
 # Every other head_dim runs in the tile of the panels above it (Config.tile_dim: d=96 in 128
 # columns, 40 in 64, 160 in 192) and takes that tile's defaults.
 for _d in HEAD_DIMS:
