@@ -94,20 +94,14 @@ def _warp_max(x):
 
 
 @lru_cache(maxsize=None)
-def _quantizer(head_dim, element, hadamard, scope):
-    """The quantiser kernel: one thread block a (block of rows, head, batch), a warp a row at a
-    time, lane l holding columns l E .. l E + E - 1 (E = d / 32). scope:
-      "block"  amax over the block's rows, then quantise with it (one pass over the input each),
-      "amax"   only the block's amax, folded into amax[0] by an atomic max (per-tensor, step 1),
-      "tensor" quantise with amax[0] (per-tensor, step 2)."""
+def _row_loader(head_dim, element, hadamard):
+    """load_row(x32, signs, b, h, row, lane, vals): the lane's E = d / 32 values of a row, as the
+    quantisers read them (transformed when `hadamard`)."""
     E = head_dim // 32
-    IN_WORDS, OUT_WORDS = E // 2, E // 4
+    IN_WORDS = E // 2
     LOG_E = E.bit_length() - 1
-    WARPS = THREADS // 32
     HADAMARD, ELEM = hadamard, element.code
     INV_SQRT_D = float32(1 / math.sqrt(head_dim))
-    FIND_AMAX, QUANTISE = scope in ("block", "amax"), scope in ("block", "tensor")
-    BLOCK_SCOPE, ATOMIC = scope == "block", scope == "amax"
 
     @device_function
     def load_row(x32, signs, b, h, row, lane, vals):
@@ -135,6 +129,24 @@ def _quantizer(head_dim, element, hadamard, scope):
                     vals[e] = other - vals[e] if upper else vals[e] + other
             for e in range(E):
                 vals[e] *= INV_SQRT_D
+
+    return load_row
+
+
+@lru_cache(maxsize=None)
+def _quantizer(head_dim, element, hadamard, scope):
+    """The quantiser kernel: one thread block a (block of rows, head, batch), a warp a row at a
+    time, lane l holding columns l E .. l E + E - 1 (E = d / 32). scope:
+      "block"  amax over the block's rows, then quantise with it (one pass over the input each),
+      "amax"   only the block's amax, folded into amax[0] by an atomic max (per-tensor, step 1),
+      "tensor" quantise with amax[0] (per-tensor, step 2)."""
+    E = head_dim // 32
+    OUT_WORDS = E // 4
+    WARPS = THREADS // 32
+    FIND_AMAX, QUANTISE = scope in ("block", "amax"), scope in ("block", "tensor")
+    BLOCK_SCOPE, ATOMIC = scope == "block", scope == "amax"
+
+    load_row = _row_loader(head_dim, element, hadamard)
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
@@ -183,6 +195,68 @@ def _quantizer(head_dim, element, hadamard, scope):
     return quantize
 
 
+ONE_PASS_WARPS = 16             # the one-pass block quantiser's warps (512 threads)
+ONE_PASS_VALUES = 64            # ... and the values of its rows a lane may hold in registers
+
+
+def one_pass_rows(head_dim, block):
+    """Rows a warp of the one-pass block quantiser holds, or 0 where the block's transformed rows do
+    not fit its registers (then the two-pass kernel runs)."""
+    if block is None or block % ONE_PASS_WARPS:
+        return 0
+    rows = block // ONE_PASS_WARPS
+    return rows if rows * (head_dim // 32) <= ONE_PASS_VALUES else 0
+
+
+@lru_cache(maxsize=None)
+def _one_pass_quantizer(head_dim, element, hadamard, rows_a_warp):
+    """Block quantisation in one pass: ONE_PASS_WARPS warps a (block of rows, head, batch), warp w
+    holding the rows w, w + 16, ... (`rows_a_warp` of them, E = d / 32 values each a lane, in
+    registers: the loops over them are unrolled), so that each row is read and transformed once
+    (the two-pass kernel reads and transforms it again to quantise). The same arithmetic in the
+    same order per value: the same bits as `_quantizer(..., "block")`."""
+    E = head_dim // 32
+    OUT_WORDS = E // 4
+    R, WARPS = rows_a_warp, ONE_PASS_WARPS
+    VALUES = R * E                   # a lane's values of its rows (a compile-time array size)
+    load_row = _row_loader(head_dim, element, hadamard)
+
+    @kernel
+    def quantize(x32, signs, out32, descale, amax, n, rows):
+        blk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = int32(cuda.threadIdx.x)
+        warp, lane = tid >> 5, tid & 31
+        row0 = blk * rows
+        row1 = min(row0 + rows, n)
+        vals = cuda.local.array(VALUES, float32)
+        row_vals = cuda.local.array(E, float32)
+        peak = cuda.shared.array(WARPS, float32)
+        top = float32(0)
+        for i in range(R):   # rows past the block's end re-read its last row, not stored
+            load_row(x32, signs, b, h, min(row0 + i * WARPS + warp, row1 - 1), lane, row_vals)
+            for e in range(E):
+                vals[i * E + e] = row_vals[e]
+                top = max(top, abs(row_vals[e]))
+        top = _warp_max(top)
+        if lane == 0:
+            peak[warp] = top
+        cuda.syncthreads()
+        for w in range(WARPS):
+            top = max(top, peak[w])
+        scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
+        if tid == 0:
+            descale[b, h, blk] = float32(1) / scale
+        for i in range(R):
+            row = row0 + i * WARPS + warp
+            if row < row1:
+                for w in range(OUT_WORDS):
+                    out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
+                        vals[i * E + 4 * w] * scale, vals[i * E + 4 * w + 1] * scale,
+                        vals[i * E + 4 * w + 2] * scale, vals[i * E + 4 * w + 3] * scale)
+
+    return quantize
+
+
 def _fp8_empty(library, shape, like):
     return arrays.empty(library, shape, "float8_e4m3fn" if library == "torch" else "uint8",
                         like=like)
@@ -194,7 +268,9 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
     x ~= descale[b, h, row // block] * x8 (block quantisation; block=None: one scale for the
     whole tensor, descale (B, H, 1) all equal). signs (d,) +-1 (`random_signs`, on the device or
     host): quantise x diag(signs) H / sqrt(d) instead (incoherent processing; give Q and K the
-    same signs, V none). Two launches per-tensor (amax, then quantise), one per block."""
+    same signs, V none). Two launches per-tensor (amax, then quantise), one per block: in one
+    pass where the block's rows fit the registers of 16 warps (`one_pass_rows`: d=128 up to 256
+    rows, d=256 up to 128), else reading each row twice (amax, then quantise)."""
     dx = arrays.describe(x, "x")
     if len(dx.shape) != 4 or dx.dtype not in ("float16", "bfloat16"):
         raise TypeError(f"quantize_fp8 takes a (batch, seqlen, heads, head_dim) float16 or "
@@ -219,9 +295,14 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
         sign_view, hadamard = _signs_view(signs, d, dx.library, x), True
     element = elements.element(dx.dtype)
     if block is not None:
-        launch(_quantizer(d, element, hadamard, "block"), (nb, h, b), THREADS, 0, stream,
-               x32, sign_view, out32, dd, arrays.placeholder(dx.library, 1, x), np.int32(n),
-               np.int32(block))
+        rows_a_warp = one_pass_rows(d, block)
+        if rows_a_warp:
+            kern, threads = _one_pass_quantizer(d, element, hadamard, rows_a_warp), \
+                32 * ONE_PASS_WARPS
+        else:
+            kern, threads = _quantizer(d, element, hadamard, "block"), THREADS
+        launch(kern, (nb, h, b), threads, 0, stream, x32, sign_view, out32, dd,
+               arrays.placeholder(dx.library, 1, x), np.int32(n), np.int32(block))
         return x8, descale
     amax = arrays.zeros(dx.library, (1,), "float32", like=x)
     av = arrays.bits_view(arrays.describe(amax), np.float32)
@@ -413,4 +494,7 @@ def compile_targets():
     for scope in ("block", "amax", "tensor"):
         yield (f"quantize_fp8 {scope}", _quantizer(128, elements.BFLOAT16, True, scope),
                (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
+    yield ("quantize_fp8 block one_pass",
+           _one_pass_quantizer(128, elements.BFLOAT16, True, one_pass_rows(128, DEFAULT_BLOCK)),
+           (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
     yield "v_k_major", _v_k_major_kernel(128), (u32_4, types.Array(types.uint32, 2, "C"), types.int32)

@@ -99,6 +99,32 @@ def test_quantize_fp8_error_within_the_format(rng, head_dim, block, incoherent):
     assert (np.abs(got - xf) <= bound).all(), np.abs(got - xf).max()
 
 
+ONE_PASS_CASES = [(128, 32, 40)]
+if ON_GPU:
+    ONE_PASS_CASES += [(128, 256, 1000), (128, 32, 300), (256, 128, 700), (256, 64, 130)]
+
+
+@pytest.mark.parametrize("head_dim, block, n", ONE_PASS_CASES)
+def test_quantize_fp8_one_pass_is_the_two_pass(rng, monkeypatch, head_dim, block, n):
+    """The one-pass block quantiser (a block's transformed rows held in registers) gives the bits
+    of the two-pass kernel (rows read and transformed again to quantise), ragged last block and
+    incoherent processing included."""
+    assert fp8.one_pass_rows(head_dim, block) > 0
+    x = dev(rng.standard_normal((1, n, 2, head_dim)).astype(ml_dtypes.bfloat16))
+    signs = fp8.random_signs(head_dim, 3)
+    one = [arrays_to_host(a) for a in fp8.quantize_fp8(x, block=block, signs=signs)]
+    monkeypatch.setattr(fp8, "one_pass_rows", lambda d, b: 0)
+    two = [arrays_to_host(a) for a in fp8.quantize_fp8(x, block=block, signs=signs)]
+    np.testing.assert_array_equal(one[0].view(np.uint8), two[0].view(np.uint8))
+    np.testing.assert_array_equal(one[1], two[1])
+
+
+def test_one_pass_rows_fit_the_registers():
+    assert fp8.one_pass_rows(128, 256) == 16 and fp8.one_pass_rows(256, 128) == 8
+    assert fp8.one_pass_rows(256, 256) == 0 and fp8.one_pass_rows(128, None) == 0
+    assert fp8.one_pass_rows(128, 100) == 0     # not whole rows a warp
+
+
 def test_incoherent_processing_leaves_qk_unchanged(rng):
     """M = diag(signs) H / sqrt(d) is orthogonal, so (Q M)(K M)^T = Q K^T (float64)."""
     for d in fp8.HEAD_DIMS:
