@@ -94,6 +94,39 @@ def _warp_max(x):
 
 
 @lru_cache(maxsize=None)
+def _block_max(warps):
+    """top(x, peak, warp, lane): the largest x of the thread block's `warps` warps (peak: a shared
+    array of `warps` floats; a block-wide barrier inside)."""
+    @device_function
+    def top(x, peak, warp, lane):
+        x = _warp_max(x)
+        if lane == 0:
+            peak[warp] = x
+        cuda.syncthreads()
+        for w in range(warps):
+            x = max(x, peak[w])
+        return x
+
+    return top
+
+
+@lru_cache(maxsize=None)
+def _row_storer(head_dim):
+    """store(out32, b, h, row, lane, vals, first, scale): the lane's E = d / 32 values vals[first:]
+    times scale, as e4m3, into its words of row `row`."""
+    OUT_WORDS = head_dim // 128
+
+    @device_function
+    def store(out32, b, h, row, lane, vals, first, scale):
+        for w in range(OUT_WORDS):
+            out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
+                vals[first + 4 * w] * scale, vals[first + 4 * w + 1] * scale,
+                vals[first + 4 * w + 2] * scale, vals[first + 4 * w + 3] * scale)
+
+    return store
+
+
+@lru_cache(maxsize=None)
 def _row_loader(head_dim, element, hadamard):
     """load_row(x32, signs, b, h, row, lane, vals): the lane's E = d / 32 values of a row, as the
     quantisers read them (transformed when `hadamard`)."""
@@ -141,12 +174,11 @@ def _quantizer(head_dim, element, hadamard, scope):
       "amax"   only the block's amax, folded into amax[0] by an atomic max (per-tensor, step 1),
       "tensor" quantise with amax[0] (per-tensor, step 2)."""
     E = head_dim // 32
-    OUT_WORDS = E // 4
     WARPS = THREADS // 32
     FIND_AMAX, QUANTISE = scope in ("block", "amax"), scope in ("block", "tensor")
     BLOCK_SCOPE, ATOMIC = scope == "block", scope == "amax"
-
-    load_row = _row_loader(head_dim, element, hadamard)
+    load_row, store_row = _row_loader(head_dim, element, hadamard), _row_storer(head_dim)
+    block_max = _block_max(WARPS)
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
@@ -167,12 +199,7 @@ def _quantizer(head_dim, element, hadamard, scope):
                 load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
                 for e in range(E):
                     top = max(top, abs(vals[e]))
-            top = _warp_max(top)
-            if lane == 0:
-                peak[warp] = top
-            cuda.syncthreads()
-            for w in range(WARPS):
-                top = max(top, peak[w])
+            top = block_max(top, peak, warp, lane)
             if ATOMIC:
                 if tid == 0:
                     cuda.atomic.max(amax, 0, top)
@@ -187,10 +214,7 @@ def _quantizer(head_dim, element, hadamard, scope):
                 row = row0 + i * WARPS + warp
                 load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
                 if row < row1:
-                    for w in range(OUT_WORDS):
-                        out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
-                            vals[4 * w] * scale, vals[4 * w + 1] * scale,
-                            vals[4 * w + 2] * scale, vals[4 * w + 3] * scale)
+                    store_row(out32, b, h, row, lane, vals, 0, scale)
 
     return quantize
 
@@ -216,10 +240,10 @@ def _one_pass_quantizer(head_dim, element, hadamard, rows_a_warp):
     (the two-pass kernel reads and transforms it again to quantise). The same arithmetic in the
     same order per value: the same bits as `_quantizer(..., "block")`."""
     E = head_dim // 32
-    OUT_WORDS = E // 4
     R, WARPS = rows_a_warp, ONE_PASS_WARPS
     VALUES = R * E                   # a lane's values of its rows (a compile-time array size)
-    load_row = _row_loader(head_dim, element, hadamard)
+    load_row, store_row = _row_loader(head_dim, element, hadamard), _row_storer(head_dim)
+    block_max = _block_max(WARPS)
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
@@ -237,22 +261,14 @@ def _one_pass_quantizer(head_dim, element, hadamard, rows_a_warp):
             for e in range(E):
                 vals[i * E + e] = row_vals[e]
                 top = max(top, abs(row_vals[e]))
-        top = _warp_max(top)
-        if lane == 0:
-            peak[warp] = top
-        cuda.syncthreads()
-        for w in range(WARPS):
-            top = max(top, peak[w])
+        top = block_max(top, peak, warp, lane)
         scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
         if tid == 0:
             descale[b, h, blk] = float32(1) / scale
         for i in range(R):
             row = row0 + i * WARPS + warp
             if row < row1:
-                for w in range(OUT_WORDS):
-                    out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
-                        vals[i * E + 4 * w] * scale, vals[i * E + 4 * w + 1] * scale,
-                        vals[i * E + 4 * w + 2] * scale, vals[i * E + 4 * w + 3] * scale)
+                store_row(out32, b, h, row, lane, vals, i * E, scale)
 
     return quantize
 

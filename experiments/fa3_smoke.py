@@ -21,6 +21,18 @@ import variants  # noqa: E402
 from common import checks, inputs, reference, target  # noqa: E402
 
 
+def add_sms_option(ap):
+    """--sms N: the persistent grid of at most N blocks (`cap_grid`)."""
+    ap.add_argument("--sms", type=int, default=None,
+                    help="persistent grid of at most this many blocks (default: the GPU's SMs)")
+
+
+def cap_grid(args):
+    """Launch persistent grids as if the GPU had args.sms SMs (several tiles a block)."""
+    if args.sms:
+        target.multiprocessor_count = lambda: args.sms
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlen", type=int, default=700)
@@ -31,11 +43,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--seqlen-k", type=int, default=None, help="keys (default: --seqlen)")
     ap.add_argument("--window", default="-1,-1", help="window_size left,right (-1: unbounded)")
-    ap.add_argument("--sms", type=int, default=None,
-                    help="persistent grid of at most this many blocks (default: the GPU's SMs)")
+    add_sms_option(ap)
     args = ap.parse_args(argv)
-    if args.sms:
-        target.multiprocessor_count = lambda: args.sms
+    cap_grid(args)
     rng = np.random.default_rng(0)
     window = tuple(int(x) for x in args.window.split(","))
     ok = True

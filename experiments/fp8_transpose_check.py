@@ -11,26 +11,28 @@ several tiles (the staging buffers' and the V^T ring's phases carried from tile 
 Exits 1 if any output differs.
 """
 import argparse
+import os
 import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common
 
 common.select_backend()
 import variants  # noqa: E402
-from common import fp8, inputs, target  # noqa: E402
+from common import fp8, inputs  # noqa: E402
+from experiments.fa3_smoke import add_sms_option, cap_grid  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="1100,520")
     ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--sms", type=int, default=None,
-                    help="persistent grid of at most this many blocks (default: the GPU's SMs)")
+    add_sms_option(ap)
     args = ap.parse_args(argv)
-    if args.sms:
-        target.multiprocessor_count = lambda: args.sms
+    cap_grid(args)
     import torch
     rng = np.random.default_rng(0)
     ok = True
