@@ -428,7 +428,7 @@ def unit_transposer(head_dim, warps):
     stmatrix.x4 writes the four registers as 16-byte rows of V^T. Every address is a lane's row:
     the swizzle is applied per row, and neither the reads nor the writes have bank conflicts (the
     selectors are chosen per lane so that a matrix holds 8 rows of distinct row mod 8). A warp's
-    blocks are compile-time constants (`blocks_of`), so a block costs six instructions: two
+    blocks are compile-time constants (`blocks_of`), so a block costs about ten instructions: two
     addresses of an XOR and an add each, the ldmatrix, four PRMTs, the stmatrix."""
     ROW = 64                                      # a 128-byte row, in 16-bit elements
     PANEL = V_UNIT_KEYS * ROW                     # a staged panel: V_UNIT_KEYS keys x 128 bytes
