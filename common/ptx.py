@@ -32,6 +32,7 @@ ld_shared_v4_u32 = sm80.ld_shared_v4_u32
 st_global_v4_u32 = sm80.st_global_v4_u32
 st_shared_u32 = sm80.st_shared_u32
 red_add_v2_f32 = sm80.red_add_v2_f32
+red_add_v2_f32_at = sm80.red_add_v2_f32_at
 st_shared_v4_f32 = sm80.st_shared_v4_f32
 bulk_reduce_add_f32 = sm80.bulk_reduce_add_f32
 bulk_commit = sm80.bulk_commit

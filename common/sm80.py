@@ -38,6 +38,7 @@ groups, exit checks) and common/_inline_asm.py (the inline-PTX codegen helpers).
 | ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
 | st_shared_u32                        | st.shared.b32                                          |
 | red_add_v2_f32                       | red.global.add.v2.f32 (sm_90: two fp32 adds at once)   |
+| red_add_v2_f32_at                    | the same at a global_address plus whole rows, + cols   |
 | st_shared_v4_f32                     | st.shared.v4.f32                                       |
 | bulk_reduce_add_f32                  | cp.reduce.async.bulk.global.shared::cta...add.f32      |
 | bulk_commit, bulk_wait_read, _wait   | cp.async.bulk.commit_group, .wait_group[.read] (sm_90) |
@@ -575,6 +576,10 @@ if SIMULATOR:
         with _RED_LOCK:
             a[r, c] += np.float32(x0)
             a[r, c + 1] += np.float32(x1)
+
+    def red_add_v2_f32_at(address, col, x0, x1):
+        """red_add_v2_f32 at `address` (global_address, moved by whole rows) + `col` columns."""
+        red_add_v2_f32(address.ary, address.row, address.col + int(col), x0, x1)
 else:
     @intrinsic
     def ld_shared_v4_u32(typingctx, smem, offset):
@@ -626,6 +631,21 @@ else:
                                      "red.global.add.v2.f32 [$0], {$1,$2};", "l,f,f,~{memory}")
 
         return types.void(dst, row, col, x0, x1), codegen
+
+    @intrinsic
+    def red_add_v2_f32_at(typingctx, address, col, x0, x1):
+        """red_add_v2_f32 at a 64-bit address from global_address (moved by whole row pitches)
+        plus `col` fp32 columns: a row's address computed once for all its reductions."""
+        def codegen(context, builder, sig, args):
+            addr = _as(context, builder, args[0], sig.args[0], types.int64)
+            off = _as(context, builder, args[1], sig.args[1], types.int64)
+            addr = builder.add(addr, builder.mul(off, ir.Constant(off.type, 4)))
+            vals = [_as(context, builder, v, t, types.float32) for v, t in zip(args[2:], sig.args[2:])]
+            _asm(builder, ir.VoidType(), [addr] + vals, "red.global.add.v2.f32 [$0], {$1,$2};",
+                 "l,f,f,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(address, col, x0, x1), codegen
 
 
 # =========================================================================== bulk reductions (sm_90)

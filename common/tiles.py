@@ -594,11 +594,18 @@ def atomic_add_accumulator_f32(dst, acc, row0, col0, n_rows, lane):
     adding into the same rows: FA2's dQ accumulation). A lane's registers (j, j+1) hold two
     neighbouring columns, so each pair is one red.global.add.v2.f32: half the reductions of one add
     an element, and the address is computed without the bounds and wrap-around arithmetic of
-    `cuda.atomic.add` (which cost ~20 instructions an element; docs/performance.md)."""
+    `cuda.atomic.add` (which cost ~20 instructions an element; docs/performance.md). The lane's
+    first address is computed once (global_address) and every other one is that plus whole row
+    pitches and a constant column offset: indexing dst per row cost ~17 integer instructions a
+    row (the 4-D accumulator's index rebuilt from its shape each time)."""
+    r0, c0 = accumulator_position(0, 0, 0, lane)
+    first = int32(row0 + r0)
+    base = ptx.global_address(dst, first, int32(col0 + c0))   # arithmetic only: never read
+    pitch = dst.strides[0]
     for m in range(acc.shape[0]):
         for j in range(0, 4, 2):            # the lane's row g (j = 0), then g + 8 (j = 2)
-            r, _ = accumulator_position(m, 0, j, lane)
-            if row0 + r < n_rows:           # one test a row: the row's address is computed once
+            dr = m * 16 + (j >> 1) * 8      # accumulator_position's row, less the lane's r0
+            if int32(first + dr) < n_rows:  # one test a row
+                at = base + dr * pitch
                 for n in range(acc.shape[1]):
-                    _, c = accumulator_position(m, n, j, lane)
-                    ptx.red_add_v2_f32(dst, row0 + r, col0 + c, acc[m, n, j], acc[m, n, j + 1])
+                    ptx.red_add_v2_f32_at(at, n * 8, acc[m, n, j], acc[m, n, j + 1])

@@ -302,6 +302,29 @@ def test_vector_reduction_adds_both_columns_atomically():
 
 
 @cuda.jit
+def reduce_at_kernel(dst):
+    """The same adds through red_add_v2_f32_at: the address of dst[0, 2] computed once, moved by
+    whole row pitches, plus a column offset."""
+    tid, blk = int32(cuda.threadIdx.x), int32(cuda.blockIdx.x)
+    base = ptx.global_address(dst, int32(0), int32(2))
+    row, col = tid % 4, 2 * ((tid // 4) % 3)
+    ptx.red_add_v2_f32_at(base + row * dst.strides[0], col, float32(blk + 1), float32(tid))
+
+
+def test_vector_reduction_at_an_address_plus_rows_and_columns():
+    blocks, threads = 6, 96
+    dst = np.zeros((4, 8), np.float32)
+    reduce_at_kernel[blocks, threads](dst)
+    expect = np.zeros((4, 8))
+    for b in range(blocks):
+        for t in range(threads):
+            row, col = t % 4, 2 + 2 * ((t // 4) % 3)
+            expect[row, col] += b + 1
+            expect[row, col + 1] += t
+    np.testing.assert_array_equal(dst, expect.astype(np.float32))
+
+
+@cuda.jit
 def bulk_reduce_kernel(dst):
     """Each block fills 64 floats of shared memory with 16-byte stores and thread 0 adds them into
     rows 1 and 2 of dst with one bulk reduction (every block into the same floats)."""
