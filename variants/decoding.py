@@ -247,6 +247,8 @@ def build(cfg):
     # cp.async groups left in flight (literals, as the wait instruction wants): Q's group is the
     # oldest after the prologue; in the loop, tile t's once `stages - 2` newer ones are pending
     Q_LANDED, TILE_LANDED = STAGES - 1, STAGES - 2
+    # a K/V tile lies in one page when pages hold >= B_n keys (a runtime test on page_shift)
+    TILE_IN_PAGE, BN_SHIFT = BN & (BN - 1) == 0, BN.bit_length() - 1
 
     @device_function
     def load_q(q_s, q, b, h_kv, n_q, tid):
@@ -265,18 +267,30 @@ def build(cfg):
     def load_kv(tile, cache, block_table, b, h_kv, key0, n_k, page_shift, tid):
         """Keys key0 .. key0 + B_n - 1 of sequence b (zeros past n_k) from its pages: key t is
         slot t mod page_size of page block_table[b, t / page_size] (a contiguous cache: of
-        page b), clamped into the cache so that no table entry can send a read outside it."""
-        r, col, row_step = tiles.copy_split(tid, D, THREADS)
+        page b), clamped into the cache so that no table entry can send a read outside it.
+        Where one page holds the whole tile (pages of >= B_n keys: tiles start at multiples of
+        B_n, both powers of two), or the cache is contiguous, the table entry is read once and
+        each thread's 64-bit row address computed once and moved by whole row pitches
+        (tiles.load_tile_async); per key, the entry lookup and the cache's 4-D index arithmetic
+        were most of the kernel's instructions (docs/results/decode_page_once_h100.txt)."""
+        if not PAGED:
+            tiles.load_tile_async(tile, cache[b, :, h_kv], key0, n_k, 0, BN, D, STRIDE, True, tid,
+                                  THREADS)
+            return
         last_page = int32(cache.shape[0] - 1)
+        if TILE_IN_PAGE and page_shift >= BN_SHIFT:
+            page = checked_page(block_table, b, key0, page_shift, last_page)
+            slot0 = key0 & int32((1 << page_shift) - 1)
+            tiles.load_tile_async(tile, cache[page, :, h_kv], slot0, int32(slot0 + n_k - key0), 0,
+                                  BN, D, STRIDE, True, tid, THREADS)
+            return
+        r, col, row_step = tiles.copy_split(tid, D, THREADS)
         for it in range(BN // row_step):
             row = r + it * row_step
             key = int32(key0 + row)
             inside = key < n_k
-            page, slot = int32(b), key
-            if PAGED:
-                page = checked_page(block_table, b, key, page_shift, last_page) \
-                    if inside else int32(0)
-                slot = key & int32((1 << page_shift) - 1)
+            page = checked_page(block_table, b, key, page_shift, last_page) if inside else int32(0)
+            slot = key & int32((1 << page_shift) - 1)
             ptx.cp_async_16(tile, tiles.smem_offset(row, col, STRIDE, True), cache[page, :, h_kv],
                             slot if inside else 0, col, 16 if inside else 0)
 
