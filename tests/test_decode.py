@@ -119,9 +119,9 @@ COMBINES = ["kernel", "fused"]
 
 
 @pytest.mark.parametrize("combine", COMBINES)
-# pages of 16 keys cut a tile (one table lookup a key), 32 (the simulator's tile) and 256 hold
-# whole tiles (one lookup a tile), None: a contiguous cache
-@pytest.mark.parametrize("page_size", [16, None] + ([256] if ON_GPU else [32]))
+# pages of 16 keys cut a tile (one table lookup a key), 32 (the simulator's tile), 64 and 256 hold
+# whole tiles (one lookup a tile; at 64 and 256 a tile may start mid-page), None: a contiguous cache
+@pytest.mark.parametrize("page_size", [16, None] + ([256] if ON_GPU else [32, 64]))
 @pytest.mark.parametrize("num_splits", [1, 2, 3] + ([0, 64] if ON_GPU else []))
 def test_decode_matches_reference(rng, page_size, num_splits, combine):
     run_case(rng, page_size=page_size, num_splits=num_splits, combine=combine)
@@ -248,6 +248,26 @@ def test_decode_errors_name_the_problem(rng):
     o, lse = call(table=bad, check=False)
     assert np.isfinite(inputs.to_host(lse)).all()
     assert inputs.to_host(o).shape == (2, 1, 2, 64)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_decode_unchecked_bad_tables_and_lengths_stay_inside_the_cache(rng, page_size):
+    """check=False reads nothing back: table entries out of range or negative, and lengths past
+    the table's pages, are clamped into the cache by the kernel (the simulator raises on any copy
+    from outside it), with one lookup a key (pages of 16) or a tile (64: a tile of 32 or 64 keys
+    lies in one page)."""
+    lib = inputs.default_library()
+    k_cache, v_cache, table = make_cache(rng, [5, 70], 1, 64, "bfloat16", page_size, 128)
+    q = inputs.to_device(rng.standard_normal((2, 1, 2, 64)).astype(inputs.DTYPES["bfloat16"]), lib)
+    kc, vc = inputs.to_device(k_cache, lib), inputs.to_device(v_cache, lib)
+    bad = table.copy()
+    bad[1, 0], bad[1, -1], bad[0, 0] = table.size + 7, -3, 2 ** 30
+    for lens in [(5, 70), (300, 129)]:
+        o, lse = variants.decode(q, kc, vc, inputs.to_device(np.array(lens, np.int32), lib),
+                                 block_table=inputs.to_device(bad, lib), check=False,
+                                 num_splits=2, **SMALL)
+        assert np.isfinite(inputs.to_host(lse)).all()
+        assert np.isfinite(inputs.to_host(o).astype(np.float32)).all()
 
 
 def test_num_splits_heuristic():
