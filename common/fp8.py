@@ -93,6 +93,17 @@ def _warp_max(x):
     return x
 
 
+@device_function
+def block_rows(n, rows):
+    """A quantiser thread block's place: (blk, h, b) its (block of rows, head, batch), tid, warp,
+    lane, and its rows row0 .. row1 - 1 (`rows` a block, n in all)."""
+    blk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    tid = int32(cuda.threadIdx.x)
+    warp, lane = tid >> 5, tid & 31
+    row0 = blk * rows
+    return blk, h, b, tid, warp, lane, row0, min(row0 + rows, n)
+
+
 @lru_cache(maxsize=None)
 def _block_max(warps):
     """top(x, peak, warp, lane): the largest x of the thread block's `warps` warps (peak: a shared
@@ -182,11 +193,7 @@ def _quantizer(head_dim, element, hadamard, scope):
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
-        blk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        tid = int32(cuda.threadIdx.x)
-        warp, lane = tid >> 5, tid & 31
-        row0 = blk * rows
-        row1 = min(row0 + rows, n)
+        blk, h, b, tid, warp, lane, row0, row1 = block_rows(n, rows)
         vals = cuda.local.array(E, float32)
         peak = cuda.shared.array(WARPS, float32)
         top = float32(0)
@@ -247,11 +254,7 @@ def _one_pass_quantizer(head_dim, element, hadamard, rows_a_warp):
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
-        blk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        tid = int32(cuda.threadIdx.x)
-        warp, lane = tid >> 5, tid & 31
-        row0 = blk * rows
-        row1 = min(row0 + rows, n)
+        blk, h, b, tid, warp, lane, row0, row1 = block_rows(n, rows)
         vals = cuda.local.array(VALUES, float32)
         row_vals = cuda.local.array(E, float32)
         peak = cuda.shared.array(WARPS, float32)
