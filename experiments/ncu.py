@@ -43,6 +43,14 @@ counters, the report saved in DIR (`ncu -i DIR/<name>.ncu-rep` opens it; DIR/<na
 the per-SASS-line view), and a table of the headline metrics printed side by side. A name is a
 variant or an SDPA peer (sdpa_flash, sdpa_cudnn: torch's backend on the same inputs); of a call's
 kernels the longest is the one shown.
+
+    python experiments/ncu.py opcodes SOURCE.csv[.gz] [--top 30] [--per 1048576]
+
+reads `ncu -i REP --csv --page source --print-source sass` output (one section a profiled kernel)
+and prints each kernel's executed SASS by opcode: the share of its warp instructions, the count
+(divided by --per, e.g. the warp-steps of a loop, to give instructions a step) and the share of
+its warp-stall samples. Two kernels' columns side by side say where the extra instructions are
+(docs/results/bwd_dq_address_h100.txt, decode_page_once_h100.txt were read this way).
 """
 import argparse
 import csv
@@ -325,6 +333,45 @@ def traffic(variant_names, seqlens, head_dim, blocks, batch, heads, causal, ncu=
     return rows
 
 
+_OPCODE = re.compile(r"^\s*(?:@!?U?P[A-Z0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def opcode_mix(lines):
+    """[(kernel name, {opcode: [executed, stall samples]})] from the lines of ncu's source page
+    (CSV: a "Kernel Name" row, then a header row starting "Address", then a row a SASS line)."""
+    kernels, header = [], None
+    for row in csv.reader(lines):
+        if not row:
+            continue
+        if row[0] == "Kernel Name":
+            kernels.append((row[1] if len(row) > 1 else "?", {}))
+            header = None
+        elif row[0] == "Address":
+            header = {name: i for i, name in enumerate(row)}
+        elif header is not None and kernels:
+            m = _OPCODE.match(row[header["Source"]])
+            if not m:
+                continue
+            def number(column):
+                text = row[header[column]].replace(",", "") if column in header else ""
+                return int(float(text)) if text not in ("", "-") else 0
+            counts = kernels[-1][1].setdefault(m.group(1), [0, 0])
+            counts[0] += number("Instructions Executed")
+            counts[1] += number("Warp Stall Sampling (All Samples)")
+    return kernels
+
+
+def print_opcode_mix(kernels, top=30, per=1):
+    for name, ops in kernels:
+        executed = sum(c[0] for c in ops.values()) or 1
+        samples = sum(c[1] for c in ops.values()) or 1
+        print(f"== {name[:100]}: {executed:,} warp instructions, {samples:,} stall samples")
+        print(f"  {'opcode':12s} {'executed':>8s} {'count' if per == 1 else 'per ' + str(per):>16s} "
+              f"{'stalls':>7s}")
+        for op, (n, st) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"  {op:12s} {100 * n / executed:7.2f}% {n / per:16,.1f} {100 * st / samples:6.1f}%")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -360,7 +407,18 @@ def main(argv=None):
     pr.add_argument("--ncu", default="ncu")
     pr.add_argument("--pass", dest="pass_", default="fwd", choices=PASSES,
                     help="fwd_bwd: the backward's kernel (the call's longest)")
+    op = sub.add_parser("opcodes", help="executed SASS by opcode, from ncu's source page CSV")
+    op.add_argument("source", help="ncu -i REP --csv --page source --print-source sass (or .gz)")
+    op.add_argument("--top", type=int, default=30)
+    op.add_argument("--per", type=int, default=1, help="divide counts by this (e.g. warp-steps)")
     args = ap.parse_args(argv)
+    if args.command == "opcodes":
+        import gzip
+        opener = gzip.open if args.source.endswith(".gz") else open
+        with opener(args.source, "rt") as f:
+            kernels = opcode_mix(f)
+        print_opcode_mix(kernels, args.top, args.per)
+        return kernels
     if args.command == "profile":
         results = profile(args.names.split(","), args.seqlen, args.head_dim,
                           args.batch or max(1, 16384 // args.seqlen),

@@ -172,3 +172,28 @@ def test_profile_reports_the_longest_kernel_of_each_call(tmp_path):
     ncu.profile(["fa3", "sdpa_cudnn"], 4096, 128, 4, 16, False, {}, str(tmp_path), run=run,
                 pass_="fwd_bwd")
     assert [c[c.index("--pass") + 1] for c in calls if "-o" in c] == ["fwd_bwd", "fwd_bwd"]
+
+
+def test_opcode_mix_counts_each_kernels_executed_sass_by_opcode(tmp_path, capsys):
+    """`ncu.py opcodes` on a source page in ncu's CSV shape: a kernel's section, a header row, a row
+    a SASS line (predicated lines count under their opcode; thousands separators read)."""
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+              '"Thread Instructions Executed"')
+    text = "\n".join([
+        '"Kernel Name","fa2_backward_kv(Array<...>)"', header,
+        '"0x10","      IMAD.SHL.U32 R2, R246, 0x20, RZ","12","1,048,576","33,554,432"',
+        '"0x20","      HMMA.16816.F32.BF16 R172, R184, R156, RZ","30","2,097,152","67,108,864"',
+        '"0x30","      @!P0 IMAD R33, R2, UR40, RZ","3","1,048,576","1"',
+        '"0x40","      @UP1 UIADD3 UR38, UR7, 0x1, URZ","0","1,048,576","1"',
+        '"Kernel Name","flash_bwd_dq_dk_dv"', header,
+        '"0x10","      LEA R44, P3, R32, UR30, 0x2","5","524,288","1"',
+    ])
+    path = tmp_path / "source.csv"
+    path.write_text(text)
+    kernels = ncu.main(["opcodes", str(path), "--per", "1048576"])
+    (first, ops), (second, ops2) = kernels
+    assert first.startswith("fa2_backward_kv") and second == "flash_bwd_dq_dk_dv"
+    assert ops == {"IMAD": [2_097_152, 15], "HMMA": [2_097_152, 30], "UIADD3": [1_048_576, 0]}
+    assert ops2 == {"LEA": [524_288, 5]}
+    out = capsys.readouterr().out
+    assert "IMAD" in out and "2.0" in out and "40.00%" in out   # 2 a step; 2M of 5M executed
