@@ -104,6 +104,10 @@ class Config:
         layout = self.smem_layout()
         if self.rows * self.out_stride * 4 > layout.regions["kv"].bytes:
             raise ValueError("the K/V tiles are too small to hold the merged O: raise block_n")
+        if self.fused and merge_scratch_floats(self.head_dim, self.threads) * 4 > \
+                layout.regions["kv"].bytes:
+            raise ValueError("the K/V tiles are too small to hold the fused merge's scratch: "
+                             "raise block_n")
         if layout.bytes > target.MAX_SHARED_BYTES:
             raise ValueError(f"{layout.bytes} bytes of shared memory: lower stages or block_n")
         return self
@@ -197,11 +201,22 @@ else:
 
 
 @lru_cache(maxsize=None)
-def build_merge(through_l2):
-    """Step 3 for one output element pair: (O[2 c2], O[2 c2 + 1], max_s L_s, sum_s e^(L_s - max))
-    of row (b, h, i) over the splits' o_part, lse_part; the combine kernel's loads are ordinary,
-    the fused combine's go through L2 (`load_through_l2`). One arithmetic for both paths, so
-    combine="fused" gives combine="kernel"'s bits."""
+def build_merge(through_l2, head_dim, threads, element):
+    """Step 3 for one row (b, h, i) by a whole thread block: O = sum_s e^(L_s - L) O_s over the
+    splits' o_part, lse_part, L = log sum_s e^(L_s), written to o32, lse. The combine kernel's
+    loads are ordinary, the fused combine's go through L2 (`load_through_l2`); one arithmetic for
+    both paths, so combine="fused" gives combine="kernel"'s bits.
+
+    The splits are spread over the warps, not walked by each thread: every warp reads the row's
+    L_s (a lane each), takes their max and sum by shuffles and keeps its weights e^(L_s - max) in
+    shared memory; warp w then adds up splits w, w + W, ... over all d columns (lane + 32 k), U
+    splits' loads in flight at once, and the W partial sums meet in shared memory. A thread that
+    walked all S splits itself (one column pair a thread, the first version) paid S / 4 rounds of
+    L2 latency in a row: 8.7 us at 32 splits for a 64 MB cache whose K/V read takes 22 us
+    (docs/results/decode_combine_h100.txt)."""
+    D, THREADS, ELEM = head_dim, threads, element.code
+    W, CPL, U, NK = threads // 32, head_dim // 32, 4, MAX_SPLITS // 32
+    WTS, PART = 0, W * MAX_SPLITS       # scratch: the warps' weights, then their partial O rows
 
     @device_function
     def load(a, at):
@@ -210,22 +225,64 @@ def build_merge(through_l2):
         return a[at]
 
     @device_function
-    def merge_pair(o_part, lse_part, b, h, i, c2, n_splits):
-        b, h, i, c2 = int32(b), int32(h), int32(i), int32(c2)
+    def merge_row(o_part, lse_part, o32, lse, b, h, i, n_splits, scratch, tid):
+        """scratch: float32 shared memory of `merge_scratch_floats(head_dim, threads)`, free for
+        this call; every thread of the block calls (it has barriers); the block's own earlier
+        stores to scratch are done (a barrier before, as between two rows)."""
+        b, h, i, n_splits = int32(b), int32(h), int32(i), int32(n_splits)
+        warp, lane = tid >> 5, tid & 31
+        lse_s = cuda.local.array(NK, float32)
         mx = float32(-math.inf)
-        for s in range(n_splits):
-            mx = max(mx, load(lse_part, (int32(s), b, h, i)))
-        total, x0, x1 = float32(0), float32(0), float32(0)
-        if mx != float32(-math.inf):
-            for s in range(n_splits):
-                w = math.exp(load(lse_part, (int32(s), b, h, i)) - mx)
-                total += w
-                x0 += w * load(o_part, (int32(s), b, h, i, int32(2 * c2)))
-                x1 += w * load(o_part, (int32(s), b, h, i, int32(2 * c2 + 1)))
+        for k in range(NK):
+            s = int32(lane + 32 * k)
+            lse_s[k] = load(lse_part, (s, b, h, i)) if s < n_splits else float32(-math.inf)
+            mx = max(mx, lse_s[k])
+        for k in range(5):
+            mx = max(mx, ptx.shfl_xor_f32(mx, int32(1 << k)))
+        total = float32(0)
+        wts = scratch[WTS + warp * MAX_SPLITS:WTS + (warp + 1) * MAX_SPLITS]
+        for k in range(NK):
+            w = float32(0) if lse_s[k] == float32(-math.inf) else math.exp(lse_s[k] - mx)
+            wts[lane + 32 * k] = w
+            total += w
+        for k in range(5):
+            total += ptx.shfl_xor_f32(total, int32(1 << k))
+        ptx.syncwarp()
+        acc = cuda.local.array(CPL, float32)
+        got = cuda.local.array((U, CPL), float32)
+        for k in range(CPL):
+            acc[k] = float32(0)
+        for s0 in range(warp, n_splits, U * W):     # U of this warp's splits in flight
+            for u in range(U):
+                s = int32(s0 + u * W)
+                for k in range(CPL):
+                    got[u, k] = load(o_part, (s, b, h, i, int32(lane + 32 * k))) \
+                        if s < n_splits else float32(0)
+            for u in range(U):
+                s = int32(s0 + u * W)
+                if s < n_splits:
+                    for k in range(CPL):
+                        acc[k] += wts[s] * got[u, k]
+        for k in range(CPL):
+            scratch[PART + warp * D + lane + 32 * k] = acc[k]
+        cuda.syncthreads()
         inv = float32(1) / total if total > float32(0) else float32(0)
-        return x0 * inv, x1 * inv, mx, total
+        for c2 in range(tid, D // 2, THREADS):
+            y0, y1 = float32(0), float32(0)
+            for w in range(W):
+                y0 += scratch[PART + w * D + 2 * c2]
+                y1 += scratch[PART + w * D + 2 * c2 + 1]
+            o32[b, i, h, c2] = tiles.pack_pair(y0 * inv, y1 * inv, ELEM)
+        if tid == 0:
+            lse[b, h, i] = mx + math.log(total) if total > float32(0) else float32(-math.inf)
+        cuda.syncthreads()
 
-    return merge_pair
+    return merge_row
+
+
+def merge_scratch_floats(head_dim, threads):
+    """Shared float32 words a block's merge_row uses: W x MAX_SPLITS weights, W x d partial O."""
+    return threads // 32 * (MAX_SPLITS + head_dim)
 
 
 @lru_cache(maxsize=None)
@@ -235,7 +292,8 @@ def build(cfg):
     M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
     ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
     FUSED = cfg.fused
-    merge_pair = build_merge(True)
+    merge_row = build_merge(True, D, THREADS, cfg.element)
+    MERGE_FLOATS = merge_scratch_floats(D, THREADS)
     STRIDE = tiles.tile_row_stride(D, True)
     Q_TILE, KV_TILE = RT * STRIDE, BN * STRIDE
     LAYOUT = cfg.smem_layout()
@@ -480,36 +538,30 @@ def build(cfg):
             cuda.syncthreads()                                                        # (e)
             if flag[STATS0] != int32(0):
                 cuda.threadfence()                                                    # (f)
-                n_splits = int32(cuda.gridDim.x)
-                for at in range(tid, RT * HALF, THREADS):
-                    row = int32(at // HALF)
-                    c2 = int32(at - row * HALF)
-                    i = row // G
-                    if i < n_q:
-                        h = int32(h_kv * G + row - i * G)
-                        y0, y1, mx, total = merge_pair(o_part, lse_part, b, h, i, c2, n_splits)
-                        o32[b, i, h, c2] = tiles.pack_pair(y0, y1, ELEM)
-                        if c2 == 0:
-                            lse[b, h, i] = mx + math.log(total) if total > float32(0) \
-                                else float32(-math.inf)
+                scratch = stats[O0:O0 + MERGE_FLOATS]   # the K/V tiles' memory, free again
+                for row in range(int32(G * n_q)):          # one query row at a time, the
+                    i = row // G                            # block together (merge_row's
+                    merge_row(o_part, lse_part, o32, lse, b,   # barriers)
+                              h_kv * G + row - i * G, i, cuda.gridDim.x, scratch, tid)
 
     return decode_split
 
 
+COMBINE_THREADS = 128
+
+
 @lru_cache(maxsize=None)
 def build_combine(head_dim, element):
-    """Step 3: O = sum_s e^(L_s - L) O_s, L = log sum_s e^(L_s); one thread a column pair."""
-    ELEM = element.code
-    merge_pair = build_merge(False)
+    """Step 3: O = sum_s e^(L_s - L) O_s, L = log sum_s e^(L_s); one thread block a row (b, h, i)
+    of COMBINE_THREADS threads (build_merge says how they share the splits)."""
+    merge_row = build_merge(False, head_dim, COMBINE_THREADS, element)
+    SCRATCH = merge_scratch_floats(head_dim, COMBINE_THREADS)
 
     @kernel
     def decode_combine(o_part, lse_part, o32, lse, n_splits):
         i, h, b = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
-        c2 = int32(cuda.threadIdx.x)
-        y0, y1, mx, total = merge_pair(o_part, lse_part, b, h, i, c2, n_splits)
-        o32[b, i, h, c2] = tiles.pack_pair(y0, y1, ELEM)
-        if c2 == 0:
-            lse[b, h, i] = mx + math.log(total) if total > float32(0) else float32(-math.inf)
+        scratch = cuda.shared.array(SCRATCH, float32)
+        merge_row(o_part, lse_part, o32, lse, b, h, i, n_splits, scratch, int32(cuda.threadIdx.x))
 
     return decode_combine
 
@@ -639,7 +691,7 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
                lse_v, part, lse_part, counters, *scalars)
         if not cfg.fused:
             launch(build_combine(prob.head_dim, prob.element), (prob.n_q, prob.heads, prob.batch),
-                   prob.head_dim // 2, 0, prob.stream, part, lse_part, o32, lse_v,
+                   COMBINE_THREADS, 0, prob.stream, part, lse_part, o32, lse_v,
                    np.int32(splits))
     return o, lse
 
