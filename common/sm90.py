@@ -18,6 +18,7 @@ instructions (mma.sync, ldmatrix, cp.async).
 | tma_load_4d                              | cp.async.bulk.tensor.4d.shared::cluster.global.tile       |
 | tensormap_acquire                        | prefetch.tensormap; fence.proxy.tensormap::generic.acquire|
 | setmaxnreg(direction, count)             | setmaxnreg.{inc,dec}.sync.aligned.u32 (a warpgroup's cap) |
+| griddep_launch_dependents, griddep_wait  | griddepcontrol.launch_dependents / .wait (PDL, below)     |
 
 Element types (`dtype`, the PTX name of a common/elements.py Element): "bf16", "f16" (16-bit, k16
 an instruction) and "e4m3" (FP8, k32; both operands K-major: 8-bit wgmma has no transpose, PTX ISA
@@ -354,6 +355,14 @@ if SIMULATOR:
         sim.independent_groups()
         _barriers()[addr] = _MBarrier(int(count))
 
+    def griddep_launch_dependents():
+        """Programmatic dependent launch: nothing to overlap in the simulator, which runs one
+        grid at a time."""
+
+    def griddep_wait():
+        """The grid before this one on the stream has ended here (the simulator's grids run one
+        after another)."""
+
     def fence_mbarrier_init():
         pass
 
@@ -504,6 +513,18 @@ else:
     wgmma_fence = _make_statement("wgmma.fence.sync.aligned;")
     wgmma_commit = _make_statement("wgmma.commit_group.sync.aligned;")
     fence_mbarrier_init = _make_statement("fence.mbarrier_init.release.cluster;")
+    # Programmatic dependent launch (PTX ISA "griddepcontrol"; CUDA's
+    # cudaTriggerProgrammaticLaunchCompletion / cudaGridDependencySynchronize): a kernel launched
+    # with the programmatic-serialization attribute (common.target.launch(..., programmatic=True))
+    # may start while the kernel before it on the stream still runs, once each of that kernel's
+    # blocks has run launch_dependents (or exited); its griddep_wait returns when that kernel has
+    # ended and its memory operations are visible. In a kernel launched without the attribute the
+    # wait returns at once, and launch_dependents with no such dependent does nothing.
+    griddep_launch_dependents = _make_statement(
+        "griddepcontrol.launch_dependents;", "Let the next, programmatic launch on the stream start.")
+    griddep_wait = _make_statement(
+        "griddepcontrol.wait;", "Wait until the grid this one depends on has ended, its memory "
+        "visible.")
 
     def _make_wait(pending, counts):
         text = f"wgmma.wait_group.sync.aligned {pending};"

@@ -239,9 +239,14 @@ _compiled = {}        # ids of (kernel, argument types) -> _Launcher
 _thread = threading.local()   # .has_context: this thread made Numba's CUDA context current
 
 
-def launch(kern, grid, block, shared_bytes, stream, *args):
+def launch(kern, grid, block, shared_bytes, stream, *args, programmatic=False):
     """kern[grid, block, stream, shared_bytes](*args) for KernelView and NumPy int32/float32
-    arguments; `stream` is a raw CUDA stream handle (0: the default stream).
+    arguments; `stream` is a raw CUDA stream handle (0: the default stream). programmatic: launch
+    with programmatic stream serialization (cuLaunchKernelEx; CUDA's programmatic dependent
+    launch), so that the kernel may start before the one ahead of it on the stream has ended, as
+    soon as each of that kernel's blocks has run `sm90.griddep_launch_dependents` (or exited); the
+    kernel must run `sm90.griddep_wait` before it reads what that kernel writes. A CUDA graph
+    captures it as a programmatic edge.
 
     On a GPU this skips Numba's per-call dispatch (typing every argument, wrapping arrays, building
     ctypes objects), which costs ~0.1 ms a call: the kernel is compiled once per argument types,
@@ -271,7 +276,7 @@ def launch(kern, grid, block, shared_bytes, stream, *args):
         sig = tuple(a.numba_type if isinstance(a, KernelView) else _SCALAR_TYPES[type(a)]
                     for a in args)
         launcher = _compiled[key] = _Launcher(kern, sig)
-    launcher(grid, block, shared_bytes, stream, args)
+    launcher(grid, block, shared_bytes, stream, args, programmatic)
 
 
 class _Launcher:
@@ -297,6 +302,7 @@ class _Launcher:
         self.function = cu.CUfunction(int(self.cufunc.handle))
         self.shared_allowed = _DEFAULT_SHARED_LIMIT
         self.streams = {}
+        self.configs = {}   # programmatic launches: a CUlaunchConfig per (grid, block, smem, stream)
         self.buffers = threading.local()
         # an array: meminfo, parent, size, itemsize (q), data (Q), shape and strides (q); a scalar:
         # its 4 bytes, then 4 of padding
@@ -315,7 +321,25 @@ class _Launcher:
             buf = self.buffers.slots = (words, pointers, pointers.__array_interface__["data"][0])
         return buf
 
-    def __call__(self, grid, block, shared_bytes, stream, args):
+    def _programmatic_config(self, grid, block, shared_bytes, stream, cu_stream):
+        key = (grid, block, shared_bytes, stream)
+        config = self.configs.get(key)
+        if config is None:
+            cu = self.cu
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block
+            config.sharedMemBytes = shared_bytes
+            config.hStream = cu_stream
+            config.attrs = [attr]
+            config.numAttrs = 1
+            self.configs[key] = config
+        return config
+
+    def __call__(self, grid, block, shared_bytes, stream, args, programmatic=False):
         cu = self.cu
         if shared_bytes > self.shared_allowed:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -338,6 +362,10 @@ class _Launcher:
             cu_stream = self.streams[stream] = cu.CUstream(stream)
         grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         block = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
+        if programmatic:
+            config = self._programmatic_config(grid, block, shared_bytes, stream, cu_stream)
+            _check(cu.cuLaunchKernelEx(config, self.function, pointers, 0))
+            return
         _check(cu.cuLaunchKernel(self.function, *grid, *block, shared_bytes, cu_stream, pointers, 0))
 
 

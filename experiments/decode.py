@@ -2,7 +2,7 @@
 
     python experiments/decode.py [--batches 1,4,8] [--lengths 16384,65536,131072] [--heads 32]
                                  [--heads-kv 8] [--head-dim 128] [--page-size 256] [--csv PATH]
-                                 [--only-decode] [--combine kernel,fused]
+                                 [--only-decode] [--combine kernel,fused] [--pdl 0,1]
 
 One new token a sequence (q: (B, 1, H, d), bf16) against caches of L tokens a sequence, paged
 (pages of --page-size tokens, a shuffled block table). Each row is checked against float64 on one
@@ -12,6 +12,11 @@ sequence, then timed (CUDA events, median; two input sets when the caches fit in
 - decode, CUDA graph: the same call captured once in a CUDA graph and replayed (torch on a GPU):
   the kernels without the host's time a call, what a serving loop that replays its decoding step
   pays (check=False and a fixed num_splits read nothing back, so the step captures);
+- decode, 16 in a graph: 16 steps (the input sets in turn) captured in one CUDA graph, its replay's
+  time / 16: a step as a model's captured decoding step runs it, one layer's attention after
+  another's, without the lone replay's fixed cost of starting a graph (~3 us on an H100);
+- decode, PDL (and its graphs; --pdl 0,1): the combine kernel launched as a programmatic dependent
+  of the split kernel (pdl=True, as FA3 launches its combine kernel), not as an ordinary kernel;
 - decode, fused (and its CUDA graph): the same with combine="fused", the splits merged by the
   split kernel's last block of each sequence and K/V head (one launch, not two); timed beside the
   rows above in the same run (--combine picks either or both; no fused rows where num_splits = 1,
@@ -31,6 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+GRAPH_STEPS = 16   # decoding steps captured in one graph for the "in a graph" rows
+
 
 def copy_bandwidth(torch):
     """GB/s of a device-to-device copy of 2 GiB (read + write), median of CUDA-event timings."""
@@ -43,7 +50,7 @@ def copy_bandwidth(torch):
 
 def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size=256,
                  extra_splits=(), peers_on=True, copy_gbs=float("nan"), rng=None, others=True,
-                 combines=("kernel", "fused")):
+                 combines=("kernel", "fused"), pdls=(False,)):
     """The rows of one (batch, cache length): each kernel checked on one sequence against float64
     (decode's, with each combine), then timed. Returns dicts with kernel, ms, gbs, of_copy, vs_fa2,
     splits, host_us. others=False: decode and its CUDA-graph replay only (no split, contiguous,
@@ -112,37 +119,50 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     b = batch - 1
     ref = reference.attention(inputs.to_host(q[b:b + 1]), inputs.to_host(kcont[b:b + 1]),
                               inputs.to_host(vcont[b:b + 1]))
+    # the ways of merging timed: (combine, pdl); PDL (a programmatic dependent launch of the
+    # combine kernel) only means something for combine="kernel"
+    ways = [(c, p) for c in combines for p in (pdls if c == "kernel" and splits > 1 else [False])]
+
+    def tag(way):
+        combine, pdl = way
+        return ("" if combine == "kernel" else f", {combine}") + (", PDL" if pdl else "")
+
     verdict = {}
-    for combine in combines:
-        o, lse = variants.decode(q, kc, vc, lens, block_table=table, combine=combine)
+    for way in ways:
+        o, lse = variants.decode(q, kc, vc, lens, block_table=table, combine=way[0], pdl=way[1])
         got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
                              dtype)
-        verdict[combine] = "ok" if got["ok"] else "FAIL"
+        verdict[way] = "ok" if got["ok"] else "FAIL"
     ok = "ok" if all(v == "ok" for v in verdict.values()) else "FAIL"
 
     def timed(fn):
         return timing.benchmark(lambda i: fn(*sets[i % n_sets]), **bench).median_ms
 
-    def step(q, kc, vc, t, n, *_, combine="kernel"):
+    def step(q, kc, vc, t, n, *_, way=("kernel", False)):
         return variants.decode(q, kc, vc, n, block_table=t, check=False, num_splits=splits,
-                               combine=combine)
+                               combine=way[0], pdl=way[1])
 
     rows, row_check = {}, {}
-    for combine in combines:   # "decode (splits=S)" / "decode, fused (splits=S)", then graphs
-        tag = "" if combine == "kernel" else f", {combine}"
-        name = f"decode{tag} (splits={splits})"
-        rows[name] = timed(lambda *s, c=combine: step(*s, combine=c))
-        row_check[name] = verdict[combine]
+    for way in ways:   # "decode (splits=S)" / "decode, fused (splits=S)", then graphs
+        name = f"decode{tag(way)} (splits={splits})"
+        rows[name] = timed(lambda *s, w=way: step(*s, way=w))
+        row_check[name] = verdict[way]
 
-    def replayed(combine):   # the step captured once per input set, the graphs replayed in turn
-        graphs = [timing.capture_cuda_graph(lambda s=s: step(*s, combine=combine))[0]
-                  for s in sets]
+    def replayed(way):   # the step captured once per input set, the graphs replayed in turn
+        graphs = [timing.capture_cuda_graph(lambda s=s: step(*s, way=way))[0] for s in sets]
         return timing.benchmark(lambda i: graphs[i % n_sets].replay(), **bench).median_ms
 
-    for combine in combines if torch is not None and not target.SIMULATOR else ():
-        name = "decode" + ("" if combine == "kernel" else f", {combine}") + ", CUDA graph"
-        rows[name] = replayed(combine)
-        row_check[name] = verdict[combine]
+    def in_one_graph(way):   # GRAPH_STEPS steps (the input sets in turn) in one graph, per step
+        graph = timing.capture_cuda_graph(
+            lambda: [step(*sets[j % n_sets], way=way) for j in range(GRAPH_STEPS)])[0]
+        return timing.benchmark(lambda i: graph.replay(), **bench).median_ms / GRAPH_STEPS
+
+    for way in ways if torch is not None and not target.SIMULATOR else ():
+        rows[f"decode{tag(way)}, CUDA graph"] = replayed(way)
+        row_check[f"decode{tag(way)}, CUDA graph"] = verdict[way]
+        name = f"decode{tag(way)}, {GRAPH_STEPS} in a graph"
+        rows[name] = in_one_graph(way)
+        row_check[name] = verdict[way]
     if others:
         rows["decode, no split"] = timed(lambda q, kc, vc, t, n, *_:
                                          variants.decode(q, kc, vc, n, block_table=t,
@@ -158,7 +178,7 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     calls = 1 if target.SIMULATOR else 50
     start = time.perf_counter()
     for _ in range(calls):
-        step(*sets[0], combine=combines[0])
+        step(*sets[0], way=ways[0])
     host_us = (time.perf_counter() - start) / calls * 1e6
     cuda.synchronize()
     if others:
@@ -207,6 +227,9 @@ def main(argv=None):
     ap.add_argument("--combine", default="kernel,fused",
                     help="how the splits are merged, timed side by side: kernel (a second kernel), "
                          "fused (the split kernel's last block), or both (default)")
+    ap.add_argument("--pdl", default="0",
+                    help="combine=kernel launched as a programmatic dependent of the split kernel "
+                         "(1), an ordinary launch (0, the default), or both (0,1)")
     args = ap.parse_args(argv)
 
     import common
@@ -230,7 +253,8 @@ def main(argv=None):
                                 extra_splits=[x for x in args.splits.split(",") if x],
                                 peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng,
                                 others=not args.only_decode,
-                                combines=[c for c in args.combine.split(",") if c])
+                                combines=[c for c in args.combine.split(",") if c],
+                                pdls=[bool(int(x)) for x in args.pdl.split(",") if x])
     if args.plot and out:
         from experiments import plot
         plot.decode(out, args.plot)

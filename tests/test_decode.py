@@ -150,6 +150,19 @@ def test_decode_fused_combine_equals_the_kernel(rng, num_splits, page_size, n_q,
     assert_same_merge(got["fused"], got["kernel"])
 
 
+@pytest.mark.parametrize("num_splits", [3, 64])
+def test_decode_combine_as_a_dependent_launch_gives_the_same_bits(rng, num_splits):
+    """pdl=True launches the combine kernel as a programmatic dependent of the split kernel (it
+    waits for the split kernel's end with griddepcontrol.wait); pdl=False, an ordinary launch:
+    the same arithmetic, so the same bits. With 64 splits some lanes hold no split and the merge's
+    warps take uneven shares."""
+    seed = int(rng.integers(2 ** 31))
+    got = [run_case(np.random.default_rng(seed), num_splits=num_splits,
+                    options=dict(SMALL, pdl=pdl)) for pdl in (True, False)]
+    assert np.array_equal(got[0][0].view(np.uint16), got[1][0].view(np.uint16))
+    assert np.array_equal(got[0][1], got[1][1])
+
+
 def test_decode_fused_combine_reuses_its_counters(rng):
     """The fused combine's ticket counters are made once and reset by each (sequence, K/V head)'s
     last block, with no launch and no host read: consecutive calls of other batches, splits and

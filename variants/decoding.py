@@ -31,7 +31,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, kvcache, ptx, softmax, splitk, target, tiles
+from common import arrays, configs, kvcache, ptx, sm90, softmax, splitk, target, tiles
 from common.elements import BFLOAT16, Element
 from common.smem import SharedLayout
 from common.target import device_function, kernel, launch
@@ -57,10 +57,18 @@ class Config:
     stages: int = 3        # K/V tiles in flight (cp.async groups)
     combine: str = "kernel"  # SPLIT: merge the splits in a second kernel ("kernel") or in the
     #                          split kernel's last block to finish a (sequence, K/V head) ("fused")
+    pdl: bool = False      # combine="kernel": launch the combine kernel as a programmatic
+    #                        dependent of the split kernel (its blocks ready before the split ends),
+    #                        as FA3 does; no gain measured on an H100 (decode_combine_h100.txt)
 
     @property
     def fused(self):
         return self.split and self.combine == "fused"
+
+    @property
+    def dependent_combine(self):
+        """The combine kernel follows by programmatic dependent launch (`pdl`)."""
+        return self.split and self.combine == "kernel" and self.pdl
 
     @property
     def threads(self):
@@ -113,7 +121,7 @@ class Config:
         return self
 
 
-OPTIONS = ("block_n", "warps", "stages", "combine")
+OPTIONS = ("block_n", "warps", "stages", "combine", "pdl")
 
 
 def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **options):
@@ -129,6 +137,8 @@ def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **option
     chosen = {k: v for k, v in options.items() if v is not None}
     if not split and chosen.get("combine") in COMBINES:
         chosen.pop("combine")   # nothing to combine: one kernel whichever way
+    if "pdl" in chosen:
+        chosen["pdl"] = bool(chosen["pdl"])
     return _config(head_dim, element, kv_group, (rows + 15) // 16, causal, paged, split,
                    tuple(sorted(chosen.items())))
 
@@ -210,12 +220,13 @@ def build_merge(through_l2, head_dim, threads, element):
     The splits are spread over the warps, not walked by each thread: every warp reads the row's
     L_s (a lane each), takes their max and sum by shuffles and keeps its weights e^(L_s - max) in
     shared memory; warp w then adds up splits w, w + W, ... over all d columns (lane + 32 k), U
-    splits' loads in flight at once, and the W partial sums meet in shared memory. A thread that
+    splits' loads in flight at once (the first U's issued before the L_s loads, so that up to U W
+    splits cost one round trip to L2), and the W partial sums meet in shared memory. A thread that
     walked all S splits itself (one column pair a thread, the first version) paid S / 4 rounds of
     L2 latency in a row: 8.7 us at 32 splits for a 64 MB cache whose K/V read takes 22 us
     (docs/results/decode_combine_h100.txt)."""
     D, THREADS, ELEM = head_dim, threads, element.code
-    W, CPL, U, NK = threads // 32, head_dim // 32, 4, MAX_SPLITS // 32
+    W, CPL, U, NK = threads // 32, head_dim // 32, 8, MAX_SPLITS // 32
     WTS, PART = 0, W * MAX_SPLITS       # scratch: the warps' weights, then their partial O rows
 
     @device_function
@@ -225,12 +236,23 @@ def build_merge(through_l2, head_dim, threads, element):
         return a[at]
 
     @device_function
+    def load_round(got, o_part, b, h, i, s0, lane, n_splits):
+        """got[u, k] = O_s[lane + 32 k] of splits s = s0 + u W (zero past the last split)."""
+        for u in range(U):
+            s = int32(s0 + u * W)
+            for k in range(CPL):
+                got[u, k] = load(o_part, (s, b, h, i, int32(lane + 32 * k))) \
+                    if s < n_splits else float32(0)
+
+    @device_function
     def merge_row(o_part, lse_part, o32, lse, b, h, i, n_splits, scratch, tid):
         """scratch: float32 shared memory of `merge_scratch_floats(head_dim, threads)`, free for
         this call; every thread of the block calls (it has barriers); the block's own earlier
         stores to scratch are done (a barrier before, as between two rows)."""
         b, h, i, n_splits = int32(b), int32(h), int32(i), int32(n_splits)
         warp, lane = tid >> 5, tid & 31
+        got = cuda.local.array((U, CPL), float32)
+        load_round(got, o_part, b, h, i, warp, lane, n_splits)   # in flight with the L_s loads
         lse_s = cuda.local.array(NK, float32)
         mx = float32(-math.inf)
         for k in range(NK):
@@ -249,15 +271,11 @@ def build_merge(through_l2, head_dim, threads, element):
             total += ptx.shfl_xor_f32(total, int32(1 << k))
         ptx.syncwarp()
         acc = cuda.local.array(CPL, float32)
-        got = cuda.local.array((U, CPL), float32)
         for k in range(CPL):
             acc[k] = float32(0)
-        for s0 in range(warp, n_splits, U * W):     # U of this warp's splits in flight
-            for u in range(U):
-                s = int32(s0 + u * W)
-                for k in range(CPL):
-                    got[u, k] = load(o_part, (s, b, h, i, int32(lane + 32 * k))) \
-                        if s < n_splits else float32(0)
+        for s0 in range(warp, n_splits, U * W):     # U of this warp's splits a round
+            if s0 != warp:
+                load_round(got, o_part, b, h, i, s0, lane, n_splits)
             for u in range(U):
                 s = int32(s0 + u * W)
                 if s < n_splits:
@@ -291,7 +309,7 @@ def build(cfg):
     D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
     M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
     ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
-    FUSED = cfg.fused
+    FUSED, TRIGGER = cfg.fused, cfg.dependent_combine
     merge_row = build_merge(True, D, THREADS, cfg.element)
     MERGE_FLOATS = merge_scratch_floats(D, THREADS)
     STRIDE = tiles.tile_row_stride(D, True)
@@ -388,6 +406,8 @@ def build(cfg):
         lse_part (S, B, H, N_q) for split s = blockIdx.x of the keys, and then (FUSED) the last
         split block of (b, h_kv) to finish merges them into o32, lse; counters (>= B * H_kv,)
         int32, zero between launches (FUSED only)."""
+        if TRIGGER:   # the combine kernel's blocks may start now: they wait (griddep_wait)
+            sm90.griddep_launch_dependents()   # for this grid's end before reading its output
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         split, b, h_kv = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
@@ -551,9 +571,12 @@ COMBINE_THREADS = 128
 
 
 @lru_cache(maxsize=None)
-def build_combine(head_dim, element):
+def build_combine(head_dim, element, dependent=False):
     """Step 3: O = sum_s e^(L_s - L) O_s, L = log sum_s e^(L_s); one thread block a row (b, h, i)
-    of COMBINE_THREADS threads (build_merge says how they share the splits)."""
+    of COMBINE_THREADS threads (build_merge says how they share the splits). dependent: launched
+    as a programmatic dependent of the split kernel (Config.pdl), its blocks are resident and
+    their shared memory set up while the split kernel's last tiles are read, then wait for it to
+    end (FA3 launches its split-KV combine kernel so: hopper/flash_fwd_combine_launch_template.h)."""
     merge_row = build_merge(False, head_dim, COMBINE_THREADS, element)
     SCRATCH = merge_scratch_floats(head_dim, COMBINE_THREADS)
 
@@ -561,6 +584,8 @@ def build_combine(head_dim, element):
     def decode_combine(o_part, lse_part, o32, lse, n_splits):
         i, h, b = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
         scratch = cuda.shared.array(SCRATCH, float32)
+        if dependent:
+            sm90.griddep_wait()   # the split kernel has ended and its o_part, lse_part are visible
         merge_row(o_part, lse_part, o32, lse, b, h, i, n_splits, scratch, int32(cuda.threadIdx.x))
 
     return decode_combine
@@ -637,7 +662,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     host read, e.g. inside a CUDA graph; then pass num_splits). Returns (o like q, lse (B, H, N_q)
     float32). options: Config's block_n, warps, stages, combine ("kernel": the splits merged by
     a second kernel; "fused": by the split kernel's last block of a sequence and K/V head, one
-    launch; `split_counters` says what that keeps between calls)."""
+    launch; `split_counters` says what that keeps between calls), pdl (True: the combine kernel
+    launched as a programmatic dependent of the split kernel)."""
     prob = kvcache.prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v,
                                   block_table=block_table, causal=causal,
                                   softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check)
@@ -690,9 +716,9 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
                lse_v, part, lse_part, counters, *scalars)
         if not cfg.fused:
-            launch(build_combine(prob.head_dim, prob.element), (prob.n_q, prob.heads, prob.batch),
-                   COMBINE_THREADS, 0, prob.stream, part, lse_part, o32, lse_v,
-                   np.int32(splits))
+            launch(build_combine(prob.head_dim, prob.element, cfg.pdl),
+                   (prob.n_q, prob.heads, prob.batch), COMBINE_THREADS, 0, prob.stream, part,
+                   lse_part, o32, lse_v, np.int32(splits), programmatic=cfg.pdl)
     return o, lse
 
 
