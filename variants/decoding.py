@@ -54,7 +54,8 @@ class Config:
     split: bool            # write per-split O, L for the combine kernel (False: O, L directly)
     block_n: int = 64      # keys a K/V tile holds (block_n / warps a warp)
     warps: int = 4
-    stages: int = 3        # K/V tiles in flight (cp.async groups)
+    stages: int = 2        # K/V tile buffers (cp.async groups): 2, double buffering, 1-9% faster
+    #                        than 3 at B 1-8 (docs/results/decode_stages_h100.txt)
     combine: str = "kernel"  # SPLIT: merge the splits in a second kernel ("kernel") or in the
     #                          split kernel's last block to finish a (sequence, K/V head) ("fused")
     pdl: bool = False      # combine="kernel": launch the combine kernel as a programmatic
@@ -151,11 +152,12 @@ def _config(head_dim, element, kv_group, m_tiles, causal, paged, split, chosen):
 
 def num_splits_heuristic(batch, heads_kv, max_seqlen_k, sm_count, block_n, blocks_per_sm=2):
     """Splits a sequence's keys are cut into: the fewest whose thread blocks fill the GPU's slots
-    (sm_count x blocks_per_sm: two of the default configuration's fit a SM, by its 204 registers
-    a thread and ~100 KB of shared memory) in whole waves, >= 95% of the last wave busy, as
-    FA2's heuristic weighs waves; no split shorter than two K/V tiles. Measured on an H100
+    (sm_count x blocks_per_sm) in whole waves, >= 95% of the last wave busy, as FA2's heuristic
+    weighs waves; no split shorter than two K/V tiles. Measured on an H100
     (docs/results/decode_h100.txt): 5 splits of 64 blocks (1.2 waves) ran at 60% of the copy
-    bandwidth where 8 (1.9 waves) ran at 94%."""
+    bandwidth where 8 (1.9 waves) ran at 94%. Two blocks fit a SM: with two K/V stages (the
+    default since decode_stages_h100.txt) 70 KB of shared memory would let three, but not 174
+    registers a thread; at B=1 16k 48 splits ran 6% slower than 32 (decode_stages_h100.txt)."""
     blocks = batch * heads_kv
     slots = sm_count * blocks_per_sm
     most = max(1, min(MAX_SPLITS, max(1, -(-max_seqlen_k // block_n)) // 2))

@@ -1,5 +1,6 @@
 """(Probe, as it ran on the GPU host: python experiments/probes/decode_parts.py B L1,L2 S1,S2 [kernel,fused]
-from the repository root.) Where a decoding step's time goes at small batch (issue 22): for each cache
+[OPTIONS;OPTIONS...] from the repository root; OPTIONS: decode's options as k=v,k=v, e.g.
+"stages=4;block_n=128,warps=8", each set timed in turn, "-" for the defaults.) Where a decoding step's time goes at small batch (issue 22): for each cache
 length and num_splits, the step replayed alone from a CUDA graph (as experiments/decode.py's "CUDA graph"
 row), the step's time inside a graph of 16 steps (4 input sets in turn), and the kernels' own durations
 from torch.profiler (CUPTI) over eager calls; beside a copy of the same bytes, alone and 16 in a graph.
@@ -47,7 +48,9 @@ def kernel_us(fn, reps=5):
     times = {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
-            times.setdefault(e.name.split("(")[0][-28:], []).append(e.device_time_total)
+            name = "combine" if "combine" in e.name else "split" if "build" in e.name \
+                else e.name[:28]
+            times.setdefault(name, []).append(e.device_time_total)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
@@ -56,6 +59,8 @@ def main():
     lengths = [int(x) for x in sys.argv[2].split(",")]
     splits_list = [int(x) for x in sys.argv[3].split(",")]
     combines = sys.argv[4].split(",") if len(sys.argv) > 4 else ["kernel", "fused"]
+    option_sets = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in o.split(",") if "=" in kv)
+                   for o in (sys.argv[5].split(";") if len(sys.argv) > 5 else ["-"])]
     for length in lengths:
         sets = [make(batch, length) for _ in range(NSETS)]
         gb = 2 * batch * length * HKV * D * 2 / 1e9
@@ -67,19 +72,19 @@ def main():
         many = timing.benchmark(lambda i: g.replay()).median_ms / STEPS
         print(f"B={batch} L={length} K/V {gb * 1e3:.1f} MB | copy of it: lone {lone * 1e3:.1f} us, "
               f"{STEPS} in a graph {many * 1e3:.1f} us a copy ({2 * gb / many:.2f} TB/s r+w)")
-        for splits in splits_list:
-            for combine in combines:
-                def step(s, c=combine):
-                    return variants.decode(s[0], s[1], s[2], s[4], block_table=s[3], check=False,
-                                           num_splits=splits, combine=c)
-                graphs = [graph_of(lambda s=s: step(s)) for s in sets]
-                lone = timing.benchmark(lambda i: graphs[i % NSETS].replay()).median_ms
-                g = graph_of(lambda: [step(sets[j % NSETS]) for j in range(STEPS)])
-                many = timing.benchmark(lambda i: g.replay()).median_ms / STEPS
-                parts = "  ".join(f"{k} {v:.1f} us" for k, v in kernel_us(lambda: step(sets[0])).items())
-                print(f"  splits={splits:3d} {combine:6s} lone replay {lone * 1e3:6.1f} us "
-                      f"({gb / lone:5.2f} TB/s) | {STEPS} in a graph {many * 1e3:6.1f} us a step "
-                      f"({gb / many:5.2f} TB/s) | eager kernels: {parts}", flush=True)
+        for splits, combine, options in ((s, c, o) for s in splits_list for c in combines
+                                         for o in option_sets):
+            def step(s, c=combine, n=splits, o=options):
+                return variants.decode(s[0], s[1], s[2], s[4], block_table=s[3], check=False,
+                                       num_splits=n, combine=c, **o)
+            graphs = [graph_of(lambda s=s: step(s)) for s in sets]
+            lone = timing.benchmark(lambda i: graphs[i % NSETS].replay()).median_ms
+            g = graph_of(lambda: [step(sets[j % NSETS]) for j in range(STEPS)])
+            many = timing.benchmark(lambda i: g.replay()).median_ms / STEPS
+            parts = "  ".join(f"{k} {v:.1f} us" for k, v in kernel_us(lambda: step(sets[0])).items())
+            print(f"  splits={splits:3d} {combine:6s} {options or ''} lone replay {lone * 1e3:6.1f} us "
+                  f"({gb / lone:5.2f} TB/s) | {STEPS} in a graph {many * 1e3:6.1f} us a step "
+                  f"({gb / many:5.2f} TB/s) | eager kernels: {parts}", flush=True)
         sets = src = dst = g = graphs = None   # free the caches before the next length
         torch.cuda.empty_cache()
 
