@@ -1,6 +1,7 @@
 """(Probe, as it ran on the GPU host: python experiments/probes/decode_parts.py B L1,L2 S1,S2 [kernel,fused]
 [OPTIONS;OPTIONS...] from the repository root; OPTIONS: decode's options as k=v,k=v, e.g.
-"stages=4;block_n=128,warps=8", each set timed in turn, "-" for the defaults.) Where a decoding step's time goes at small batch (issue 22): for each cache
+"stages=4;block_n=128,warps=8", each set timed in turn, "-" for the defaults; contiguous=1 in a set: the
+same keys in a contiguous (B, L, H_kv, d) cache, no block table.) Where a decoding step's time goes at small batch (issue 22): for each cache
 length and num_splits, the step replayed alone from a CUDA graph (as experiments/decode.py's "CUDA graph"
 row), the step's time inside a graph of 16 steps (4 input sets in turn), and the kernels' own durations
 from torch.profiler (CUPTI) over eager calls; beside a copy of the same bytes, alone and 16 in a graph.
@@ -30,7 +31,9 @@ def make(batch, length):
     q = torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16)
     table = torch.randperm(batch * length // PS, device="cuda").to(torch.int32).reshape(batch, -1)
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    return q, kc, vc, table.contiguous(), lens
+    kcont = kc[table.long()].reshape(batch, length, HKV, D)
+    vcont = vc[table.long()].reshape(batch, length, HKV, D)
+    return q, kc, vc, table.contiguous(), lens, kcont, vcont
 
 
 def graph_of(fn):
@@ -75,6 +78,10 @@ def main():
         for splits, combine, options in ((s, c, o) for s in splits_list for c in combines
                                          for o in option_sets):
             def step(s, c=combine, n=splits, o=options):
+                o = dict(o)
+                if o.pop("contiguous", 0):
+                    return variants.decode(s[0], s[5], s[6], s[4], check=False, num_splits=n,
+                                           combine=c, **o)
                 return variants.decode(s[0], s[1], s[2], s[4], block_table=s[3], check=False,
                                        num_splits=n, combine=c, **o)
             graphs = [graph_of(lambda s=s: step(s)) for s in sets]
