@@ -5,7 +5,8 @@ same keys in a contiguous (B, L, H_kv, d) cache, no block table.) Where a decodi
 length and num_splits, the step replayed alone from a CUDA graph (as experiments/decode.py's "CUDA graph"
 row), the step's time inside a graph of 16 steps (4 input sets in turn), and the kernels' own durations
 from torch.profiler (CUPTI) over eager calls; beside a copy of the same bytes, alone and 16 in a graph.
-32 query heads on 8 K/V heads, d=128, bf16, pages of 256 in a shuffled block table.
+32 query heads on 8 K/V heads (DECODE_HEADS=H,H_KV to change), d=128, bf16, pages of 256 in a shuffled
+block table.
 (On exit the process may abort in a library's teardown after the profiler ran; the figures are printed
 before.)"""
 import os
@@ -21,7 +22,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import variants  # noqa: E402
 from common import timing  # noqa: E402
 
-H, HKV, D, PS = 32, 8, 128, 256
+H, HKV = (int(x) for x in os.environ.get("DECODE_HEADS", "32,8").split(","))   # query, K/V heads
+D, PS = 128, 256
 NSETS, STEPS = 4, 16
 
 
