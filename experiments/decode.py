@@ -121,7 +121,9 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
                               inputs.to_host(vcont[b:b + 1]))
     # the ways of merging timed: (combine, pdl); PDL (a programmatic dependent launch of the
     # combine kernel) only means something for combine="kernel"
-    ways = [(c, p) for c in combines for p in (pdls if c == "kernel" and splits > 1 else [False])]
+    ways = list(dict.fromkeys((c, bool(p)) for c in combines
+                              for p in ((pdls or [False]) if c == "kernel" and splits > 1
+                                        else [False])))
 
     def tag(way):
         combine, pdl = way
@@ -180,6 +182,7 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     for _ in range(calls):
         step(*sets[0], way=ways[0])
     host_us = (time.perf_counter() - start) / calls * 1e6
+    host_row = f"decode{tag(ways[0])} (splits={splits})"   # the call the host time is of
     cuda.synchronize()
     if others:
         rows["fa2"] = timed(lambda q, kc, vc, t, n, kk, vv: variants.forward(q, kk, vv))
@@ -199,7 +202,7 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
         out.append(dict(kernel=name, batch=batch, seqlen_k=length, heads=h, heads_kv=h_kv,
                         head_dim=d, page_size=ps, ms=round(ms, 4), gbs=round(gbs, 1),
                         of_copy=round(gbs / copy_gbs, 3), vs_fa2=round(base / ms, 2),
-                        host_us=round(host_us, 1) if name.startswith("decode (") else "",
+                        host_us=round(host_us, 1) if name == host_row else "",
                         check=row_check.get(name, ok), gpu=target.describe()))
         print(f"B={batch:<2} L={length:<7} {name:29} {ms:8.3f} ms {gbs:7.0f} GB/s "
               f"{gbs / copy_gbs:6.1%} of copy  {base / ms:5.2f}x fa2  "

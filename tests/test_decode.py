@@ -141,26 +141,64 @@ def test_decode_appends_new_tokens(rng, split_kv, combine):
              dtype="float16", combine=combine)
 
 
-@pytest.mark.parametrize("num_splits, page_size, n_q, causal", [(3, 16, 1, False), (2, None, 3, True)])
-def test_decode_fused_combine_equals_the_kernel(rng, num_splits, page_size, n_q, causal):
-    """The same inputs through both combines: the same result (assert_same_merge), both right."""
+@pytest.mark.parametrize("num_splits, page_size, n_q, causal, lengths",
+                         [(3, 16, 1, False, LENGTHS), (2, None, 3, True, LENGTHS),
+                          (40, 64, 1, False, [700])])
+def test_decode_fused_combine_equals_the_kernel(rng, num_splits, page_size, n_q, causal, lengths):
+    """The same inputs through both combines: the same result (assert_same_merge), both right.
+    40 splits of a 700-key sequence (22 of them with keys in the simulator's 32-key tiles): the
+    merge's later rounds of loads (more splits than a round holds, U W) and lanes holding two
+    splits' L_s."""
     seed = int(rng.integers(2 ** 31))
     got = {c: run_case(np.random.default_rng(seed), num_splits=num_splits, page_size=page_size,
-                       n_q=n_q, causal=causal, combine=c) for c in COMBINES}
+                       n_q=n_q, causal=causal, combine=c, lengths=lengths) for c in COMBINES}
     assert_same_merge(got["fused"], got["kernel"])
 
 
-@pytest.mark.parametrize("num_splits", [3, 64])
+@pytest.mark.parametrize("num_splits", [3, 45] if ON_GPU else [3])
 def test_decode_combine_as_a_dependent_launch_gives_the_same_bits(rng, num_splits):
     """pdl=True launches the combine kernel as a programmatic dependent of the split kernel (it
     waits for the split kernel's end with griddepcontrol.wait); pdl=False, an ordinary launch:
-    the same arithmetic, so the same bits. With 64 splits some lanes hold no split and the merge's
-    warps take uneven shares."""
+    the same arithmetic, so the same bits (on a GPU; in the simulator both launch alike, and
+    test_decode_combine_waits_before_it_reads checks the wait's place). 45 splits (GPU): the
+    merge's warps take uneven shares, and many splits hold no key."""
     seed = int(rng.integers(2 ** 31))
     got = [run_case(np.random.default_rng(seed), num_splits=num_splits,
                     options=dict(SMALL, pdl=pdl)) for pdl in (True, False)]
     assert np.array_equal(got[0][0].view(np.uint16), got[1][0].view(np.uint16))
     assert np.array_equal(got[0][1], got[1][1])
+
+
+def test_decode_combine_waits_before_it_reads():
+    """The dependent combine kernel (pdl=True) runs griddepcontrol.wait before its first load
+    from global memory (Numba's are generic ld), and the ordinary one has no wait (PTX for sm_90,
+    compiled without a GPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "import re\n"
+        "from numba import cuda, types\n"
+        "from common.elements import BFLOAT16\n"
+        "from variants import decoding\n"
+        "f = {n: types.Array(types.float32, n, 'A') for n in (3, 4, 5)}\n"
+        "sig = (f[5], f[4], types.Array(types.uint32, 4, 'A'), f[3], types.int32)\n"
+        "for dependent in (True, False):\n"
+        "    k = decoding.build_combine(128, BFLOAT16, dependent)\n"
+        "    ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))\n"
+        "    body = ptx[ptx.index('.entry'):]\n"
+        "    m = re.search(r'\\bld\\.(?!param|shared)', body)\n"   # a global (or generic) load
+        "    wait, load = body.find('griddepcontrol.wait'), m.start() if m else -1\n"
+        "    print(dependent, wait, load)\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(__import__("os").environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in out.stdout.splitlines()}
+    wait, load = rows["True"]
+    assert 0 <= wait < load
+    assert rows["False"][0] == -1 and rows["False"][1] >= 0
 
 
 def test_decode_fused_combine_reuses_its_counters(rng):
@@ -176,6 +214,31 @@ def test_decode_fused_combine_reuses_its_counters(rng):
         fused = run_case(np.random.default_rng(seed), combine="fused", **kw)
         assert counters_are_zero(), kw
         assert_same_merge(fused, run_case(np.random.default_rng(seed), combine="kernel", **kw))
+
+
+@pytest.mark.parametrize("head_dim, page_size, n_q, causal, combine", [
+    (32, 16, 1, False, "kernel"),   # 32-column tiles of padded rows, one column of chunks a thread
+    (40, 64, 1, False, "fused"),    # 48-column tiles, columns 40-47 zero-filled; whole-page tiles
+    (96, None, 1, False, "kernel"),  # 12 chunks a row, dealt out in order; a contiguous cache
+    (72, 16, 2, True, "kernel"),    # a key's page looked up per row, 80-column tiles; causal
+])
+def test_decode_head_dims_other_than_64_and_128(rng, head_dim, page_size, n_q, causal, combine):
+    """Every multiple of 8 from 32 to 128: tiles of tile_columns(d) columns (swizzled only at 64
+    and 128), the copies zero-filling the columns past d, the merge stopping at d."""
+    run_case(rng, head_dim=head_dim, page_size=page_size, n_q=n_q, causal=causal, num_splits=3,
+             combine=combine)
+
+
+def test_decode_refuses_head_dims_past_128(rng):
+    """Past 128 a warp's O accumulator would spill (d=256: 255 registers and 184 bytes of spill
+    stores): refused by name, as are head dims that are not multiples of 8."""
+    lib = inputs.default_library()
+    for d in (136, 256, 44):
+        q = inputs.to_device(np.zeros((1, 1, 2, d), np.float16), lib)
+        cache = inputs.to_device(np.zeros((1, 16, 1, d), np.float16), lib)
+        lens = inputs.to_device(np.array([4], np.int32), lib)
+        with pytest.raises(ValueError, match=f"decode supports head_dim in .*got {d}"):
+            variants.decode(q, cache, cache, lens)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="d=128 and the default tiles: GPU sizes")

@@ -36,7 +36,10 @@ from common.elements import BFLOAT16, Element
 from common.smem import SharedLayout
 from common.target import device_function, kernel, launch
 
-HEAD_DIMS = (64, 128)
+# every multiple of 8 from 32 to 128 (tiles of tiles.tile_columns(d) columns, zero past d); past 128 a
+# warp's O accumulator for its 16 rows would not fit: at d=256 the split kernel takes 255 registers and
+# spills 184 bytes (ptxas, sm_90)
+HEAD_DIMS = tuple(range(32, 129, 8))
 MAX_ROWS = 64          # query rows of a tile: kv_group * N_q (4 m16 tiles)
 MAX_SPLITS = 128
 COMBINES = ("kernel", "fused")   # step 3 in a second kernel, or in the split kernel's last block
@@ -84,16 +87,26 @@ class Config:
         return self.block_n // self.warps
 
     @property
+    def tile_dim(self):
+        """Columns of a Q, K or V tile: head_dim rounded up to a whole k16 step, the rest zeros."""
+        return tiles.tile_columns(self.head_dim)
+
+    @property
+    def swizzle(self):
+        """Swizzled tiles (64 and 128 columns); the other widths take padded rows."""
+        return tiles.swizzle_fits(self.tile_dim)
+
+    @property
     def out_stride(self):
         """Floats a row of the fp32 O buffer that merges the warps (8 mod 32: no bank conflicts
         between the 8 row groups of a lane's stores)."""
-        return self.head_dim + 8
+        return self.tile_dim + 8 + self.tile_dim % 32
 
     @configs.once_per_config
     def smem_layout(self):
         """Q | stages x (K, V) | the warps' row statistics (m, l). After the loop the K/V region
         holds the fp32 O buffer the warps add into."""
-        d = tiles.tile_row_stride(self.head_dim, True)
+        d = tiles.tile_row_stride(self.tile_dim, self.swizzle)
         return SharedLayout(("q", self.rows * d, 2), ("kv", 2 * self.stages * self.block_n * d, 2),
                             ("stats", 2 * self.warps * self.rows, 4))
 
@@ -101,7 +114,8 @@ class Config:
         if self.combine not in COMBINES:
             raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {self.combine!r}")
         if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"decode supports head_dim in {HEAD_DIMS}, got {self.head_dim}")
+            raise ValueError(f"decode supports head_dim in {HEAD_DIMS} (multiples of 8 from 32 to "
+                             f"128), got {self.head_dim}")
         if self.keys_per_warp % 16 or self.keys_per_warp < 16:
             raise ValueError(f"block_n={self.block_n} must give each of the {self.warps} warps "
                              "a multiple of 16 keys")
@@ -109,7 +123,7 @@ class Config:
             raise ValueError(f"stages must be at least 2, got {self.stages}")
         if not 1 <= self.m_tiles <= MAX_ROWS // 16:
             raise ValueError(f"kv_group x seqlen_q must be at most {MAX_ROWS} rows")
-        tiles.check_tile_copy(self.block_n, self.head_dim, self.threads)
+        tiles.check_tile_copy(self.block_n, self.tile_dim, self.threads)
         layout = self.smem_layout()
         if self.rows * self.out_stride * 4 > layout.regions["kv"].bytes:
             raise ValueError("the K/V tiles are too small to hold the merged O: raise block_n")
@@ -138,8 +152,10 @@ def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **option
     chosen = {k: v for k, v in options.items() if v is not None}
     if not split and chosen.get("combine") in COMBINES:
         chosen.pop("combine")   # nothing to combine: one kernel whichever way
-    if "pdl" in chosen:
+    if "pdl" in chosen:   # only a combine kernel can be a dependent launch: elsewhere the same kernel
         chosen["pdl"] = bool(chosen["pdl"])
+        if not split or chosen.get("combine", Config.combine) != "kernel":
+            chosen.pop("pdl")
     return _config(head_dim, element, kv_group, (rows + 15) // 16, causal, paged, split,
                    tuple(sorted(chosen.items())))
 
@@ -228,7 +244,7 @@ def build_merge(through_l2, head_dim, threads, element):
     L2 latency in a row: 8.7 us at 32 splits for a 64 MB cache whose K/V read takes 22 us
     (docs/results/decode_combine_h100.txt)."""
     D, THREADS, ELEM = head_dim, threads, element.code
-    W, CPL, U, NK = threads // 32, head_dim // 32, 8, MAX_SPLITS // 32
+    W, CPL, U, NK = threads // 32, -(-head_dim // 32), 8, MAX_SPLITS // 32
     WTS, PART = 0, W * MAX_SPLITS       # scratch: the warps' weights, then their partial O rows
 
     @device_function
@@ -239,12 +255,14 @@ def build_merge(through_l2, head_dim, threads, element):
 
     @device_function
     def load_round(got, o_part, b, h, i, s0, lane, n_splits):
-        """got[u, k] = O_s[lane + 32 k] of splits s = s0 + u W (zero past the last split)."""
+        """got[u, k] = O_s[lane + 32 k] of splits s = s0 + u W (zero past the last split and
+        past d)."""
         for u in range(U):
             s = int32(s0 + u * W)
             for k in range(CPL):
-                got[u, k] = load(o_part, (s, b, h, i, int32(lane + 32 * k))) \
-                    if s < n_splits else float32(0)
+                col = int32(lane + 32 * k)
+                got[u, k] = load(o_part, (s, b, h, i, col)) \
+                    if s < n_splits and (D % 32 == 0 or col < D) else float32(0)
 
     @device_function
     def merge_row(o_part, lse_part, o32, lse, b, h, i, n_splits, scratch, tid):
@@ -284,7 +302,8 @@ def build_merge(through_l2, head_dim, threads, element):
                     for k in range(CPL):
                         acc[k] += wts[s] * got[u, k]
         for k in range(CPL):
-            scratch[PART + warp * D + lane + 32 * k] = acc[k]
+            if D % 32 == 0 or lane + 32 * k < D:
+                scratch[PART + warp * D + lane + 32 * k] = acc[k]
         cuda.syncthreads()
         inv = float32(1) / total if total > float32(0) else float32(0)
         for c2 in range(tid, D // 2, THREADS):
@@ -314,12 +333,19 @@ def build(cfg):
     FUSED, TRIGGER = cfg.fused, cfg.dependent_combine
     merge_row = build_merge(True, D, THREADS, cfg.element)
     MERGE_FLOATS = merge_scratch_floats(D, THREADS)
-    STRIDE = tiles.tile_row_stride(D, True)
+    # tiles of DT = tile_columns(d) columns, swizzled at 64 and 128 (SWZ), zero past d (VALID: the
+    # valid columns for load_tile_async's zero fill, 0 when every column is d's)
+    DT, SWZ = cfg.tile_dim, cfg.swizzle
+    VALID, CH = (0 if DT == D else D), DT // 8
+    # a thread keeps one column of 16-byte chunks (tiles.copy_split) when a row's chunks divide
+    # the threads; otherwise (d = 96: 12 chunks, or a zero-filled tail) chunks dealt out in order
+    BY_COLUMNS = THREADS % CH == 0 and DT == D
+    STRIDE = tiles.tile_row_stride(DT, SWZ)
     Q_TILE, KV_TILE = RT * STRIDE, BN * STRIDE
     LAYOUT = cfg.smem_layout()
     Q0, KV0, STATS0 = LAYOUT.start("q"), LAYOUT.start("kv"), LAYOUT.start("stats")
     O0, OSTRIDE = LAYOUT.start("kv", 4), cfg.out_stride
-    Q_FRAG, S_ACC, P_FRAG, O_ACC = (M, D // 16, 4), (M, KPW // 8, 4), (M, KPW // 16, 4), (M, D // 8, 4)
+    Q_FRAG, S_ACC, P_FRAG, O_ACC = (M, DT // 16, 4), (M, KPW // 8, 4), (M, KPW // 16, 4), (M, DT // 8, 4)
     ROWS = 2 * M
     HALF = D // 2
     # cp.async groups left in flight (literals, as the wait instruction wants): Q's group is the
@@ -330,16 +356,26 @@ def build(cfg):
 
     @device_function
     def load_q(q_s, q, b, h_kv, n_q, tid):
-        """Row r = i * G + g of the tile: token i of query head h_kv * G + g (zeros past N_q)."""
-        r, col, row_step = tiles.copy_split(tid, D, THREADS)
-        for it in range(RT // row_step if RT >= row_step else 1):
-            row = r + it * row_step
-            if row < RT:
-                i = row // G
-                inside = i < n_q
-                src = q[b, :, h_kv * G + row - i * G]       # (N_q, d): the head's tokens
-                ptx.cp_async_16(q_s, tiles.smem_offset(row, col, STRIDE, True), src,
-                                i if inside else 0, col, 16 if inside else 0)
+        """Row r = i * G + g of the tile: token i of query head h_kv * G + g (zeros past N_q
+        and past d)."""
+        if BY_COLUMNS:
+            r, col, row_step = tiles.copy_split(tid, D, THREADS)
+            for it in range(RT // row_step if RT >= row_step else 1):
+                row = r + it * row_step
+                if row < RT:
+                    i = row // G
+                    inside = i < n_q
+                    src = q[b, :, h_kv * G + row - i * G]       # (N_q, d): the head's tokens
+                    ptx.cp_async_16(q_s, tiles.smem_offset(row, col, STRIDE, SWZ), src,
+                                    i if inside else 0, col, 16 if inside else 0)
+            return
+        for c in range(tid, RT * CH, THREADS):
+            row, col = tiles.chunk_position(c, DT)
+            i = row // G
+            inside = i < n_q and col < D
+            src = q[b, :, h_kv * G + row - i * G]
+            ptx.cp_async_16(q_s, tiles.smem_offset(row, col, STRIDE, SWZ), src,
+                            i if inside else 0, col if inside else 0, 16 if inside else 0)
 
     @device_function
     def load_kv(tile, cache, block_table, b, h_kv, key0, n_k, page_shift, tid):
@@ -352,25 +388,38 @@ def build(cfg):
         (tiles.load_tile_async); per key, the entry lookup and the cache's 4-D index arithmetic
         were most of the kernel's instructions (docs/results/decode_page_once_h100.txt)."""
         if not PAGED:
-            tiles.load_tile_async(tile, cache[b, :, h_kv], key0, n_k, 0, BN, D, STRIDE, True, tid,
-                                  THREADS)
+            tiles.load_tile_async(tile, cache[b, :, h_kv], key0, n_k, 0, BN, DT, STRIDE, SWZ, tid,
+                                  THREADS, True, VALID)
             return
         last_page = int32(cache.shape[0] - 1)
         if TILE_IN_PAGE and page_shift >= BN_SHIFT:
             page = checked_page(block_table, b, key0, page_shift, last_page)
             slot0 = key0 & int32((1 << page_shift) - 1)
             tiles.load_tile_async(tile, cache[page, :, h_kv], slot0, int32(slot0 + n_k - key0), 0,
-                                  BN, D, STRIDE, True, tid, THREADS)
+                                  BN, DT, STRIDE, SWZ, tid, THREADS, True, VALID)
             return
-        r, col, row_step = tiles.copy_split(tid, D, THREADS)
-        for it in range(BN // row_step):
-            row = r + it * row_step
+        if BY_COLUMNS:
+            r, col, row_step = tiles.copy_split(tid, D, THREADS)
+            for it in range(BN // row_step):
+                row = r + it * row_step
+                key = int32(key0 + row)
+                inside = key < n_k
+                page = checked_page(block_table, b, key, page_shift, last_page) if inside \
+                    else int32(0)
+                slot = key & int32((1 << page_shift) - 1)
+                ptx.cp_async_16(tile, tiles.smem_offset(row, col, STRIDE, SWZ),
+                                cache[page, :, h_kv], slot if inside else 0, col,
+                                16 if inside else 0)
+            return
+        for c in range(tid, BN * CH, THREADS):
+            row, col = tiles.chunk_position(c, DT)
             key = int32(key0 + row)
             inside = key < n_k
             page = checked_page(block_table, b, key, page_shift, last_page) if inside else int32(0)
             slot = key & int32((1 << page_shift) - 1)
-            ptx.cp_async_16(tile, tiles.smem_offset(row, col, STRIDE, True), cache[page, :, h_kv],
-                            slot if inside else 0, col, 16 if inside else 0)
+            copy = inside and col < D
+            ptx.cp_async_16(tile, tiles.smem_offset(row, col, STRIDE, SWZ), cache[page, :, h_kv],
+                            slot if inside else 0, col if copy else 0, 16 if copy else 0)
 
     @device_function
     def mask_keys(s, key0, n_k, n_q, lane):
@@ -437,7 +486,7 @@ def build(cfg):
         cuda.syncthreads()
         q_frag = cuda.local.array(Q_FRAG, uint32)
         for m in range(M):
-            tiles.load_a_fragments(q_frag, m, q_s, 16 * m, lane, STRIDE, True)
+            tiles.load_a_fragments(q_frag, m, q_s, 16 * m, lane, STRIDE, SWZ)
 
         # Step 2: FA2's inner loop (Alg.1 l.6-10), each warp over its slice of every tile.
         o_acc = cuda.local.array(O_ACC, float32)
@@ -465,12 +514,12 @@ def build(cfg):
             key0 = int32(t * BN + key_w)
             # l.8: S = Q K^T over the warp's keys; l.9-10: online softmax, O += P~ V.
             tiles.fill(s, float32(0))
-            tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, True, ELEM)
+            tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, SWZ, ELEM)
             if int32(t * BN + BN) > (int32(n_k - n_q + 1) if CAUSAL else n_k):
                 mask_keys(s, key0, n_k, n_q, lane)
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
             tiles.accumulator_to_a(p, s, ELEM)
-            tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, True, ELEM)
+            tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, SWZ, ELEM)
 
         # Merge the warps (as step 3 merges the splits): every copy has landed and every warp is
         # done with the tiles, whose memory now holds the fp32 O buffer.
@@ -494,7 +543,7 @@ def build(cfg):
         for w in range(W):                     # one warp at a time: a fixed order of sums
             if warp == w:
                 for m in range(M):
-                    for n in range(D // 8):
+                    for n in range(DT // 8):
                         for j in range(4):
                             r, c = tiles.accumulator_position(m, n, j, lane)
                             at = r * OSTRIDE + c
@@ -569,18 +618,17 @@ def build(cfg):
     return decode_split
 
 
-COMBINE_THREADS = 128
-
-
 @lru_cache(maxsize=None)
-def build_combine(head_dim, element, dependent=False):
+def build_combine(head_dim, element, dependent=False, threads=128):
     """Step 3: O = sum_s e^(L_s - L) O_s, L = log sum_s e^(L_s); one thread block a row (b, h, i)
-    of COMBINE_THREADS threads (build_merge says how they share the splits). dependent: launched
+    of `threads` threads (build_merge says how they share the splits; the split kernel's thread
+    count, so that the fused combine, which merges with the split block's threads, adds up in the
+    same order and gives the same bits). dependent: launched
     as a programmatic dependent of the split kernel (Config.pdl), its blocks are resident and
     their shared memory set up while the split kernel's last tiles are read, then wait for it to
     end (FA3 launches its split-KV combine kernel so: hopper/flash_fwd_combine_launch_template.h)."""
-    merge_row = build_merge(False, head_dim, COMBINE_THREADS, element)
-    SCRATCH = merge_scratch_floats(head_dim, COMBINE_THREADS)
+    merge_row = build_merge(False, head_dim, threads, element)
+    SCRATCH = merge_scratch_floats(head_dim, threads)
 
     @kernel
     def decode_combine(o_part, lse_part, o32, lse, n_splits):
@@ -718,8 +766,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
                lse_v, part, lse_part, counters, *scalars)
         if not cfg.fused:
-            launch(build_combine(prob.head_dim, prob.element, cfg.pdl),
-                   (prob.n_q, prob.heads, prob.batch), COMBINE_THREADS, 0, prob.stream, part,
+            launch(build_combine(prob.head_dim, prob.element, cfg.pdl, cfg.threads),
+                   (prob.n_q, prob.heads, prob.batch), cfg.threads, 0, prob.stream, part,
                    lse_part, o32, lse_v, np.int32(splits), programmatic=cfg.pdl)
     return o, lse
 
