@@ -112,15 +112,20 @@ _SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z
 
 
 def main_loop(sass):
-    """Opcodes of the largest loop in a SASS listing: the instructions between the target of the
-    longest backward branch and that branch (for the fa2 kernel: the loop over K/V blocks)."""
+    """Opcodes of the main loop in a SASS listing: the instructions between the target of the
+    longest backward branch and that branch (for the fa2 kernel: the loop over K/V blocks), among
+    the loops that hold a tensor-core instruction when any does (decoding's fused combine has a
+    longer loop after its K/V loop: the merge's, over the rows)."""
     code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
-    best = (0, 0, -1)
+    loops = []
     for addr, op, rest in code:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > best[0]:
-            best = (addr - int(target.group(1), 16), int(target.group(1), 16), addr)
-    return [op for addr, op, _ in code if best[1] <= addr <= best[2]]
+        if target and int(target.group(1), 16) < addr:
+            loops.append((addr - int(target.group(1), 16), int(target.group(1), 16), addr))
+    loops.sort(key=lambda loop: -loop[0])   # longest first (a stable sort: ties keep their order)
+    bodies = [[op for addr, op, _ in code if start <= addr <= end] for _, start, end in loops]
+    with_mma = [b for b in bodies if any(op in ("HMMA", "HGMMA", "QGMMA") for op in b)]
+    return (with_mma or bodies or [[]])[0]
 
 
 def report(cc=(9, 0), skip=None, jobs=1, ptx_dir=None):
