@@ -24,7 +24,8 @@ sequence, then timed (CUDA events, median; two input sets when the caches fit in
 - no split: the same kernel with split_kv=False (one thread block a sequence and K/V head);
 - contiguous: decode on a (B, L, H_kv, d) cache, no block table;
 - fa2: variants.forward with seqlen_q = 1 (FA2's grid: one query block a sequence and head);
-- sdpa_flash, sdpa_cudnn: torch SDPA on the contiguous cache (enable_gqa), when they take it.
+- sdpa_flash, sdpa_cudnn: torch SDPA on the contiguous cache (enable_gqa), when they take it; and
+  each replayed from a CUDA graph, alone and 16 in a graph, as decode's graph rows.
 GB/s = bytes of K and V read / time; the bar is >= 70% (goal 85%) of the copy bandwidth measured
 in the same run (a device-to-device copy of 2 GiB: bytes read + written / time).
 """
@@ -150,20 +151,23 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
         rows[name] = timed(lambda *s, w=way: step(*s, way=w))
         row_check[name] = verdict[way]
 
-    def replayed(way):   # the step captured once per input set, the graphs replayed in turn
-        graphs = [timing.capture_cuda_graph(lambda s=s: step(*s, way=way))[0] for s in sets]
+    def replayed(fn):   # fn(*set) captured once per input set, the graphs replayed in turn
+        graphs = [timing.capture_cuda_graph(lambda s=s: fn(*s))[0] for s in sets]
         return timing.benchmark(lambda i: graphs[i % n_sets].replay(), **bench).median_ms
 
-    def in_one_graph(way):   # GRAPH_STEPS steps (the input sets in turn) in one graph, per step
+    def in_one_graph(fn):   # GRAPH_STEPS calls (the input sets in turn) in one graph, per call
         graph = timing.capture_cuda_graph(
-            lambda: [step(*sets[j % n_sets], way=way) for j in range(GRAPH_STEPS)])[0]
+            lambda: [fn(*sets[j % n_sets]) for j in range(GRAPH_STEPS)])[0]
         return timing.benchmark(lambda i: graph.replay(), **bench).median_ms / GRAPH_STEPS
 
-    for way in ways if torch is not None and not target.SIMULATOR else ():
-        rows[f"decode{tag(way)}, CUDA graph"] = replayed(way)
+    graphs_on = torch is not None and not target.SIMULATOR
+    for way in ways if graphs_on else ():
+        def fn(*s, way=way):
+            return step(*s, way=way)
+        rows[f"decode{tag(way)}, CUDA graph"] = replayed(fn)
         row_check[f"decode{tag(way)}, CUDA graph"] = verdict[way]
         name = f"decode{tag(way)}, {GRAPH_STEPS} in a graph"
-        rows[name] = in_one_graph(way)
+        rows[name] = in_one_graph(fn)
         row_check[name] = verdict[way]
     if others:
         rows["decode, no split"] = timed(lambda q, kc, vc, t, n, *_:
@@ -190,11 +194,17 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
         from experiments import peers
         for name in ("sdpa_flash", "sdpa_cudnn"):
             fn = peers.forward_fn(name, False, None, h != h_kv)
+            def peer(q, kc, vc, t, n, kk, vv, fn=fn):
+                return fn(q, kk, vv)
             try:
-                rows[name] = timed(lambda q, kc, vc, t, n, kk, vv, fn=fn: fn(q, kk, vv))
+                rows[name] = timed(peer)
             except RuntimeError as exc:   # a backend that does not take this shape
                 print(f"  {name}: {str(exc).splitlines()[0][:100]}", flush=True)
                 rows[name] = float("nan")
+                continue
+            if graphs_on:   # the peer's kernels on the decode rows' footing, without its host time
+                rows[f"{name}, CUDA graph"] = replayed(peer)
+                rows[f"{name}, {GRAPH_STEPS} in a graph"] = in_one_graph(peer)
     base = rows.get("fa2", float("nan"))
     print(f"B={batch:<2} L={length:<7} host: {host_us:.0f} us a decode call", flush=True)
     for name, ms in rows.items():

@@ -102,6 +102,18 @@ class Config:
         between the 8 row groups of a lane's stores)."""
         return self.tile_dim + 8 + self.tile_dim % 32
 
+    @property
+    def warp_buffers(self):
+        """After the loop each warp stores its O accumulator in its own fp32 buffer in the K/V
+        tiles' memory, in fragment order (16-byte stores, no bank conflicts:
+        tiles.stage_accumulator_fragments_f32), where W of them fit (one m16 tile at the
+        defaults), and the output adds them; otherwise the warps add into one row-major buffer
+        one after another, a barrier each. The one-at-a-time way, unrolled W times over 64-bit
+        signed index arithmetic, was most of the ~3 us a block took from its last tile to its
+        stores (decode_epilogue_h100.txt)."""
+        kv = self.smem_layout().regions["kv"].bytes
+        return self.warps * self.rows * self.tile_dim * 4 <= kv
+
     @configs.once_per_config
     def smem_layout(self):
         """Q | stages x (K, V) | the warps' row statistics (m, l). After the loop the K/V region
@@ -186,6 +198,18 @@ def num_splits_heuristic(batch, heads_kv, max_seqlen_k, sm_count, block_n, block
 
     best = max(busy(s) for s in range(1, most + 1))
     return next(s for s in range(1, most + 1) if busy(s) >= 0.95 * best)
+
+
+@device_function
+def fragment_offset(row, col, n_tiles):
+    """Where element (row, col) of a warp's m16n8 accumulator tiles (n_tiles across) lies in the
+    fragment-order buffer of tiles.stage_accumulator_fragments_f32: lane 4 (row % 8) + (col % 8)
+    / 2 of tile (row / 16, col / 8) holds it in register 2 ((row % 16) / 8) + col % 2. row, col
+    unsigned; col even gives (col, col + 1) as two adjacent floats."""
+    lane = ((row & uint32(7)) << uint32(2)) | ((col & uint32(7)) >> uint32(1))
+    k = (row >> uint32(4)) * uint32(n_tiles) + (col >> uint32(3))
+    return (((k << uint32(5)) + lane) << uint32(2)) + (((row >> uint32(3)) & uint32(1)) << uint32(1)) \
+        + (col & uint32(1))
 
 
 @device_function
@@ -345,6 +369,7 @@ def build(cfg):
     LAYOUT = cfg.smem_layout()
     Q0, KV0, STATS0 = LAYOUT.start("q"), LAYOUT.start("kv"), LAYOUT.start("stats")
     O0, OSTRIDE = LAYOUT.start("kv", 4), cfg.out_stride
+    WARP_BUFFERS, WARP_FLOATS = cfg.warp_buffers, cfg.rows * DT
     Q_FRAG, S_ACC, P_FRAG, O_ACC = (M, DT // 16, 4), (M, KPW // 8, 4), (M, KPW // 16, 4), (M, DT // 8, 4)
     ROWS = 2 * M
     HALF = D // 2
@@ -539,30 +564,43 @@ def build(cfg):
             scale[r] = ptx.ex2_approx(m_i[r] * scale_log2 - base) / total \
                 if total > float32(0) else float32(0)
         tiles.scale_rows(o_acc, scale)
-        o_buf = stats[O0:O0 + RT * OSTRIDE]
-        for w in range(W):                     # one warp at a time: a fixed order of sums
-            if warp == w:
-                for m in range(M):
-                    for n in range(DT // 8):
-                        for j in range(4):
-                            r, c = tiles.accumulator_position(m, n, j, lane)
-                            at = r * OSTRIDE + c
-                            o_buf[at] = o_acc[m, n, j] if w == 0 else o_buf[at] + o_acc[m, n, j]
+        n_rows = int32(G * n_q)                # the tile's real rows (token i < N_q)
+        o_buf = stats[O0:O0 + (W * WARP_FLOATS if WARP_BUFFERS else RT * OSTRIDE)]
+        if WARP_BUFFERS:   # each warp its own buffer, all at once (16-byte stores), one barrier
+            tiles.stage_accumulator_fragments_f32(o_buf[warp * WARP_FLOATS:], o_acc, lane)
             cuda.syncthreads()
+        else:              # one buffer, the warps adding into it one at a time
+            for w in range(W):
+                if warp == w:
+                    for m in range(M):
+                        for n in range(DT // 8):
+                            for j in range(4):
+                                r, c = tiles.accumulator_position(m, n, j, lane)
+                                at = r * OSTRIDE + c
+                                o_buf[at] = o_acc[m, n, j] if w == 0 \
+                                    else o_buf[at] + o_acc[m, n, j]
+                cuda.syncthreads()
 
-        # Out: the real rows (token i < N_q) of the tile, in q's layout (SPLIT: this split's).
-        for at in range(tid, RT * HALF, THREADS):
-            row = at // HALF
-            c2 = at - row * HALF
-            i = row // G
-            if i < n_q:
-                h = h_kv * G + row - i * G
+        # Out: the real rows of the tile, in q's layout (SPLIT: this split's), the warps' shares
+        # added in warp order (either way above: the same sums in the same order).
+        for at in range(tid, n_rows * HALF, THREADS):
+            row = uint32(at) // uint32(HALF)
+            c2 = uint32(at) - row * uint32(HALF)
+            i = row // uint32(G)
+            h = uint32(h_kv * G) + row - i * uint32(G)
+            if WARP_BUFFERS:
+                f = fragment_offset(row, c2 + c2, DT // 8)
+                x0, x1 = o_buf[f], o_buf[f + uint32(1)]
+                for w in range(1, W):
+                    x0 += o_buf[uint32(w * WARP_FLOATS) + f]
+                    x1 += o_buf[uint32(w * WARP_FLOATS + 1) + f]
+            else:
                 x0, x1 = o_buf[row * OSTRIDE + 2 * c2], o_buf[row * OSTRIDE + 2 * c2 + 1]
-                if SPLIT:
-                    o_part[split, b, h, i, 2 * c2] = x0
-                    o_part[split, b, h, i, 2 * c2 + 1] = x1
-                else:
-                    o32[b, i, h, c2] = tiles.pack_pair(x0, x1, ELEM)
+            if SPLIT:   # unsigned indices: no negative-index wrap-around arithmetic
+                o_part[uint32(split), uint32(b), h, i, c2 + c2] = x0
+                o_part[uint32(split), uint32(b), h, i, c2 + c2 + uint32(1)] = x1
+            else:
+                o32[uint32(b), i, h, c2] = tiles.pack_pair(x0, x1, ELEM)
         if tid < RT:
             i = tid // G
             if i < n_q:
