@@ -282,9 +282,9 @@ def build_merge(through_l2, head_dim, threads, element):
         """got[u, k] = O_s[lane + 32 k] of splits s = s0 + u W (zero past the last split and
         past d)."""
         for u in range(U):
-            s = int32(s0 + u * W)
+            s = uint32(s0 + u * W)
             for k in range(CPL):
-                col = int32(lane + 32 * k)
+                col = uint32(lane + 32 * k)
                 got[u, k] = load(o_part, (s, b, h, i, col)) \
                     if s < n_splits and (D % 32 == 0 or col < D) else float32(0)
 
@@ -293,14 +293,15 @@ def build_merge(through_l2, head_dim, threads, element):
         """scratch: float32 shared memory of `merge_scratch_floats(head_dim, threads)`, free for
         this call; every thread of the block calls (it has barriers); the block's own earlier
         stores to scratch are done (a barrier before, as between two rows)."""
-        b, h, i, n_splits = int32(b), int32(h), int32(i), int32(n_splits)
+        # unsigned indices: no negative-index wrap-around arithmetic for every load
+        b, h, i, n_splits = uint32(b), uint32(h), uint32(i), uint32(n_splits)
         warp, lane = tid >> 5, tid & 31
         got = cuda.local.array((U, CPL), float32)
         load_round(got, o_part, b, h, i, warp, lane, n_splits)   # in flight with the L_s loads
         lse_s = cuda.local.array(NK, float32)
         mx = float32(-math.inf)
         for k in range(NK):
-            s = int32(lane + 32 * k)
+            s = uint32(lane + 32 * k)
             lse_s[k] = load(lse_part, (s, b, h, i)) if s < n_splits else float32(-math.inf)
             mx = max(mx, lse_s[k])
         for k in range(5):
@@ -317,25 +318,25 @@ def build_merge(through_l2, head_dim, threads, element):
         acc = cuda.local.array(CPL, float32)
         for k in range(CPL):
             acc[k] = float32(0)
-        for s0 in range(warp, n_splits, U * W):     # U of this warp's splits a round
+        for s0 in range(warp, int32(n_splits), U * W):     # U of this warp's splits a round
             if s0 != warp:
                 load_round(got, o_part, b, h, i, s0, lane, n_splits)
             for u in range(U):
-                s = int32(s0 + u * W)
+                s = uint32(s0 + u * W)
                 if s < n_splits:
                     for k in range(CPL):
                         acc[k] += wts[s] * got[u, k]
         for k in range(CPL):
             if D % 32 == 0 or lane + 32 * k < D:
-                scratch[PART + warp * D + lane + 32 * k] = acc[k]
+                scratch[uint32(PART + warp * D + lane + 32 * k)] = acc[k]
         cuda.syncthreads()
         inv = float32(1) / total if total > float32(0) else float32(0)
         for c2 in range(tid, D // 2, THREADS):
             y0, y1 = float32(0), float32(0)
             for w in range(W):
-                y0 += scratch[PART + w * D + 2 * c2]
-                y1 += scratch[PART + w * D + 2 * c2 + 1]
-            o32[b, i, h, c2] = tiles.pack_pair(y0 * inv, y1 * inv, ELEM)
+                y0 += scratch[uint32(PART + w * D + 2 * c2)]
+                y1 += scratch[uint32(PART + w * D + 2 * c2 + 1)]
+            o32[b, i, h, uint32(c2)] = tiles.pack_pair(y0 * inv, y1 * inv, ELEM)
         if tid == 0:
             lse[b, h, i] = mx + math.log(total) if total > float32(0) else float32(-math.inf)
         cuda.syncthreads()
