@@ -98,8 +98,9 @@ class Config:
 
     @property
     def out_stride(self):
-        """Floats a row of the fp32 O buffer that merges the warps (8 mod 32: no bank conflicts
-        between the 8 row groups of a lane's stores)."""
+        """Floats a row of the one row-major fp32 O buffer the warps add into where their own
+        buffers do not fit (`warp_buffers`; 8 mod 32: no bank conflicts between the 8 row groups
+        of a lane's stores)."""
         return self.tile_dim + 8 + self.tile_dim % 32
 
     @property
