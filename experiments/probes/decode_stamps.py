@@ -27,7 +27,7 @@ def sub(old, new):
     s = s.replace(old, new, 1)
 
 
-s = s.replace('''@lru_cache(maxsize=None)
+sub('''@lru_cache(maxsize=None)
 def build_merge(''', '''if target.SIMULATOR:
     @device_function
     def gtimer():
@@ -46,7 +46,7 @@ else:
 
 
 @lru_cache(maxsize=None)
-def build_merge(''', 1)
+def build_merge(''')
 sub('''        tid = int32(cuda.threadIdx.x)
 ''', '''        tid = int32(cuda.threadIdx.x)
         T0 = gtimer()
@@ -75,7 +75,7 @@ sub('''            cuda.threadfence()                                           
             if tid == 0:
                 counters[NC + 2 * lin] = T0
                 counters[NC + 2 * lin + 1] = T3
-                counters[NC + 4 * int32(cuda.gridDim.x * NC) + lin] = TF
+                counters[NC + 2 * int32(cuda.gridDim.x * NC) + 8 * NC + lin] = TF
 ''')
 sub('''                cuda.threadfence()                                                    # (f)
 ''', '''                T4 = gtimer()
@@ -105,7 +105,9 @@ decoding = types.ModuleType("decoding_stamped")
 decoding.__file__ = "variants/decoding.py (stamped)"
 exec(compile(s, decoding.__file__, "exec"), decoding.__dict__)
 H, HKV, D, PS, B = 32, 8, 128, 256, 1
-decoding.split_counters("torch", torch.empty(1, device="cuda"), 1 << 16)   # room for the stamps
+# the counter array, laid out as [tickets (B H_kv) | each block's start and stored stamps |
+# each group's last block's 8 words | each block's first-tile stamp]: room for it
+decoding.split_counters("torch", torch.empty(1, device="cuda"), 1 << 16)
 arr = decoding._COUNTERS[("torch", 0)][1]
 for L in [int(x) for x in sys.argv[1].split(",")]:
     kc = torch.randn(B * L // PS, PS, HKV, D, device="cuda", dtype=torch.bfloat16); vc = torch.randn_like(kc)
@@ -125,10 +127,10 @@ for L in [int(x) for x in sys.argv[1].split(",")]:
         ends = rel(se[:, 1])
         starts = rel(se[:, 0])
         last = c[NC + 2 * nb: NC + 2 * nb + 8 * NC].reshape(NC, 8)
-        tf = rel(c[NC + 4 * nb: NC + 5 * nb])
-        print(f"   first tile landed (after its wait): min {tf.min():.2f} median {np.median(tf):.2f} max {tf.max():.2f} us")
+        tf = rel(c[NC + 2 * nb + 8 * NC: NC + 3 * nb + 8 * NC])
         print(f"L={L} S={S} : block starts {starts.min():.2f}-{starts.max():.2f} us, "
               f"step-2 ends (after fence b) median {np.median(ends):.2f} max {ends.max():.2f} us")
+        print(f"   first tile landed (after its wait): min {tf.min():.2f} median {np.median(tf):.2f} max {tf.max():.2f} us")
         for g in range(NC):
             t = [rel(x) for x in last[g, :7]]
             print(f"   group {g} last split {last[g, 7]:3d}: start {t[0]:6.2f} loop-end {t[1]:6.2f} stored {t[2]:6.2f} "
