@@ -6,8 +6,10 @@
 With one query token a sequence, FA2's grid (one thread block per query block, batch and head) has
 batch x heads blocks and leaves most SMs idle, while the work is reading the cache: it is bound by
 HBM bandwidth, not by the tensor cores. Flash-Decoding's three steps:
-1. split the keys and values of each sequence into `num_splits` contiguous chunks;
-2. attend to each chunk in parallel, one thread block each, writing the chunk's O (normalised by
+1. split the keys and values of each sequence into `num_splits` parts (here: part s holds K/V
+   tiles s, s + num_splits, s + 2 num_splits, ..., so that where a part starts does not depend on
+   the sequence's length and its first table entries are read beside the length);
+2. attend to each part in parallel, one thread block each, writing the part's O (normalised by
    its own l) and its log-sum-exp L;
 3. combine: L = log sum_s e^(L_s), O = sum_s e^(L_s - L) O_s: a second, small kernel
    (`combine="kernel"`), or (`combine="fused"`) the split kernel itself, in whichever of a
@@ -214,11 +216,23 @@ def fragment_offset(row, col, n_tiles):
 
 
 @device_function
+def table_entry(block_table, b, key, page_shift):
+    """Sequence b's block-table entry for key `key`, unchecked (the index clamped into the row:
+    a key past the table reads its last entry)."""
+    return block_table[b, min(int32(key >> page_shift), int32(block_table.shape[1] - 1))]
+
+
+@device_function
+def clamp_page(entry, last_page):
+    """A table entry clamped into the cache: with check=False a bad table gives wrong numbers,
+    never an access outside the cache."""
+    return min(max(entry, int32(0)), last_page)
+
+
+@device_function
 def checked_page(block_table, b, key, page_shift, last_page):
-    """The page holding key `key` of sequence b, its table entry and the entry clamped into
-    range: with check=False a bad table gives wrong numbers, never an access outside the cache."""
-    j = min(int32(key >> page_shift), int32(block_table.shape[1] - 1))
-    return min(max(block_table[b, j], int32(0)), last_page)
+    """The page holding key `key` of sequence b: its table entry clamped into range."""
+    return clamp_page(table_entry(block_table, b, key, page_shift), last_page)
 
 
 if target.SIMULATOR:   # the simulator has one coherent memory and no ld.global.cg
@@ -405,22 +419,23 @@ def build(cfg):
                             i if inside else 0, col if inside else 0, 16 if inside else 0)
 
     @device_function
-    def load_kv(tile, cache, block_table, b, h_kv, key0, n_k, page_shift, tid):
+    def load_kv(tile, cache, block_table, b, h_kv, key0, n_k, page_shift, entry, tid):
         """Keys key0 .. key0 + B_n - 1 of sequence b (zeros past n_k) from its pages: key t is
         slot t mod page_size of page block_table[b, t / page_size] (a contiguous cache: of
         page b), clamped into the cache so that no table entry can send a read outside it.
         Where one page holds the whole tile (pages of >= B_n keys: tiles start at multiples of
-        B_n, both powers of two), or the cache is contiguous, the table entry is read once and
-        each thread's 64-bit row address computed once and moved by whole row pitches
-        (tiles.load_tile_async); per key, the entry lookup and the cache's 4-D index arithmetic
-        were most of the kernel's instructions (docs/results/decode_page_once_h100.txt)."""
+        B_n, both powers of two), the tile's table entry `entry` was read ahead by the caller
+        (`tile_entry`), and each thread's 64-bit row address is computed once and moved by whole
+        row pitches (tiles.load_tile_async), as for a contiguous cache; per key, the entry lookup
+        and the cache's 4-D index arithmetic were most of the kernel's instructions
+        (docs/results/decode_page_once_h100.txt)."""
         if not PAGED:
             tiles.load_tile_async(tile, cache[b, :, h_kv], key0, n_k, 0, BN, DT, STRIDE, SWZ, tid,
                                   THREADS, True, VALID)
             return
         last_page = int32(cache.shape[0] - 1)
         if TILE_IN_PAGE and page_shift >= BN_SHIFT:
-            page = checked_page(block_table, b, key0, page_shift, last_page)
+            page = clamp_page(entry, last_page)
             slot0 = key0 & int32((1 << page_shift) - 1)
             tiles.load_tile_async(tile, cache[page, :, h_kv], slot0, int32(slot0 + n_k - key0), 0,
                                   BN, DT, STRIDE, SWZ, tid, THREADS, True, VALID)
@@ -447,6 +462,15 @@ def build(cfg):
             copy = inside and col < D
             ptx.cp_async_16(tile, tiles.smem_offset(row, col, STRIDE, SWZ), cache[page, :, h_kv],
                             slot if inside else 0, col if copy else 0, 16 if copy else 0)
+
+    @device_function
+    def tile_entry(block_table, b, t, page_shift):
+        """The block-table entry of K/V tile t of sequence b (0 for a contiguous cache), read
+        ahead of the tile's load_kv so that its latency is not paid just before the copy (for
+        pages smaller than a tile load_kv looks each key up itself and ignores it)."""
+        if not PAGED:
+            return int32(0)
+        return table_entry(block_table, b, int32(t * BN), page_shift)
 
     @device_function
     def mask_keys(s, key0, n_k, n_q, lane):
@@ -489,25 +513,32 @@ def build(cfg):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         split, b, h_kv = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
+        # Step 1: this split's K/V tiles: split, split + S, split + 2 S, ... below the sequence's
+        # n_tiles (S = gridDim.x splits). Where a split starts does not depend on the sequence's
+        # length, so the table entries of its first tile and of the first one the loop will ask
+        # for are read beside cache_seqlens[b] (three loads in flight, not two in a row), and Q's
+        # copy is under way before the length is known.
+        n_splits = int32(cuda.gridDim.x)
+        ahead = int32((STAGES - 1) * n_splits)    # the loop asks for tile t + ahead at tile t
+        entry0 = tile_entry(block_table, b, split, page_shift)
+        entry_next = tile_entry(block_table, b, int32(split + ahead), page_shift)
         n_k = int32(cache_seqlens[b] + n_new)
-        # Step 1: this split's K/V tiles t0 .. t1 - 1 (every sequence cut into gridDim.x chunks).
-        n_tiles = int32((n_k + BN - 1) // BN)
-        per_split = int32((n_tiles + cuda.gridDim.x - 1) // cuda.gridDim.x)
-        t0 = int32(split * per_split)
-        t1 = min(int32(t0 + per_split), n_tiles)
 
         smem = cuda.shared.array(0, uint16)
         stats = cuda.shared.array(0, float32)
         q_s = smem[Q0:Q0 + Q_TILE]
         load_q(q_s, q, b, h_kv, n_q, tid)
         ptx.cp_async_commit()
+        n_tiles = int32(uint32(n_k + BN - 1) // uint32(BN))
         for st in range(STAGES - 1):    # the first stages - 1 tiles in flight
-            if int32(t0 + st) < t1:
+            t = int32(split + st * n_splits)
+            if t < n_tiles:
                 kv = KV0 + st * 2 * KV_TILE
-                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, b, h_kv,
-                        int32((t0 + st) * BN), n_k, page_shift, tid)
+                entry = entry0 if st == 0 else tile_entry(block_table, b, t, page_shift)
+                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, b, h_kv, int32(t * BN), n_k,
+                        page_shift, entry, tid)
                 load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, b, h_kv,
-                        int32((t0 + st) * BN), n_k, page_shift, tid)
+                        int32(t * BN), n_k, page_shift, entry, tid)
             ptx.cp_async_commit()
         ptx.cp_async_wait(Q_LANDED)      # Q (the oldest group) has landed
         cuda.syncthreads()
@@ -524,18 +555,21 @@ def build(cfg):
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
         key_w = warp * KPW                     # the warp's first key in a tile
-        for t in range(t0, t1):
+        t = split                              # this split's k-th tile, in buffer k mod stages
+        k = int32(0)
+        while t < n_tiles:
             ptx.cp_async_wait(TILE_LANDED)     # tile t has landed ...
-            cuda.syncthreads()                 # ... and every warp is done with tile t - 1
-            nxt = int32(t + STAGES - 1)        # refill tile t - 1's buffers with tile t + S - 1
-            if nxt < t1:
-                kv = KV0 + ((nxt - t0) % STAGES) * 2 * KV_TILE
+            cuda.syncthreads()                 # ... and every warp is done with the one before
+            nxt = int32(t + ahead)             # refill that one's buffers with tile t + ahead,
+            if nxt < n_tiles:                  # whose table entry was read an iteration ago
+                kv = KV0 + int32(uint32(k + STAGES - 1) % uint32(STAGES)) * 2 * KV_TILE
                 load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, b, h_kv, int32(nxt * BN),
-                        n_k, page_shift, tid)
+                        n_k, page_shift, entry_next, tid)
                 load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, b, h_kv,
-                        int32(nxt * BN), n_k, page_shift, tid)
+                        int32(nxt * BN), n_k, page_shift, entry_next, tid)
             ptx.cp_async_commit()
-            kv = KV0 + ((t - t0) % STAGES) * 2 * KV_TILE + key_w * STRIDE
+            entry_next = tile_entry(block_table, b, int32(nxt + n_splits), page_shift)  # the next
+            kv = KV0 + int32(uint32(k) % uint32(STAGES)) * 2 * KV_TILE + key_w * STRIDE
             k_w = smem[kv:kv + KPW * STRIDE]
             v_w = smem[kv + KV_TILE:kv + KV_TILE + KPW * STRIDE]
             key0 = int32(t * BN + key_w)
@@ -547,11 +581,12 @@ def build(cfg):
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
             tiles.accumulator_to_a(p, s, ELEM)
             tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, SWZ, ELEM)
+            t = int32(t + n_splits)
+            k = int32(k + 1)
 
-        # Merge the warps (as step 3 merges the splits): every copy has landed and every warp is
-        # done with the tiles, whose memory now holds the fp32 O buffer.
-        ptx.cp_async_wait(0)
-        cuda.syncthreads()
+        # Merge the warps (as step 3 merges the splits). Each warp's row statistics (m, l) go to
+        # their own region; after one barrier every copy has landed, every warp is done with the
+        # tiles, whose memory now holds the fp32 O buffers, and every warp's statistics are there.
         if lane & 3 == 0:
             for r in range(ROWS):
                 stats[STATS0 + warp * RT + splitk.block_row(r, lane)] = m_i[r]
@@ -559,6 +594,7 @@ def build(cfg):
             total = softmax.quad_sum(l_i[r])
             if lane & 3 == 0:
                 stats[STATS0 + (W + warp) * RT + splitk.block_row(r, lane)] = total
+        ptx.cp_async_wait(0)
         cuda.syncthreads()
         scale = cuda.local.array(ROWS, float32)   # e^(m_w - m) / l: the warp's share of a row
         for r in range(ROWS):
@@ -585,9 +621,10 @@ def build(cfg):
 
         # Out: the real rows of the tile, in q's layout (SPLIT: this split's), the warps' shares
         # added in warp order (either way above: the same sums in the same order).
-        for at in range(tid, n_rows * HALF, THREADS):
-            row = uint32(at) // uint32(HALF)
-            c2 = uint32(at) - row * uint32(HALF)
+        at = uint32(tid)
+        while at < uint32(n_rows * HALF):
+            row = at // uint32(HALF)
+            c2 = at - row * uint32(HALF)
             i = row // uint32(G)
             h = uint32(h_kv * G) + row - i * uint32(G)
             if WARP_BUFFERS:
@@ -603,6 +640,7 @@ def build(cfg):
                 o_part[uint32(split), uint32(b), h, i, c2 + c2 + uint32(1)] = x1
             else:
                 o32[uint32(b), i, h, c2] = tiles.pack_pair(x0, x1, ELEM)
+            at = uint32(at + uint32(THREADS))
         if tid < RT:
             i = tid // G
             if i < n_q:

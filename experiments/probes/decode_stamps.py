@@ -51,17 +51,13 @@ sub('''        tid = int32(cuda.threadIdx.x)
 ''', '''        tid = int32(cuda.threadIdx.x)
         T0 = gtimer()
 ''')
-sub('''        ptx.cp_async_wait(0)
-        cuda.syncthreads()
-''', '''        ptx.cp_async_wait(0)
-        cuda.syncthreads()
-        T1 = gtimer()
-''')
+sub('''        # Merge the warps (as step 3 merges the splits).''', '''        T1 = gtimer()
+        # Merge the warps (as step 3 merges the splits).''')
 sub('''            ptx.cp_async_wait(TILE_LANDED)     # tile t has landed ...
-            cuda.syncthreads()                 # ... and every warp is done with tile t - 1
+            cuda.syncthreads()                 # ... and every warp is done with the one before
 ''', '''            ptx.cp_async_wait(TILE_LANDED)     # tile t has landed ...
-            cuda.syncthreads()                 # ... and every warp is done with tile t - 1
-            if t == t0:
+            cuda.syncthreads()                 # ... and every warp is done with the one before
+            if k == 0:
                 TF = gtimer()
 ''')
 sub('''            cuda.threadfence()                                                        # (b)
