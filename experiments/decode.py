@@ -3,6 +3,7 @@
     python experiments/decode.py [--batches 1,4,8] [--lengths 16384,65536,131072] [--heads 32]
                                  [--heads-kv 8] [--head-dim 128] [--page-size 256] [--csv PATH]
                                  [--only-decode] [--combine kernel,fused] [--pdl 0,1]
+                                 [--merge-warps block,combine]
 
 One new token a sequence (q: (B, 1, H, d), bf16) against caches of L tokens a sequence, paged
 (pages of --page-size tokens, a shuffled block table). Each row is checked against float64 on one
@@ -17,6 +18,9 @@ sequence, then timed (CUDA events, median; two input sets when the caches fit in
   another's, without the lone replay's fixed cost of starting a graph (~3 us on an H100);
 - decode, PDL (and its graphs; --pdl 0,1): the combine kernel launched as a programmatic dependent
   of the split kernel (pdl=True, as FA3 launches its combine kernel), not as an ordinary kernel;
+- decode, warp parts (and its graphs; --merge-warps block,combine): combine="kernel" with
+  merge_warps="combine", each warp of a split block storing its own part for the combine kernel
+  to merge, where the default ("block") has the block merge its warps and store one part;
 - decode, fused (and its CUDA graph): the same with combine="fused", the splits merged by the
   split kernel's last block of each sequence and K/V head (one launch, not two); timed beside the
   rows above in the same run (--combine picks either or both; no fused rows where num_splits = 1,
@@ -51,11 +55,12 @@ def copy_bandwidth(torch):
 
 def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size=256,
                  extra_splits=(), peers_on=True, copy_gbs=float("nan"), rng=None, others=True,
-                 combines=("kernel", "fused"), pdls=(False,)):
+                 combines=("kernel", "fused"), pdls=(False,), merges=("block",)):
     """The rows of one (batch, cache length): each kernel checked on one sequence against float64
     (decode's, with each combine), then timed. Returns dicts with kernel, ms, gbs, of_copy, vs_fa2,
     splits, host_us. others=False: decode and its CUDA-graph replay only (no split, contiguous,
-    fa2, peers). combines: the ways of merging the splits timed (decoding.COMBINES)."""
+    fa2, peers). combines: the ways of merging the splits timed (decoding.COMBINES); merges: the
+    merge_warps values timed with combine="kernel" (decoding.MERGES)."""
     import numpy as np
     from numba import cuda
 
@@ -120,19 +125,30 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     b = batch - 1
     ref = reference.attention(inputs.to_host(q[b:b + 1]), inputs.to_host(kcont[b:b + 1]),
                               inputs.to_host(vcont[b:b + 1]))
-    # the ways of merging timed: (combine, pdl); PDL (a programmatic dependent launch of the
-    # combine kernel) only means something for combine="kernel"
-    ways = list(dict.fromkeys((c, bool(p)) for c in combines
-                              for p in ((pdls or [False]) if c == "kernel" and splits > 1
-                                        else [False])))
+    # the ways of merging timed: (combine, pdl, merge_warps); PDL (a programmatic dependent
+    # launch of the combine kernel) and merge_warps only mean something for combine="kernel"
+    unknown = set(merges) - set(decoding.MERGES)
+    if unknown:
+        raise ValueError(f"merges: {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(decoding.MERGES)}")
+    kernel_ways = splits > 1
+    ways = list(dict.fromkeys(
+        (c, bool(p), m) for c in combines
+        for m in ((merges or ["block"]) if c == "kernel" and kernel_ways else ["block"])
+        for p in ((pdls or [False]) if c == "kernel" and kernel_ways else [False])))
 
     def tag(way):
-        combine, pdl = way
-        return ("" if combine == "kernel" else f", {combine}") + (", PDL" if pdl else "")
+        combine, pdl, merge = way
+        return ("" if combine == "kernel" else f", {combine}") + \
+            (", warp parts" if combine == "kernel" and merge == "combine" else "") + \
+            (", PDL" if pdl else "")
+
+    def options(way):
+        return dict(combine=way[0], pdl=way[1], merge_warps=way[2])
 
     verdict = {}
     for way in ways:
-        o, lse = variants.decode(q, kc, vc, lens, block_table=table, combine=way[0], pdl=way[1])
+        o, lse = variants.decode(q, kc, vc, lens, block_table=table, **options(way))
         got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], *ref,
                              dtype)
         verdict[way] = "ok" if got["ok"] else "FAIL"
@@ -141,9 +157,9 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     def timed(fn):
         return timing.benchmark(lambda i: fn(*sets[i % n_sets]), **bench).median_ms
 
-    def step(q, kc, vc, t, n, *_, way=("kernel", False)):
+    def step(q, kc, vc, t, n, *_, way=("kernel", False, "block")):
         return variants.decode(q, kc, vc, n, block_table=t, check=False, num_splits=splits,
-                               combine=way[0], pdl=way[1])
+                               **options(way))
 
     rows, row_check = {}, {}
     for way in ways:   # "decode (splits=S)" / "decode, fused (splits=S)", then graphs
@@ -214,7 +230,7 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
                         of_copy=round(gbs / copy_gbs, 3), vs_fa2=round(base / ms, 2),
                         host_us=round(host_us, 1) if name == host_row else "",
                         check=row_check.get(name, ok), gpu=target.describe()))
-        print(f"B={batch:<2} L={length:<7} {name:29} {ms:8.3f} ms {gbs:7.0f} GB/s "
+        print(f"B={batch:<2} L={length:<7} {name:40} {ms:8.3f} ms {gbs:7.0f} GB/s "
               f"{gbs / copy_gbs:6.1%} of copy  {base / ms:5.2f}x fa2  "
               f"{row_check.get(name, ok)}", flush=True)
     sets.clear()   # free the caches before the next size
@@ -243,6 +259,9 @@ def main(argv=None):
     ap.add_argument("--pdl", default="0",
                     help="combine=kernel launched as a programmatic dependent of the split kernel "
                          "(1), an ordinary launch (0, the default), or both (0,1)")
+    ap.add_argument("--merge-warps", default="block",
+                    help="combine=kernel: the split block merges its warps (block, the default), "
+                         "or each warp's part is merged by the combine kernel (combine), or both")
     args = ap.parse_args(argv)
 
     import common
@@ -267,7 +286,8 @@ def main(argv=None):
                                 peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng,
                                 others=not args.only_decode,
                                 combines=[c for c in args.combine.split(",") if c],
-                                pdls=[bool(int(x)) for x in args.pdl.split(",") if x])
+                                pdls=[bool(int(x)) for x in args.pdl.split(",") if x],
+                                merges=[m for m in args.merge_warps.split(",") if m])
     if args.plot and out:
         from experiments import plot
         plot.decode(out, args.plot)

@@ -47,10 +47,13 @@ def sequence_keys(cache, table, b, n, page_size):
 
 def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, dtype="bfloat16",
              page_size=16, causal=False, n_new=0, num_splits=0, split_kv=True, options=SMALL,
-             combine="kernel"):
+             combine="kernel", merge_warps=None):
     """One decode call on random inputs drawn from rng, checked against float64 sequence by
-    sequence; returns its (o, lse) on the host."""
+    sequence; returns its (o, lse) on the host. merge_warps: the option, where it is not the
+    default."""
     options = dict(options, combine=combine)
+    if merge_warps is not None:
+        options["merge_warps"] = merge_warps
     capacity = max(lengths) + n_new
     if page_size is not None:
         capacity = -(-capacity // page_size) * page_size + page_size   # a spare page a sequence
@@ -96,9 +99,9 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
 
 
 def assert_same_merge(fused, kernel):
-    """combine="fused" against combine="kernel" on the same inputs: the same merge arithmetic
-    (decoding.build_merge), so the same bits in the simulator; on a GPU within one bf16 rounding
-    (the two kernels are compiled apart), far below any race's damage."""
+    """combine="fused" against combine="kernel" with merge_warps="block" on the same inputs: the
+    same merge arithmetic (decoding.build_merge), so the same bits in the simulator; on a GPU
+    within one bf16 rounding (the two kernels are compiled apart), far below any race's damage."""
     (o_f, lse_f), (o_k, lse_k) = fused, kernel
     if ON_GPU:
         np.testing.assert_allclose(o_f.astype(np.float32), o_k.astype(np.float32), rtol=2 ** -7,
@@ -151,7 +154,8 @@ def test_decode_fused_combine_equals_the_kernel(rng, num_splits, page_size, n_q,
     splits' L_s."""
     seed = int(rng.integers(2 ** 31))
     got = {c: run_case(np.random.default_rng(seed), num_splits=num_splits, page_size=page_size,
-                       n_q=n_q, causal=causal, combine=c, lengths=lengths) for c in COMBINES}
+                       n_q=n_q, causal=causal, combine=c, lengths=lengths,
+                       merge_warps="block" if c == "kernel" else None) for c in COMBINES}
     assert_same_merge(got["fused"], got["kernel"])
 
 
@@ -213,21 +217,47 @@ def test_decode_fused_combine_reuses_its_counters(rng):
         seed = int(rng.integers(2 ** 31))
         fused = run_case(np.random.default_rng(seed), combine="fused", **kw)
         assert counters_are_zero(), kw
-        assert_same_merge(fused, run_case(np.random.default_rng(seed), combine="kernel", **kw))
+        assert_same_merge(fused, run_case(np.random.default_rng(seed), combine="kernel",
+                                          merge_warps="block", **kw))
 
 
-@pytest.mark.parametrize("n_q, combine, warp_buffers", [(8, "kernel", True), (16, "fused", False)])
-def test_decode_merges_the_warps_either_way(rng, n_q, combine, warp_buffers):
-    """The split kernel's warps meet after the loop in one fp32 buffer each where they fit (32
-    query rows of 64 columns: two m16 tiles, fragment order), else in one buffer added into one
-    warp at a time (64 rows); both add the warps in the same order. 4 query heads on 1 K/V head."""
+@pytest.mark.parametrize("head_dim, num_splits, lengths", [
+    (64, 70, [700]),       # 140 parts a row (2 warps): the combine's second round of loads
+    (40, 3, LENGTHS),      # 48-column tiles: the parts' columns stop at d, the combine's at 40
+])
+def test_decode_merges_the_warps_in_the_combine_or_the_block(rng, head_dim, num_splits, lengths):
+    """merge_warps="combine" (combine="kernel" only): each warp of a split block writes its own
+    part, splits x warps parts a row merged by the combine kernel; "block" (the default): the
+    block merges its warps first, one part a split. Both right, and equal within the rounding of
+    adding the same terms in another order."""
+    seed = int(rng.integers(2 ** 31))
+    got = {m: run_case(np.random.default_rng(seed), head_dim=head_dim, num_splits=num_splits,
+                       lengths=lengths, heads=2, heads_kv=1, merge_warps=m)
+           for m in ("combine", "block")}
+    (o_c, lse_c), (o_b, lse_b) = got["combine"], got["block"]
+    np.testing.assert_allclose(o_c.astype(np.float32), o_b.astype(np.float32), rtol=2 ** -7,
+                               atol=1e-5)
+    np.testing.assert_allclose(lse_c, lse_b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_q, combine, merge_warps, warp_buffers", [
+    (8, "kernel", "block", True), (16, "fused", None, False), (16, "kernel", "combine", False)])
+def test_decode_merges_the_warps_either_way(rng, n_q, combine, merge_warps, warp_buffers):
+    """Where the block merges its warps (merge_warps="block", combine="fused"), they meet after
+    the loop in one fp32 buffer each where they fit (32 query rows of 64 columns: two m16 tiles,
+    fragment order), else in one buffer added into one warp at a time (64 rows); both add the
+    warps in the same order. With merge_warps="combine", 64 rows (four m16 tiles) of parts a
+    warp. 4 query heads on 1 K/V head."""
     from common.elements import BFLOAT16
     from variants import decoding
     options = dict(block_n=64, warps=4)
-    cfg = decoding.make_config(64, BFLOAT16, 4, n_q, True, True, True, **options)
+    cfg = decoding.make_config(64, BFLOAT16, 4, n_q, True, True, True, combine=combine,
+                               merge_warps=merge_warps, **options)
     assert cfg.warp_buffers == warp_buffers
+    assert cfg.warp_parts == (merge_warps == "combine")
     run_case(rng, n_q=n_q, heads=4, heads_kv=1, causal=True, num_splits=2, options=options,
-             combine=combine, lengths=[17, 40] if not ON_GPU else [17, 300, 4097])
+             combine=combine, merge_warps=merge_warps,
+             lengths=[17, 300, 4097] if ON_GPU else [40] if merge_warps == "combine" else [17, 40])
 
 
 @pytest.mark.parametrize("head_dim, page_size, n_q, causal, combine", [
@@ -279,10 +309,10 @@ def test_decode_fused_combine_under_load(rng):
                                          dtype=np.int32), "torch")
         q = torch.randn(batch, 1, 32, d, device="cuda").to(torch.bfloat16)
 
-        def call(combine):
+        def call(combine, **options):
             return variants.decode(q, kc, vc, lens, block_table=tbl, check=False,
-                                   num_splits=splits, combine=combine)
-        o_k, lse_k = call("kernel")
+                                   num_splits=splits, combine=combine, **options)
+        o_k, lse_k = call("kernel", merge_warps="block")
         for _ in range(25):
             o_f, lse_f = call("fused")
         torch.cuda.synchronize()
@@ -331,6 +361,8 @@ def test_decode_errors_name_the_problem(rng):
         call(block_m=64)
     with pytest.raises(ValueError, match="combine must be one of kernel, fused, got 'last'"):
         call(combine="last")
+    with pytest.raises(ValueError, match="merge_warps must be one of block, combine, got 'warp'"):
+        call(merge_warps="warp")
     with pytest.raises(ValueError, match=r"out must be \(o: bfloat16 \(2, 1, 2, 64\)"):
         call(out=(kc, inputs.to_device(np.zeros((2, 2, 1), np.float32), lib)))
     # check=False reads nothing back: a bad entry is clamped into the cache, never read past it

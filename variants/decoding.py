@@ -24,7 +24,9 @@ once per query head. The tile is tiny (G * N_q rows, padded to 16), so instead o
 rows the warps split the keys: each K/V tile of `block_n` keys (cp.async, `stages` tiles in flight,
 from the pages of a paged cache) is cut into one slice per warp, each warp runs FA2's inner loop
 (S = Q K^T, online softmax, O += P~ V: mma.m16n8k16) over its slices with its own m, l, O, and the
-warps' states are merged once at the end, as the splits' are: the same LSE algebra one level down.
+warps' states are merged once at the end, as the splits' are: the same LSE algebra one level down
+(in the block, or with `merge_warps="combine"` by step 3 itself, each warp's state a part of its
+own).
 """
 import math
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ HEAD_DIMS = tuple(range(32, 129, 8))
 MAX_ROWS = 64          # query rows of a tile: kv_group * N_q (4 m16 tiles)
 MAX_SPLITS = 128
 COMBINES = ("kernel", "fused")   # step 3 in a second kernel, or in the split kernel's last block
+MERGES = ("block", "combine")    # where a split block's warps are merged: in the block, or by step 3
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,21 @@ class Config:
     pdl: bool = False      # combine="kernel": launch the combine kernel as a programmatic
     #                        dependent of the split kernel (its blocks ready before the split ends),
     #                        as FA3 does; no gain measured on an H100 (decode_combine_h100.txt)
+    merge_warps: str = "block"   # the block merges its warps' (O, L) and writes one part a split
+    #                        (as combine="fused" always does); "combine" (combine="kernel" only):
+    #                        each warp writes its own part, splits x warps of them merged by the
+    #                        combine kernel. The split kernel is 0.7 us shorter, the combine
+    #                        0.5 us longer, a step 0.3-0.8 us slower at B=1 16k, the same at B=4-8
+    #                        (decode_warp_parts_h100.txt)
+
+    @property
+    def warp_parts(self):
+        """Each warp writes its own part (merge_warps="combine"): splits x warps parts a row."""
+        return self.split and self.combine == "kernel" and self.merge_warps == "combine"
+
+    @property
+    def parts_per_split(self):
+        return self.warps if self.warp_parts else 1
 
     @property
     def fused(self):
@@ -128,6 +146,9 @@ class Config:
     def validate(self):
         if self.combine not in COMBINES:
             raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {self.combine!r}")
+        if self.merge_warps not in MERGES:
+            raise ValueError(f"merge_warps must be one of {', '.join(MERGES)}, got "
+                             f"{self.merge_warps!r}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"decode supports head_dim in {HEAD_DIMS} (multiples of 8 from 32 to "
                              f"128), got {self.head_dim}")
@@ -151,7 +172,7 @@ class Config:
         return self
 
 
-OPTIONS = ("block_n", "warps", "stages", "combine", "pdl")
+OPTIONS = ("block_n", "warps", "stages", "combine", "pdl", "merge_warps")
 
 
 def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **options):
@@ -167,10 +188,13 @@ def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **option
     chosen = {k: v for k, v in options.items() if v is not None}
     if not split and chosen.get("combine") in COMBINES:
         chosen.pop("combine")   # nothing to combine: one kernel whichever way
+    kernel = split and chosen.get("combine", Config.combine) == "kernel"
     if "pdl" in chosen:   # only a combine kernel can be a dependent launch: elsewhere the same kernel
         chosen["pdl"] = bool(chosen["pdl"])
-        if not split or chosen.get("combine", Config.combine) != "kernel":
+        if not kernel:
             chosen.pop("pdl")
+    if not kernel and chosen.get("merge_warps") in MERGES:
+        chosen.pop("merge_warps")   # no combine kernel to merge the warps: the block does
     return _config(head_dim, element, kv_group, (rows + 15) // 16, causal, paged, split,
                    tuple(sorted(chosen.items())))
 
@@ -370,7 +394,7 @@ def build(cfg):
     D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
     M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
     ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
-    FUSED, TRIGGER = cfg.fused, cfg.dependent_combine
+    FUSED, TRIGGER, WARP_PARTS = cfg.fused, cfg.dependent_combine, cfg.warp_parts
     merge_row = build_merge(True, D, THREADS, cfg.element)
     MERGE_FLOATS = merge_scratch_floats(D, THREADS)
     # tiles of DT = tile_columns(d) columns, swizzled at 64 and 128 (SWZ), zero past d (VALID: the
@@ -584,6 +608,36 @@ def build(cfg):
             t = int32(t + n_splits)
             k = int32(k + 1)
 
+        if WARP_PARTS:
+            # merge_warps="combine": no merge here. Each warp's (O_w / l_w, L_w) over the keys it
+            # saw is a part of its own, p = split * W + warp, which the combine kernel merges with
+            # every other (step 3's algebra does not care whether two parts came from two blocks
+            # or two warps): the block's last barrier, the staging of W fp32 O tiles through
+            # shared memory and their sums are gone from the end of every split block, where
+            # nothing else runs. It trades them for W times the parts to write and merge
+            # (decode_warp_parts_h100.txt: a step no faster; not the default).
+            part = uint32(split * W + warp)
+            n_rows = uint32(G * n_q)
+            for m in range(M):
+                for hh in range(2):
+                    l_w = softmax.quad_sum(l_i[2 * m + hh])
+                    row = uint32(16 * m + 8 * hh) + uint32(lane >> 2)
+                    if row < n_rows:
+                        i = row // uint32(G)
+                        h = uint32(h_kv * G) + row - i * uint32(G)
+                        inv = float32(1) / l_w if l_w > float32(0) else float32(0)
+                        if lane & 3 == 0:
+                            lse_part[part, uint32(b), h, i] = \
+                                m_i[2 * m + hh] * softmax_scale + math.log(l_w) \
+                                if l_w > float32(0) else float32(-math.inf)
+                        for n in range(DT // 8):
+                            c = uint32(8 * n + 2 * (lane & 3))
+                            if DT == D or c < uint32(D):
+                                o_part[part, uint32(b), h, i, c] = o_acc[m, n, 2 * hh] * inv
+                                o_part[part, uint32(b), h, i, c + uint32(1)] = \
+                                    o_acc[m, n, 2 * hh + 1] * inv
+            return
+
         # Merge the warps (as step 3 merges the splits). Each warp's row statistics (m, l) go to
         # their own region; after one barrier every copy has landed, every warp is done with the
         # tiles, whose memory now holds the fp32 O buffers, and every warp's statistics are there.
@@ -719,6 +773,104 @@ def build_combine(head_dim, element, dependent=False, threads=128):
     return decode_combine
 
 
+PART_COLUMNS = 32   # columns of a row one combine_parts block merges: one a lane
+PART_WARPS = 4      # warps of a combine_parts block, each over every 4th part
+PART_ROUND = 32     # the most parts whose loads a warp has in flight at once: 128 a block, one
+#                     round at the defaults' 32 splits x 4 warps
+
+
+def parts_capacity(n_parts):
+    """The combine_parts kernel built for n_parts parts a row: the next power of two from 32
+    (a few builds, each sized to its parts: no lanes loading L_p that cannot exist)."""
+    return max(32, 1 << (int(n_parts) - 1).bit_length())
+
+
+@lru_cache(maxsize=None)
+def build_combine_parts(head_dim, element, dependent, max_parts):
+    """Step 3 over parts of one warp each (merge_warps="combine": splits x warps parts a row):
+    O = sum_p e^(L_p - L) O_p, L = log sum_p e^(L_p). One thread block merges PART_COLUMNS
+    columns of a row (b, h, i), so that a row's parts (4x a split's, 64 KB at 128 parts and
+    d=128) are read by ceil(d / 32) blocks on as many SMs, not one: lane c of each warp reads
+    column c of the parts p = warp, warp + 4, ... (PART_ROUND of them in flight, issued before
+    the L_p loads), every warp takes the max and sum of all the L_p by shuffles and keeps its
+    weights in shared memory, and the 4 warps' sums meet in shared memory. max_parts: the most
+    parts a row (lanes hold ceil(max_parts / 32) L_p each). dependent: a programmatic dependent
+    launch (build_combine)."""
+    D, ELEM = head_dim, element.code
+    CB, W, U = PART_COLUMNS, PART_WARPS, min(PART_ROUND, -(-max_parts // PART_WARPS))
+    CHUNKS, NK = -(-D // CB), -(-max_parts // 32)
+    WTS = 32 * NK       # a warp's weights: one for every L_p its lanes hold
+
+    @device_function
+    def load_round(got, parts, s0, col, last):
+        """got[u] = column col of part s0 + u W, every load issued (no branch): a part past the
+        last reads the last (its weight is never used), a column past d reads column d - 1 (its
+        output is never written)."""
+        for u in range(U):
+            got[u] = parts[min(uint32(s0 + u * W), last), col]
+
+    @kernel
+    def decode_combine_parts(o_part, lse_part, o32, lse, n_parts):
+        x, h, b = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)
+        i = x // uint32(CHUNKS)
+        chunk = x - i * uint32(CHUNKS)
+        tid = uint32(cuda.threadIdx.x)
+        warp, lane = tid >> uint32(5), tid & uint32(31)
+        col = min(chunk * uint32(CB) + lane, uint32(D - 1))
+        n = uint32(n_parts)
+        last = uint32(n - uint32(1))
+        parts, lses = o_part[:, b, h, i], lse_part[:, b, h, i]   # (parts, d), (parts,)
+        wts = cuda.shared.array((W, WTS), float32)
+        sums = cuda.shared.array((W, CB), float32)
+        if dependent:
+            sm90.griddep_wait()   # the split kernel has ended and its parts are visible
+        got = cuda.local.array(U, float32)
+        load_round(got, parts, warp, col, last)   # in flight with the L_p loads
+        lse_p = cuda.local.array(NK, float32)
+        mx = float32(-math.inf)
+        for k in range(NK):
+            s = uint32(lane + 32 * k)
+            lse_p[k] = lses[min(s, last)]
+            if s >= n:
+                lse_p[k] = float32(-math.inf)
+            mx = max(mx, lse_p[k])
+        for k in range(5):
+            mx = max(mx, ptx.shfl_xor_f32(mx, int32(1 << k)))
+        total = float32(0)
+        for k in range(NK):
+            w = float32(0) if lse_p[k] == float32(-math.inf) else math.exp(lse_p[k] - mx)
+            wts[warp, lane + uint32(32 * k)] = w
+            total += w
+        for k in range(5):
+            total += ptx.shfl_xor_f32(total, int32(1 << k))
+        ptx.syncwarp()
+        acc = float32(0)
+        s0 = warp
+        while s0 < n:                    # U of this warp's parts a round
+            if s0 != warp:
+                load_round(got, parts, s0, col, last)
+            for u in range(U):
+                s = uint32(s0 + u * W)
+                if s < n:
+                    acc += wts[warp, s] * got[u]
+            s0 = uint32(s0 + U * W)
+        sums[warp, lane] = acc
+        cuda.syncthreads()
+        inv = float32(1) / total if total > float32(0) else float32(0)
+        if tid < uint32(CB // 2):
+            c = chunk * uint32(CB) + tid + tid      # this thread's column pair
+            if D % CB == 0 or c < uint32(D):
+                y0, y1 = float32(0), float32(0)
+                for w in range(W):
+                    y0 += sums[w, tid + tid]
+                    y1 += sums[w, tid + tid + uint32(1)]
+                o32[b, i, h, c >> uint32(1)] = tiles.pack_pair(y0 * inv, y1 * inv, ELEM)
+        if chunk == uint32(0) and tid == uint32(0):
+            lse[b, h, i] = mx + math.log(total) if total > float32(0) else float32(-math.inf)
+
+    return decode_combine_parts
+
+
 @lru_cache(maxsize=None)
 def build_append(paged):
     """k, v (B, N_new, H_kv, d) into the caches at positions cache_seqlens[b] .. + N_new - 1:
@@ -838,12 +990,18 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
                lse_v, part, arrays.placeholder(lib, 4, like), counters, *scalars)
     else:
-        rows = (splits, prob.batch, prob.heads, prob.n_q)
+        rows = (splits * cfg.parts_per_split, prob.batch, prob.heads, prob.n_q)
         part, lse_part = arrays.empty_views(lib, ((rows + (prob.head_dim,), np.float32),
                                                   (rows, np.float32)), like=like)
         launch(build(cfg), grid, cfg.threads, cfg.smem_layout().bytes, prob.stream, *args, o32,
                lse_v, part, lse_part, counters, *scalars)
-        if not cfg.fused:
+        if cfg.warp_parts:
+            launch(build_combine_parts(prob.head_dim, prob.element, cfg.pdl,
+                                       parts_capacity(splits * cfg.warps)),
+                   (prob.n_q * -(-prob.head_dim // PART_COLUMNS), prob.heads, prob.batch),
+                   32 * PART_WARPS, 0, prob.stream, part, lse_part, o32, lse_v,
+                   np.int32(splits * cfg.warps), programmatic=cfg.pdl)
+        elif not cfg.fused:
             launch(build_combine(prob.head_dim, prob.element, cfg.pdl, cfg.threads),
                    (prob.n_q, prob.heads, prob.batch), cfg.threads, 0, prob.stream, part,
                    lse_part, o32, lse_v, np.int32(splits), programmatic=cfg.pdl)
@@ -867,4 +1025,6 @@ def compile_targets():
         yield name, build(cfg), \
             (u16_4, u16_4, u16_4, i32_2, i32_1, o32, f32[3], f32[5], f32[4], i32_1) + scalars, mma
     yield "decode combine d=128 bf16", build_combine(128, BFLOAT16), \
+        (f32[5], f32[4], o32, f32[3], types.int32), 0
+    yield "decode combine parts d=128 bf16", build_combine_parts(128, BFLOAT16, False, 128), \
         (f32[5], f32[4], o32, f32[3], types.int32), 0
