@@ -248,12 +248,40 @@ def empty_views(library, specs, like=None):
     return views_over(empty(library, (views_bytes(specs),), "uint8", like=like), specs)
 
 
+_CARVINGS = {}   # specs -> ((offset, ViewLayout) of each work array, bytes in all)
+
+
+def _carving(specs):
+    """Where each work array of `specs` lies in one allocation and its layout, worked out once per
+    specs (a call repeats the last call's: ~1.5 us of Python an array otherwise)."""
+    hit = _CARVINGS.get(specs)
+    if hit is None:
+        at, parts = 0, []
+        for shape, element in specs:
+            itemsize = np.dtype(element).itemsize
+            shape = tuple(shape)
+            parts.append((at, view_layout_of(shape, _contiguous_strides(shape, itemsize),
+                                             itemsize, element)))
+            size = itemsize
+            for n in shape:
+                size *= n
+            at += (size + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
+        hit = _CARVINGS[specs] = (tuple(parts), at)
+    return hit
+
+
 def views_over(buf, specs):
     """Kernel views of contiguous arrays of `specs` ((shape, element) pairs) laid one after another
     (each 256-byte aligned) in `buf`, a 1-D uint8 device array of at least views_bytes(specs)
     bytes: a packed batch's sequences carve theirs from one allocation, one sequence after
     another (their kernels run in stream order)."""
     torch_buf = _torch_module(buf) is not None
+    if torch_buf and type(specs) is tuple:   # the per-call path: layouts known per specs
+        parts, end = _carving(specs)
+        if end > buf.numel():
+            raise ValueError(f"work arrays of {end} bytes do not fit a {buf.numel()}-byte buffer")
+        start = buf.data_ptr()
+        return [KernelView.over(start + at, layout, buf) for at, layout in parts]
     d = None if torch_buf else describe(buf)
     at = start = buf.data_ptr() if torch_buf else d.ptr
     views = []
@@ -277,10 +305,21 @@ def views_over(buf, specs):
     return views
 
 
+_RETYPED = {}   # (layout, element, last_dim_divisor) -> the layout as_elements gives
+
+
 def as_elements(view, element, last_dim_divisor=1):
     """Another kernel view of a contiguous kernel view's memory (one from `empty_views`), in its
     axis order, as `element`s (see bits_view): e.g. 16-bit P as pairs (uint32) for one kernel and
     as uint16 for the next."""
+    if not SIMULATOR:   # the per-call path: the new layout worked out once per layout
+        key = (view.layout, element, last_dim_divisor)
+        layout = _RETYPED.get(key)
+        if layout is None:
+            dtype = view.dtype
+            layout = _RETYPED[key] = view_layout_of(view.shape, view.strides, dtype.itemsize,
+                                                    element, None, last_dim_divisor)
+        return KernelView.over(view.ptr, layout, view.owner)
     dtype = view.dtype
     return bits_view(Described("sim" if SIMULATOR else "view", view.ptr, view.shape, view.strides,
                                dtype.name, dtype.itemsize, view.owner), element, None,

@@ -27,6 +27,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
@@ -347,29 +348,28 @@ def _backward(g, scratch=None):
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
-    cfg = Config(prob.head_dim, prob.element)
+    kern = kernels_for(prob)
     n_pad = padded_keys(n_k)
     s_view, dp_view, p16, ds16 = _work_arrays(prob, scratch, _BACKWARD_WORK, b, h, n_q, n_k)
     row_tiles = (n_q + TILE - 1) // TILE
     sizes = (np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group))
 
-    scores, smem = build_scores(cfg)
-    launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,       # l.1
+    scores_grid = (row_tiles, n_pad // TILE, b * h)
+    launch(kern.scores, scores_grid, THREADS, kern.scores_smem, prob.stream,            # l.1
            prob.q, prob.k, s_view, *sizes, np.float32(prob.softmax_scale))
-    launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
+    launch(kern.scores, scores_grid, THREADS, kern.scores_smem, prob.stream,
            g.do, prob.v, dp_view, *sizes, np.float32(1))
-    launch(build_softmax_backward(prob.banded, prob.softcapped, prob.element),
-           ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream, s_view, dp_view, prob.lse,
+    launch(kern.softmax_backward, ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream,
+           s_view, dp_view, prob.lse,
            arrays.as_elements(p16, np.uint32, 2), arrays.as_elements(ds16, np.uint32, 2),  # l.2-4
-           np.int32(n_q), np.int32(n_k), *mask_args(prob), np.float32(prob.softmax_scale))
-    output, smem = build_output(cfg)
-    launch(output, (row_tiles, b, h), THREADS, smem, prob.stream, ds16, prob.k, g.dq32, *sizes)
-    transposed, smem = build_transposed_output(cfg)
+           *sizes[:2], *mask_args(prob), np.float32(prob.softmax_scale))
+    launch(kern.output, (row_tiles, b, h), THREADS, kern.output_smem, prob.stream, ds16, prob.k,
+           g.dq32, *sizes)
     key_tiles = (n_k + TILE - 1) // TILE
-    launch(transposed, (key_tiles, b, prob.heads_kv), THREADS, smem, prob.stream,      # l.3
-           p16, g.do, g.dv32, *sizes)
-    launch(transposed, (key_tiles, b, prob.heads_kv), THREADS, smem, prob.stream,      # l.5
-           ds16, prob.q, g.dk32, *sizes)
+    launch(kern.transposed, (key_tiles, b, prob.heads_kv), THREADS, kern.transposed_smem,  # l.3
+           prob.stream, p16, g.do, g.dv32, *sizes)
+    launch(kern.transposed, (key_tiles, b, prob.heads_kv), THREADS, kern.transposed_smem,  # l.5
+           prob.stream, ds16, prob.q, g.dk32, *sizes)
     return g.result()
 
 
@@ -462,29 +462,55 @@ def _scratch_for_sequences(prob, work):
     return arrays.empty(prob.library, (size,), "uint8", like=prob.like)
 
 
+class Kernels(NamedTuple):
+    """A problem kind's kernels (each tiled one with its shared-memory bytes)."""
+    scores: object
+    scores_smem: int
+    softmax: object
+    softmax_backward: object
+    output: object
+    output_smem: int
+    transposed: object
+    transposed_smem: int
+
+
+_KERNELS = {}   # (head_dim, element, banded, softcapped) -> Kernels
+
+
+def kernels_for(prob):
+    """The kernels of the problem's head dim, element type and mask kind, looked up once per
+    kind: a call hashes one tuple, not a Config and each builder's arguments (the builders make
+    kernel objects; each compiles at its first launch)."""
+    key = (prob.head_dim, prob.element, prob.banded, prob.softcapped)
+    hit = _KERNELS.get(key)
+    if hit is None:
+        cfg = Config(prob.head_dim, prob.element)
+        hit = _KERNELS[key] = Kernels(
+            *build_scores(cfg), build_softmax(prob.banded, prob.softcapped, prob.element),
+            build_softmax_backward(prob.banded, prob.softcapped, prob.element),
+            *build_output(cfg), *build_transposed_output(cfg))
+    return hit
+
+
 def _forward(prob, scratch=None):
     """Algorithm 0's three kernels for the checked problem `prob` (common.problem.prepare); the
     work arrays in `scratch` when given (_scratch_for_sequences)."""
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:
         raise ValueError(f"standard needs batch * heads <= 65535, got {b * h}")
-    cfg = Config(prob.head_dim, prob.element)
+    kern = kernels_for(prob)
     n_pad = padded_keys(n_k)
     s_view, p16 = _work_arrays(prob, scratch, _FORWARD_WORK, b, h, n_q, n_k)   # S fp32, P 16-bit
     row_tiles = (n_q + TILE - 1) // TILE
+    sizes = np.int32(n_q), np.int32(n_k)
 
-    scores, smem = build_scores(cfg)
-    launch(scores, (row_tiles, n_pad // TILE, b * h), THREADS, smem, prob.stream,
-           prob.q, prob.k, s_view, np.int32(n_q), np.int32(n_k), np.int32(prob.kv_group),
+    launch(kern.scores, (row_tiles, n_pad // TILE, b * h), THREADS, kern.scores_smem, prob.stream,
+           prob.q, prob.k, s_view, *sizes, np.int32(prob.kv_group),
            np.float32(prob.softmax_scale))
-    launch(build_softmax(prob.banded, prob.softcapped, prob.element),
-           ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream, s_view,
-           arrays.as_elements(p16, np.uint32, 2), prob.lse, np.int32(n_q), np.int32(n_k),
-           *mask_args(prob))
-    output, smem = build_output(cfg)
-    launch(output, (row_tiles, b, h), THREADS, smem, prob.stream,
-           p16, prob.v, prob.o32, np.int32(n_q), np.int32(n_k),
-           np.int32(prob.kv_group))
+    launch(kern.softmax, ((n_q + WARPS - 1) // WARPS, b, h), THREADS, 0, prob.stream, s_view,
+           arrays.as_elements(p16, np.uint32, 2), prob.lse, *sizes, *mask_args(prob))
+    launch(kern.output, (row_tiles, b, h), THREADS, kern.output_smem, prob.stream,
+           p16, prob.v, prob.o32, *sizes, np.int32(prob.kv_group))
     return prob.result()
 
 
