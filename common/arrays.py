@@ -142,10 +142,12 @@ class _HostView:
 
 def empty(library, shape, dtype, like=None):
     """A new device array of `library`'s own type, dtype one of DTYPES ('float8_e4m3fn' for torch
-    only: CuPy and Numba keep e4m3 as its 'uint8' bits)."""
+    only: CuPy and Numba keep e4m3 as its 'uint8' bits); for torch on `like`'s device (none: the
+    current one)."""
     if library == "torch":
         import torch
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+        return torch.empty(shape, dtype=getattr(torch, dtype),
+                           device=like.device if like is not None else "cuda")
     np_dtype = DTYPES[dtype]
     if library == "cupy":
         import cupy
@@ -157,7 +159,8 @@ def zeros(library, shape, dtype, like=None):
     """`empty`, filled with zeros (by the library, on the caller's stream)."""
     if library == "torch":
         import torch
-        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.device)
+        return torch.zeros(shape, dtype=getattr(torch, dtype),
+                           device=like.device if like is not None else "cuda")
     if library == "cupy":
         import cupy
         return cupy.zeros(shape, dtype=DTYPES[dtype])
