@@ -53,7 +53,7 @@ def test_work_arrays_from_one_allocation_are_aligned_and_apart():
     assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))
     assert ends[-1][1] - ends[0][0] <= arrays.views_bytes(specs)
     for i, view in enumerate(views):
-        view.array[...] = i + 1
+        view.array.copy_to_device(np.full(view.shape, i + 1, view.dtype))
     for i, view in enumerate(views):
         assert (view.array.copy_to_host() == i + 1).all()
     pairs = arrays.as_elements(views[1], np.uint32, 2)
