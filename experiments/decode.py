@@ -132,8 +132,8 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
         raise ValueError(f"merges: {', '.join(sorted(unknown))}; known: "
                          f"{', '.join(decoding.MERGES)}")
     kernel_ways = splits > 1
-    ways = list(dict.fromkeys(
-        (c, bool(p), m) for c in combines
+    ways = list(dict.fromkeys(   # pdl None: decode's own default (decoding.pdl_by_default)
+        (c, p if p is None else bool(p), m) for c in combines
         for m in ((merges or ["block"]) if c == "kernel" and kernel_ways else ["block"])
         for p in ((pdls or [False]) if c == "kernel" and kernel_ways else [False])))
 
@@ -141,7 +141,8 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
         combine, pdl, merge = way
         return ("" if combine == "kernel" else f", {combine}") + \
             (", warp parts" if combine == "kernel" and merge == "combine" else "") + \
-            (", PDL" if pdl else "")
+            (", PDL" if pdl or (pdl is None and combine == "kernel" and kernel_ways
+                                and decoding.pdl_by_default()) else "")
 
     def options(way):
         return dict(combine=way[0], pdl=way[1], merge_warps=way[2])
@@ -258,7 +259,8 @@ def main(argv=None):
                          "fused (the split kernel's last block), or both (default)")
     ap.add_argument("--pdl", default="0",
                     help="combine=kernel launched as a programmatic dependent of the split kernel "
-                         "(1), an ordinary launch (0, the default), or both (0,1)")
+                         "(1), an ordinary launch (0, the default), both (0,1), or as decode "
+                         "chooses (default: on from sm_90)")
     ap.add_argument("--merge-warps", default="block",
                     help="combine=kernel: the split block merges its warps (block, the default), "
                          "or each warp's part is merged by the combine kernel (combine), or both")
@@ -286,7 +288,8 @@ def main(argv=None):
                                 peers_on=bool(args.peers), copy_gbs=copy_gbs, rng=rng,
                                 others=not args.only_decode,
                                 combines=[c for c in args.combine.split(",") if c],
-                                pdls=[bool(int(x)) for x in args.pdl.split(",") if x],
+                                pdls=[None if x == "default" else bool(int(x))
+                                      for x in args.pdl.split(",") if x],
                                 merges=[m for m in args.merge_warps.split(",") if m])
     if args.plot and out:
         from experiments import plot

@@ -68,7 +68,9 @@ class Config:
     #                          split kernel's last block to finish a (sequence, K/V head) ("fused")
     pdl: bool = False      # combine="kernel": launch the combine kernel as a programmatic
     #                        dependent of the split kernel (its blocks ready before the split ends),
-    #                        as FA3 does; no gain measured on an H100 (decode_combine_h100.txt)
+    #                        as FA3 does. decode() turns it on by default from sm_90
+    #                        (`pdl_by_default`): 0-1 points of the copy rate at B=1 on H100s, in
+    #                        every run of 2026-11-27 (decode_warp_parts_h100.txt); none before
     merge_warps: str = "block"   # the block merges its warps' (O, L) and writes one part a split
     #                        (as combine="fused" always does); "combine" (combine="kernel" only):
     #                        each warp writes its own part, splits x warps of them merged by the
@@ -932,6 +934,15 @@ def split_counters(library, like, needed):
     return hit[0]
 
 
+@lru_cache(maxsize=None)
+def pdl_by_default():
+    """`pdl`'s default: on where programmatic dependent launch exists (sm_90 on), off before it
+    and in the simulator (where both launches run alike)."""
+    if target.SIMULATOR:
+        return False
+    return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
+
+
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
            softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None, **options):
     """Attention of q's N_q new tokens against each sequence's cache (common/kvcache.py has the
@@ -943,7 +954,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     float32). options: Config's block_n, warps, stages, combine ("kernel": the splits merged by
     a second kernel; "fused": by the split kernel's last block of a sequence and K/V head, one
     launch; `split_counters` says what that keeps between calls), pdl (True: the combine kernel
-    launched as a programmatic dependent of the split kernel)."""
+    launched as a programmatic dependent of the split kernel; None or absent: `pdl_by_default`),
+    merge_warps ("block": each split block merges its warps; "combine": the combine kernel)."""
     prob = kvcache.prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v,
                                   block_table=block_table, causal=causal,
                                   softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check)
@@ -958,6 +970,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
             prob.batch, prob.heads_kv, prob.max_seqlen_k, target.multiprocessor_count(), block_n)
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be 1 .. {MAX_SPLITS}, got {num_splits}")
+    if options.get("pdl") is None:
+        options["pdl"] = pdl_by_default()
     cfg = make_config(prob.head_dim, prob.element, prob.kv_group, prob.n_q, prob.causal,
                       prob.paged, splits > 1, **options)
     lib, like = prob.library, prob.like
