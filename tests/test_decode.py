@@ -392,6 +392,23 @@ def test_decode_unchecked_bad_tables_and_lengths_stay_inside_the_cache(rng, page
         assert np.isfinite(inputs.to_host(o).astype(np.float32)).all()
 
 
+@pytest.mark.parametrize("check", [True, False])
+def test_decode_an_empty_block_table_reads_nothing(rng, check):
+    """A block table of no columns (max_blocks = 0: a cache that holds nothing, every length 0):
+    the split kernel reads ahead the table entries of its first tiles before it knows the
+    length, and must not index an empty row (the simulator raises on it). Nothing to attend to:
+    O = 0, LSE = -inf."""
+    lib = inputs.default_library()
+    k_cache, v_cache, _ = make_cache(rng, [1, 1], 1, 64, "bfloat16", 16, 16)
+    q = inputs.to_device(rng.standard_normal((2, 1, 2, 64)).astype(inputs.DTYPES["bfloat16"]), lib)
+    o, lse = variants.decode(q, inputs.to_device(k_cache, lib), inputs.to_device(v_cache, lib),
+                             inputs.to_device(np.zeros(2, np.int32), lib),
+                             block_table=inputs.to_device(np.zeros((2, 0), np.int32), lib),
+                             check=check, num_splits=2, **SMALL)
+    assert (inputs.to_host(o).astype(np.float32) == 0).all()
+    assert np.isneginf(inputs.to_host(lse)).all()
+
+
 def test_num_splits_heuristic():
     from variants.decoding import num_splits_heuristic
     # 132 SMs, two blocks each: 264 slots. One sequence, 8 K/V heads: 32 splits (256 blocks)

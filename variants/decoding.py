@@ -244,8 +244,12 @@ def fragment_offset(row, col, n_tiles):
 @device_function
 def table_entry(block_table, b, key, page_shift):
     """Sequence b's block-table entry for key `key`, unchecked (the index clamped into the row:
-    a key past the table reads its last entry)."""
-    return block_table[b, min(int32(key >> page_shift), int32(block_table.shape[1] - 1))]
+    a key past the table reads its last entry; a table of no columns, whose lengths can only be
+    0, reads nothing and gives page 0)."""
+    last = int32(block_table.shape[1] - 1)
+    if last < 0:
+        return int32(0)
+    return block_table[b, min(int32(key >> page_shift), last)]
 
 
 @device_function
