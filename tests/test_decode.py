@@ -174,9 +174,9 @@ def test_decode_combine_as_a_dependent_launch_gives_the_same_bits(rng, num_split
 
 
 def test_decode_combine_waits_before_it_reads():
-    """The dependent combine kernel (pdl=True) runs griddepcontrol.wait before its first load
-    from global memory (Numba's are generic ld), and the ordinary one has no wait (PTX for sm_90,
-    compiled without a GPU)."""
+    """The dependent combine kernels (pdl=True; the block-merge and the warp-parts form) run
+    griddepcontrol.wait before their first load from global memory (Numba's are generic ld), and
+    the ordinary ones have no wait (PTX for sm_90, compiled without a GPU)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -188,21 +188,26 @@ def test_decode_combine_waits_before_it_reads():
         "f = {n: types.Array(types.float32, n, 'A') for n in (3, 4, 5)}\n"
         "sig = (f[5], f[4], types.Array(types.uint32, 4, 'A'), f[3], types.int32)\n"
         "for dependent in (True, False):\n"
-        "    k = decoding.build_combine(128, BFLOAT16, dependent)\n"
-        "    ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))\n"
-        "    body = ptx[ptx.index('.entry'):]\n"
-        "    m = re.search(r'\\bld\\.(?!param|shared)', body)\n"   # a global (or generic) load
-        "    wait, load = body.find('griddepcontrol.wait'), m.start() if m else -1\n"
-        "    print(dependent, wait, load)\n")
+        "    for k in (decoding.build_combine(128, BFLOAT16, dependent),\n"
+        "              decoding.build_combine_parts(128, BFLOAT16, dependent, 128)):\n"
+        "        ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))\n"
+        "        body = ptx[ptx.index('.entry'):]\n"
+        "        m = re.search(r'\\bld\\.(?!param|shared)', body)\n"   # a global (or generic) load
+        "        wait, load = body.find('griddepcontrol.wait'), m.start() if m else -1\n"
+        "        print(dependent, wait, load)\n")
     root = Path(__file__).resolve().parents[1]
     env = dict(__import__("os").environ, NUMBA_ENABLE_CUDASIM="0")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in out.stdout.splitlines()}
-    wait, load = rows["True"]
-    assert 0 <= wait < load
-    assert rows["False"][0] == -1 and rows["False"][1] >= 0
+    rows = [r.split() for r in out.stdout.splitlines()]
+    assert len(rows) == 4   # the combine kernel and its warp-parts form, each both ways
+    for dependent, wait, load in rows:
+        wait, load = int(wait), int(load)
+        if dependent == "True":
+            assert 0 <= wait < load
+        else:
+            assert wait == -1 and load >= 0
 
 
 def test_decode_fused_combine_reuses_its_counters(rng):
