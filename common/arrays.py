@@ -252,6 +252,8 @@ def empty_views(library, specs, like=None):
 
 
 _CARVINGS = {}   # specs -> ((offset, ViewLayout) of each work array, bytes in all)
+_KEPT = 4096     # geometries a per-call cache keeps before it starts over (packed batches of
+#                  ever-new lengths must not grow it without end)
 
 
 def _carving(specs):
@@ -269,6 +271,8 @@ def _carving(specs):
             for n in shape:
                 size *= n
             at += (size + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
+        if len(_CARVINGS) >= _KEPT:
+            _CARVINGS.clear()
         hit = _CARVINGS[specs] = (tuple(parts), at)
     return hit
 
@@ -319,6 +323,8 @@ def as_elements(view, element, last_dim_divisor=1):
         key = (view.layout, element, last_dim_divisor)
         layout = _RETYPED.get(key)
         if layout is None:
+            if len(_RETYPED) >= _KEPT:
+                _RETYPED.clear()
             dtype = view.dtype
             layout = _RETYPED[key] = view_layout_of(view.shape, view.strides, dtype.itemsize,
                                                     element, None, last_dim_divisor)
