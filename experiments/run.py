@@ -290,7 +290,8 @@ def decode_job(cfg, mode, prob):
     found = decode_experiment.measure_size(
         prob["batch"], length, heads=prob["heads"], heads_kv=heads_kv,
         head_dim=prob["head_dim"], page_size=min(int(cfg.decode.page_size), length),
-        peers_on=bool(cfg.bench.peers), copy_gbs=copy_gbs, pdls=(None if cfg.decode.pdl is None else bool(cfg.decode.pdl),),
+        peers_on=bool(cfg.bench.peers), copy_gbs=copy_gbs,
+        pdls=(None if cfg.decode.pdl is None else bool(cfg.decode.pdl),),   # None: decode's default
         merges=(str(cfg.decode.merge_warps),))
     rows = [dict(variant=r["kernel"], dtype="bfloat16", head_dim=r["head_dim"], causal=False,
                  seqlen=1, batch=r["batch"], heads=r["heads"], gpu=r["gpu"], seqlen_k=length,
