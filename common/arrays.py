@@ -193,6 +193,11 @@ def placeholder(library, ndim, like=None, dtype="float32"):
     return hit[0]
 
 
+def is_placeholder(view):
+    """True if `view` is one of `placeholder`'s (kept for the life of the process)."""
+    return any(view is hit[0] for hit in _PLACEHOLDERS.values())
+
+
 def to_host(x):
     """A NumPy copy of a (small) device array of any supported library (waits for it)."""
     if _torch_module(x) is not None:

@@ -28,7 +28,7 @@ _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # change a cubin, so an edit to one keeps the cache. tests/test_compile.py checks that no compile
 # target's code reaches them (functions, modules, or values imported from them).
 HOST_MODULES = ("arrays", "checks", "configs", "flops", "inputs", "kvcache", "problem",
-                "reference", "timing")
+                "reference", "replay", "timing")
 
 
 @lru_cache(maxsize=None)

@@ -2,6 +2,7 @@
 `launch` (the per-call path to cuLaunchKernel). Compiled kernels are kept by common/kernel_cache.py."""
 import re
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 
 from numba import config, cuda
@@ -277,6 +278,9 @@ def launch(kern, grid, block, shared_bytes, stream, *args, programmatic=False):
                     for a in args)
         launcher = _compiled[key] = _Launcher(kern, sig)
     launcher(grid, block, shared_bytes, stream, args, programmatic)
+    recording = getattr(_thread, "recording", None)
+    if recording is not None:
+        recording.append((launcher, grid, block, shared_bytes, stream, args, programmatic))
 
 
 class _Launcher:
@@ -310,16 +314,41 @@ class _Launcher:
             f"4qQ{2 * t.ndim}q" if hasattr(t, "ndim") else ("f4x" if str(t) == "float32" else "i4x")
             for t in sig))
         self.words = self.struct.size // 8
+        # CuPy's binding of cuLaunchKernel takes plain integers and checks nothing else: ~0.8 us a
+        # launch less than cuda-python's, which converts its arguments (a launch is ~4 us).
+        try:
+            from cupy_backends.cuda.api.driver import launchKernel
+            self.handle = int(self.cufunc.handle)
+            self.launch_kernel = launchKernel
+        except ImportError:
+            self.launch_kernel = None
 
     def _buffer(self):
         buf = getattr(self.buffers, "slots", None)
         if buf is None:
-            np = self.np
-            words = np.zeros(self.words, dtype=np.int64)
-            pointers = words.__array_interface__["data"][0] + 8 * np.arange(self.words, dtype=np.uint64)
-            # cuLaunchKernel takes the void*[]'s address as an int (no buffer request a call)
-            buf = self.buffers.slots = (words, pointers, pointers.__array_interface__["data"][0])
+            buf = self.buffers.slots = self.new_buffer()
         return buf
+
+    def new_buffer(self):
+        """(words, their addresses, the address of that void*[]): a parameter buffer."""
+        np = self.np
+        words = np.zeros(self.words, dtype=np.int64)
+        pointers = words.__array_interface__["data"][0] + 8 * np.arange(self.words, dtype=np.uint64)
+        # cuLaunchKernel takes the void*[]'s address as an int (no buffer request a call)
+        return words, pointers, pointers.__array_interface__["data"][0]
+
+    def pack(self, words, args):
+        """Write the parameter words of `args` (KernelViews and NumPy scalars) into `words`."""
+        values = []
+        for a in args:
+            if type(a) is KernelView:
+                layout = a.layout
+                values += layout.head
+                values.append(a.ptr)
+                values += layout.tail
+            else:   # np.int32 / np.float32
+                values.append(a)
+        self.struct.pack_into(words, 0, *values)
 
     def _programmatic_config(self, grid, block, shared_bytes, stream, cu_stream):
         key = (grid, block, shared_bytes, stream)
@@ -340,33 +369,100 @@ class _Launcher:
         return config
 
     def __call__(self, grid, block, shared_bytes, stream, args, programmatic=False):
-        cu = self.cu
         if shared_bytes > self.shared_allowed:
+            cu = self.cu
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(cu.cuKernelSetAttribute(attr, shared_bytes, self.cufunc.handle,
                                            self.cufunc.device.id))
             self.shared_allowed = shared_bytes
         words, _, pointers = self._buffer()
-        values = []
-        for a in args:
-            if type(a) is KernelView:
-                layout = a.layout
-                values += layout.head
-                values.append(a.ptr)
-                values += layout.tail
-            else:   # np.int32 / np.float32
-                values.append(a)
-        self.struct.pack_into(words, 0, *values)
+        self.pack(words, args)
+        self.launch_packed(dims3(grid), dims3(block), shared_bytes, stream, pointers, programmatic)
+
+    def launch_packed(self, grid, block, shared_bytes, stream, pointers, programmatic=False):
+        """cuLaunchKernel over parameters already packed (`pointers`: the void*[]'s address);
+        grid and block 3-tuples."""
+        if not programmatic and self.launch_kernel is not None:
+            self.launch_kernel(self.handle, grid[0], grid[1], grid[2], block[0], block[1],
+                               block[2], shared_bytes, stream, pointers, 0)
+            return
+        cu = self.cu
         cu_stream = self.streams.get(stream)
         if cu_stream is None:
             cu_stream = self.streams[stream] = cu.CUstream(stream)
-        grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-        block = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
         if programmatic:
             config = self._programmatic_config(grid, block, shared_bytes, stream, cu_stream)
             _check(cu.cuLaunchKernelEx(config, self.function, pointers, 0))
             return
         _check(cu.cuLaunchKernel(self.function, *grid, *block, shared_bytes, cu_stream, pointers, 0))
+
+
+def dims3(dims):
+    """A grid or block (an int or a tuple of 1 to 3) as a 3-tuple."""
+    return (dims, 1, 1) if isinstance(dims, int) else tuple(dims) + (1,) * (3 - len(dims))
+
+
+# --------------------------------------------------------------------------- recorded launches
+# common/replay.py records a call's launches once and re-issues them with new addresses.
+
+@contextmanager
+def recording():
+    """Within the block, every `launch` on this thread is also appended, as (launcher, grid, block,
+    shared_bytes, stream, args, programmatic), to the list this yields (GPU only)."""
+    outer = getattr(_thread, "recording", None)
+    launches = _thread.recording = []
+    try:
+        yield launches
+    finally:
+        _thread.recording = outer
+
+
+class PackedLaunch:
+    """A recorded launch with its parameter words packed once: a replay writes the addresses of
+    the views in `slots` ((word, base, offset): word <- bases[base] + offset) and launches."""
+    __slots__ = ("launcher", "grid", "block", "shared_bytes", "programmatic", "words", "slots")
+
+    def __init__(self, record, resolve):
+        """record: one of `recording`'s; resolve(view) -> (base, offset), or None for a view whose
+        address is the same in every call."""
+        launcher, grid, block, shared_bytes, _, args, programmatic = record
+        self.launcher, self.shared_bytes, self.programmatic = launcher, shared_bytes, programmatic
+        self.grid, self.block = dims3(grid), dims3(block)
+        self.words = launcher.new_buffer()[0]
+        launcher.pack(self.words, args)
+        slots, at = [], 0
+        for a in args:
+            if type(a) is KernelView:
+                where = resolve(a)
+                if where is not None:
+                    slots.append((at + 4, *where))   # meminfo, parent, size, itemsize, data
+                at += 5 + 2 * len(a.layout.shape)
+            else:
+                at += 1
+        self.slots = tuple(slots)
+
+
+def replay(launches, buffers, bases, stream):
+    """Issue PackedLaunches on `stream` with the views' addresses worked out from `bases`;
+    buffers: this thread's copy of each one's words (`replay_buffers`)."""
+    if not getattr(_thread, "has_context", False):
+        cuda.current_context()
+        _thread.has_context = True
+    for step, (words, _, pointers) in zip(launches, buffers):
+        for word, base, offset in step.slots:
+            words[word] = bases[base] + offset
+        step.launcher.launch_packed(step.grid, step.block, step.shared_bytes, stream, pointers,
+                                    step.programmatic)
+
+
+def replay_buffers(launches):
+    """A thread's own parameter buffers for `replay` (two threads may replay one call at once)."""
+    buffers = []
+    for step in launches:
+        buf = step.launcher.new_buffer()
+        buf[0][:] = step.words
+        buffers.append(buf)
+    return buffers
 
 
 def _check(result):

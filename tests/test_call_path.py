@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 import variants
-from common import backward, checks, inputs, problem, reference
+from common import backward, checks, inputs, problem, reference, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -18,6 +18,7 @@ SHAPE = dict(batch=2, seqlen=200, heads=4, head_dim=64)
 def _forget_templates():
     problem._TEMPLATES.clear()
     backward._TEMPLATES.clear()
+    replay.forget()
 
 
 def _torch_qkv(rng, dtype="bfloat16", heads_kv=None):
@@ -65,7 +66,8 @@ def test_repeated_calls_match_the_checked_path_on_their_own_data(rng, variant, c
 def test_a_misaligned_tensor_of_a_known_geometry_is_refused(rng):
     torch = pytest.importorskip("torch")
     _, (q, k, v) = _torch_qkv(rng)
-    variants.forward(q, k, v, variant="fa2")                   # the geometry is now known
+    for _ in range(3):
+        variants.forward(q, k, v, variant="fa2")   # the geometry is now known, and its call replayed
     flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)
     shifted = flat[1:1 + q.numel()].view(q.shape)              # same shape and strides, 2 bytes off
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
@@ -73,22 +75,93 @@ def test_a_misaligned_tensor_of_a_known_geometry_is_refused(rng):
         variants.forward(shifted, k, v, variant="fa2")
     o, lse = variants.forward(q, k, v, variant="fa2")
     do = torch.randn_like(o)
-    variants.backward(do, q, k, v, o, lse, variant="fa2")
+    for _ in range(3):
+        variants.backward(do, q, k, v, o, lse, variant="fa2")
     with pytest.raises(ValueError, match="16-byte"):
         variants.backward(do, shifted, k, v, o, lse, variant="fa2")
 
 
-def test_templates_keep_no_call_alive(rng):
+@pytest.mark.parametrize("calls", [1, 3])
+def test_templates_keep_no_call_alive(rng, calls):
+    """Nor do the plans of replayed calls (calls=3: the third call is replayed)."""
     torch = pytest.importorskip("torch")
     _forget_templates()
     _, (q, k, v) = _torch_qkv(rng)
-    o, lse = variants.forward(q, k, v, variant="fa2")
-    grads = variants.backward(torch.randn_like(o), q, k, v, o, lse, variant="fa2")
+    do = torch.randn_like(q)
+    for _ in range(calls):
+        o, lse = variants.forward(q, k, v, variant="fa2")
+        grads = variants.backward(do, q, k, v, o, lse, variant="fa2")
     refs = [weakref.ref(x) for x in (q, k, v, o, lse, *grads)]
-    del q, k, v, o, lse, grads
+    del q, k, v, o, lse, grads, do
     gc.collect()
     assert all(r() is None for r in refs)
     assert problem._TEMPLATES and backward._TEMPLATES
+
+
+def _plans(fn):
+    return [p for p in fn.plans.values() if type(p) is replay.Plan]
+
+
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
+def test_replayed_calls_match_the_ordinary_path(rng, variant):
+    """From the third call of a geometry on, forward and backward are replayed (common/replay.py):
+    the recorded launches over the call's own addresses and allocations. They must return what
+    the ordinary path returns on the same data, causal or not, with GQA."""
+    torch = pytest.importorskip("torch")
+    module = variants.get(variant)
+    _forget_templates()
+    del replay._REFUSALS[:]
+    for causal in (False, True):
+        for call in range(3):
+            host, qkv = _torch_qkv(rng, heads_kv=2)
+            o, lse = module.forward(*qkv, causal=causal)
+            do = torch.randn_like(o)
+            grads = module.backward(do, *qkv, o, lse, causal=causal)
+        assert len(_plans(module.forward)) == 1 + causal and len(_plans(module.backward)) == 1 + causal, \
+            replay._REFUSALS
+        ref = reference.attention(*host, causal=causal)
+        got = checks.compare(inputs.to_host(o), inputs.to_host(lse), *ref, "bfloat16")
+        assert got["ok"], checks.describe_failure(got)
+        o_want, lse_want = module.forward.__wrapped__(*qkv, causal=causal)
+        assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
+        want = module.backward.__wrapped__(do, *qkv, o, lse, causal=causal)
+        for g, w in zip(grads, want):   # fa2's dQ atomics add in any order
+            torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
+    assert not replay._REFUSALS
+
+
+def test_calls_with_preallocated_outputs_are_not_replayed(rng):
+    torch = pytest.importorskip("torch")
+    _forget_templates()
+    del replay._REFUSALS[:]
+    host, (q, k, v) = _torch_qkv(rng)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1],
+                                               dtype=torch.float32, device=q.device)
+    for _ in range(3):
+        o.zero_()
+        got = variants.forward(q, k, v, variant="fa2", out=(o, lse))
+        assert got[0] is o and got[1] is lse
+        want, _ = variants.forward(q, k, v, variant="fa2")
+        assert torch.equal(o, want)
+    assert any("keyword argument out" in why for why in replay._REFUSALS)
+    assert len(_plans(variants.get("fa2").forward)) == 1     # the call without out only
+
+
+def test_replayed_backward_through_autograd(rng):
+    """torch runs a Python node's backward on its own thread: replays from there, too."""
+    torch = pytest.importorskip("torch")
+    _forget_templates()
+    for _ in range(3):
+        host, qkv = _torch_qkv(rng)
+        leaves = [x.detach().requires_grad_() for x in qkv]
+        o = variants.attention(*leaves, variant="fa2", causal=True)
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, leaves, do)
+    assert _plans(variants.get("fa2").forward) and _plans(variants.get("fa2").backward)
+    want = variants.get("fa2").backward.__wrapped__(
+        do, *qkv, *variants.get("fa2").forward.__wrapped__(*qkv, causal=True), causal=True)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_calls_launch_on_the_current_stream(rng):
@@ -97,7 +170,8 @@ def test_calls_launch_on_the_current_stream(rng):
     torch = pytest.importorskip("torch")
     _, (q, k, v) = _torch_qkv(rng)
     _, (new_q, _, _) = _torch_qkv(rng)
-    variants.forward(q, k, v, variant="fa2")            # the geometry is known: the per-call path
+    for _ in range(2):   # the geometry is known and its call recorded: the next is replayed
+        variants.forward(q, k, v, variant="fa2")
     want, _ = variants.forward(new_q, k, v, variant="fa2")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

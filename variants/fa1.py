@@ -48,6 +48,7 @@ from common import backward as bwd
 from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare, \
     prepare_varlen
+from common.replay import replayed
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
@@ -421,6 +422,7 @@ def build(cfg):
     return fa1_forward
 
 
+@replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
             align=masks.BOTTOM_RIGHT, out=None, **options):
     """FA1 forward; same arguments and results as variants.fa2.forward. options: see Config."""
@@ -513,6 +515,7 @@ def _backward_config(head_dim, element, causal, problem, **options):
                                                 kv_blocks="sequential", **options)
 
 
+@replayed(6)
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
              softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
     """FA1 backward (Algorithm 4's schedule); arguments as variants.fa2_backward.backward. options: the tile

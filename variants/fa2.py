@@ -32,6 +32,7 @@ from common import arrays, configs, masks, pipeline, ptx, softmax, tiles
 from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
                             prepare_varlen)
+from common.replay import replayed
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel_with_launch_bounds, launch
 from variants import fa2_backward
@@ -322,6 +323,7 @@ def build(cfg):
     return fa2_forward
 
 
+@replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
             align=masks.BOTTOM_RIGHT, out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or

@@ -13,6 +13,7 @@ from common import backward as bwd
 from common import arrays, configs, masks, pipeline, ptx, softmax, tiles
 from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
+from common.replay import replayed
 from common.smem import SharedLayout
 from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
 
@@ -701,6 +702,7 @@ def build_backward_dq(cfg):
     return fa2_backward_dq
 
 
+@replayed(6)
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
              softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
     """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs

@@ -36,6 +36,7 @@ from common import arrays, masks, ptx, softmax, tiles
 from common import backward as bwd
 from common.elements import BFLOAT16, FLOAT16, Element
 from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare, prepare_varlen
+from common.replay import replayed
 from common.target import device_function, kernel, launch
 
 HEAD_DIMS = tiles.HEAD_DIMS
@@ -305,6 +306,7 @@ def backward_workspace_bytes(batch, heads, n_q, n_k):
     return batch * heads * n_q * padded_keys(n_k) * (4 + 4 + 2 + 2)
 
 
+@replayed(6)
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
              softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None):
     """Standard attention backward (every N x N matrix in HBM); arguments as fa2.backward."""
@@ -378,6 +380,7 @@ def mask_args(prob):
     return np.int32(prob.band.lo), np.int32(prob.band.hi), np.float32(prob.band.softcap)
 
 
+@replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
             align=masks.BOTTOM_RIGHT, out=None):
     """Standard attention forward; same arguments and results as variants.fa2.forward."""

@@ -1,0 +1,213 @@
+"""A call replayed: its launches recorded once per geometry, then re-issued with new addresses.
+
+A training step calls attention with the same shapes, strides, dtypes and options every time. The
+first call with a geometry runs every check and keeps a template (common/problem.py), but each
+later call still walks the variant's Python: it builds the problem's views, carves its work
+arrays, looks up its kernels and packs every launch's arguments (issue: host overhead; the
+standard forward, three launches, spent ~78 us a call on the host for ~15 us of kernels). What
+changes from call to call is only the addresses: of the inputs, of the outputs and of the work
+arrays, which are new allocations each call.
+
+`replayed` wraps a variant's forward or backward. The second call with a key (every input's
+shape, strides, dtype and device, and every keyword argument) runs as usual while it is recorded:
+each `target.launch` (kernel, grid, block, shared memory, arguments) and each allocation. If the
+call did nothing else, the record becomes a Plan: its launches packed once
+(`target.PackedLaunch`), each view's address written as base + offset, a base being an input or
+one of the call's allocations. From the third call on a call allocates what the recorded one did,
+writes the new addresses into the packed parameters and launches on the current stream: the
+launch parameters packed once per key.
+
+What a recorded call may do, so that replaying it is the same call: launch through
+`target.launch` on the current stream, over views of its inputs, of tensors it allocated with
+`torch.empty` and of `arrays.placeholder`s (the same in every call), and return a tuple of tensors
+it allocated. Anything else makes no plan, and the key keeps the ordinary path: any other torch
+operation (a fill, a copy, a read back to the host: seen by a TorchDispatchMode while recording),
+a view of other memory (fa3's tensor maps, uploaded per address), a launch on another stream, a
+keyword argument that is an array (preallocated outputs, gradients, FP8 descales), or two inputs
+that are the same tensor. A misaligned input takes the ordinary path, so it raises what it
+always raised. In the simulator nothing is recorded.
+"""
+import functools
+import sys
+
+from common import arrays, target
+from common.problem import misaligned, remember, torch_call_key
+
+_TRY, _NONE = "try", "none"   # a key's state before it has a Plan: record the next call / never
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def replayed(n_inputs):
+    """Decorator for fn(*inputs, **options) -> tuple of new torch tensors, `n_inputs` arrays taken
+    positionally (forward: q, k, v; backward: do, q, k, v, o, lse): see the module's docstring."""
+    def wrap(fn):
+        plans = {}
+        _ALL_PLANS.append(plans)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if target.SIMULATOR or len(args) != n_inputs:
+                return fn(*args, **kwargs)
+            try:
+                key = torch_call_key(args, tuple(kwargs.items()))
+                plan = plans.get(key) if key is not None else _NONE
+            except TypeError:   # an unhashable option (a list): no plan
+                return fn(*args, **kwargs)
+            if type(plan) is Plan:
+                result = plan(args)
+                if result is not None:
+                    return result
+                return fn(*args, **kwargs)   # misaligned: the ordinary path says so
+            if plan is None:   # the first call: every check; the next one is recorded
+                result = fn(*args, **kwargs)
+                remember(plans, key, _TRY)
+                return result
+            if plan is _TRY:
+                plan, result = _record(fn, args, kwargs)
+                plans[key] = plan
+                return result
+            return fn(*args, **kwargs)
+        call.plans = plans
+        return call
+    return wrap
+
+
+_ALL_PLANS = []   # every replayed function's plans
+
+
+def forget():
+    """Drop every plan: each key's next call takes the ordinary path again (tests)."""
+    for plans in _ALL_PLANS:
+        plans.clear()
+
+
+class Plan:
+    """A recorded call: its allocations (shape, dtype, device) and its PackedLaunches, whose views
+    lie at base + offset, the bases being the inputs' addresses then the allocations'."""
+
+    def __init__(self, allocations, launches, result, device):
+        self.allocations, self.launches, self.result, self.device = \
+            allocations, launches, result, device
+        import threading
+        self.local = threading.local()
+
+    def __call__(self, inputs):
+        """The call over `inputs`, replayed (None: an input's address is misaligned)."""
+        import torch
+        bases = [x.data_ptr() for x in inputs]
+        if misaligned(*bases):
+            return None
+        new = [torch.empty(shape, dtype=dtype, device=self.device)
+               for shape, dtype in self.allocations]
+        bases += [x.data_ptr() for x in new]
+        buffers = getattr(self.local, "buffers", None)
+        if buffers is None:
+            buffers = self.local.buffers = target.replay_buffers(self.launches)
+        target.replay(self.launches, buffers, bases, arrays.torch_stream(self.device.index))
+        return tuple(new[i] for i in self.result)
+
+
+class _Unplannable(Exception):
+    """What a recorded call did that a replay would not repeat."""
+
+
+def _record(fn, args, kwargs):
+    """(Plan, or _NONE, and fn's result) from one call of fn recorded."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:   # tracing (FakeTensorMode, ...): not a call
+        return _NONE, fn(*args, **kwargs)
+
+    class Allocations(TorchDispatchMode):
+        """torch.empty's results, in order; `foreign` names any other operation."""
+        def __init__(self):
+            super().__init__()
+            self.made, self.foreign = [], None
+
+        def __torch_dispatch__(self, func, types, f_args=(), f_kwargs=None):
+            f_kwargs = f_kwargs or {}
+            out = func(*f_args, **f_kwargs)
+            if func is torch.ops.aten.empty.memory_format and not f_kwargs.get("pin_memory") \
+                    and f_kwargs.get("memory_format") in (None, torch.contiguous_format) \
+                    and f_kwargs.get("layout") in (None, torch.strided):
+                self.made.append(out)
+            elif func is not torch.ops.aten.detach.default and self.foreign is None:
+                self.foreign = f"{func} ({_caller()})"   # detach: an alias, nothing to replay
+            return out
+
+    watch = Allocations()
+    with target.recording() as launches, watch:
+        result = fn(*args, **kwargs)
+    try:
+        return _plan(args, kwargs, launches, watch, result), result
+    except _Unplannable as why:
+        if "pytest" in sys.modules:   # the GPU tests check which calls replay, and why not
+            _REFUSALS.append(str(why))
+        return _NONE, result
+
+
+_REFUSALS = []   # why recent recordings made no plan (read by tests/test_call_path.py)
+
+
+def _caller():
+    """file:line of the innermost frame of this project's code (what ran a foreign operation)."""
+    import os
+    import traceback
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(root)
+              and not f.filename.endswith("replay.py")]
+    return f"{os.path.relpath(frames[-1].filename, root)}:{frames[-1].lineno}" if frames else "?"
+
+
+def _plan(inputs, kwargs, launches, watch, result):
+    """The Plan of a recorded call, or _Unplannable saying why there is none."""
+    if watch.foreign is not None:
+        raise _Unplannable(f"the call ran {watch.foreign}")
+    for name, value in kwargs.items():
+        if not isinstance(value, _PLAIN) and not (
+                type(value) is tuple and all(isinstance(x, _PLAIN) for x in value)):
+            raise _Unplannable(f"keyword argument {name} is a {type(value).__name__}")
+    if len({id(x) for x in inputs}) != len(inputs):
+        raise _Unplannable("two inputs are the same tensor")
+    made = watch.made
+    device = inputs[0].device
+    stream = arrays.torch_stream(device.index)
+    owners = {id(x): (i, x.data_ptr()) for i, x in enumerate(inputs)}
+    # An allocation is known by its address (the caller may hold an alias of what torch.empty
+    # returned inside the dispatch mode); the call's allocations are alive, so addresses differ
+    # (an empty one has none: no plan).
+    allocated = {x.data_ptr(): len(inputs) + j for j, x in enumerate(made)}
+    if len(allocated) != len(made) or 0 in allocated:
+        raise _Unplannable("an allocation of no bytes")
+    torch = sys.modules["torch"]
+
+    def resolve(view):
+        hit = owners.get(id(view.owner))
+        if hit is not None:
+            return hit[0], view.ptr - hit[1]
+        if isinstance(view.owner, torch.Tensor):
+            base = allocated.get(view.owner.data_ptr())
+            if base is not None:
+                return base, view.ptr - view.owner.data_ptr()
+        if arrays.is_placeholder(view):
+            return None
+        raise _Unplannable(f"a launch reads a {type(view.owner).__name__} that is neither an "
+                           "input nor allocated by the call")
+
+    packed = []
+    for record in launches:
+        if record[4] != stream:
+            raise _Unplannable("a launch is on another stream than the current one")
+        packed.append(target.PackedLaunch(record, resolve))
+    if type(result) is not tuple:
+        raise _Unplannable(f"the call returned a {type(result).__name__}, not a tuple")
+    index = []
+    for x in result:   # each one a whole allocation, as allocated
+        j = allocated.get(x.data_ptr()) if isinstance(x, torch.Tensor) else None
+        if j is None or (x.shape, x.stride(), x.dtype) != (
+                made[j - len(inputs)].shape, made[j - len(inputs)].stride(), made[j - len(inputs)].dtype):
+            raise _Unplannable("the call returned something other than a tensor it allocated")
+        index.append(j - len(inputs))
+    return Plan(tuple((tuple(x.shape), x.dtype) for x in made), tuple(packed), tuple(index),
+                device)
