@@ -82,29 +82,52 @@ def forget():
 
 
 class Plan:
-    """A recorded call: its allocations (shape, dtype, device) and its PackedLaunches, whose views
-    lie at base + offset, the bases being the inputs' addresses then the allocations'."""
+    """A recorded call: its outputs (shape, dtype), its work arrays (bytes) and its
+    PackedLaunches, whose views lie at base + offset, the bases being the inputs' addresses, then
+    the allocations' in the order the recorded call made them (`made`: ("out", i) or ("work", i))."""
 
-    def __init__(self, allocations, launches, result, device):
-        self.allocations, self.launches, self.result, self.device = \
-            allocations, launches, result, device
+    def __init__(self, outputs, work, made, launches, device):
         import threading
+        self.outputs, self.work, self.made, self.launches, self.device = \
+            outputs, work, made, launches, device
         self.local = threading.local()
 
     def __call__(self, inputs):
         """The call over `inputs`, replayed (None: an input's address is misaligned)."""
-        import torch
         bases = [x.data_ptr() for x in inputs]
         if misaligned(*bases):
             return None
-        new = [torch.empty(shape, dtype=dtype, device=self.device)
-               for shape, dtype in self.allocations]
-        bases += [x.data_ptr() for x in new]
+        like = inputs[0]
+        outs = [like.new_empty(shape, dtype=dtype) for shape, dtype in self.outputs]
+        stream = arrays.torch_stream(self.device.index)
+        work, kept = _work_arrays(self.work, self.device, stream, like)
+        for kind, i in self.made:
+            bases.append(outs[i].data_ptr() if kind == "out" else work[i])
         buffers = getattr(self.local, "buffers", None)
         if buffers is None:
             buffers = self.local.buffers = target.replay_buffers(self.launches)
-        target.replay(self.launches, buffers, bases, arrays.torch_stream(self.device.index))
-        return tuple(new[i] for i in self.result)
+        try:
+            target.replay(self.launches, buffers, bases, stream)
+        finally:
+            if kept is None:   # back to the caching allocator, in stream order as a tensor's
+                free = sys.modules["torch"]._C._cuda_cudaCachingAllocator_raw_delete
+                for ptr in work:
+                    free(ptr)
+        return tuple(outs)
+
+
+def _work_arrays(sizes, device, stream, like):
+    """(addresses of work arrays of `sizes` bytes, None) from torch's caching allocator itself, on
+    `stream` (~1 us each, torch.empty ~4-7 us), which frees them in stream order; or, where that
+    entry point is missing or another device is current, (addresses, the tensors that hold them)."""
+    if not sizes:
+        return (), None
+    torch_c = sys.modules["torch"]._C
+    alloc = getattr(torch_c, "_cuda_cudaCachingAllocator_raw_alloc", None)
+    if alloc is not None and torch_c._cuda_getDevice() == device.index:
+        return [alloc(n, stream) for n in sizes], None
+    kept = [like.new_empty((n,), dtype=sys.modules["torch"].uint8) for n in sizes]
+    return [x.data_ptr() for x in kept], kept
 
 
 class _Unplannable(Exception):
@@ -202,12 +225,21 @@ def _plan(inputs, kwargs, launches, watch, result):
         packed.append(target.PackedLaunch(record, resolve))
     if type(result) is not tuple:
         raise _Unplannable(f"the call returned a {type(result).__name__}, not a tuple")
-    index = []
-    for x in result:   # each one a whole allocation, as allocated
+    returned = {}   # index in made -> position in the result
+    for i, x in enumerate(result):   # each one a whole allocation, as allocated
         j = allocated.get(x.data_ptr()) if isinstance(x, torch.Tensor) else None
-        if j is None or (x.shape, x.stride(), x.dtype) != (
-                made[j - len(inputs)].shape, made[j - len(inputs)].stride(), made[j - len(inputs)].dtype):
-            raise _Unplannable("the call returned something other than a tensor it allocated")
-        index.append(j - len(inputs))
-    return Plan(tuple((tuple(x.shape), x.dtype) for x in made), tuple(packed), tuple(index),
-                device)
+        if j is None or j - len(inputs) in returned:
+            raise _Unplannable("the call returned something other than the tensors it allocated")
+        y = made[j - len(inputs)]
+        if (x.shape, x.stride(), x.dtype) != (y.shape, y.stride(), y.dtype) or not y.is_contiguous():
+            raise _Unplannable("the call returned a view of a tensor it allocated")
+        returned[j - len(inputs)] = i
+    outputs, work, order = [None] * len(result), [], []
+    for j, x in enumerate(made):
+        if j in returned:
+            outputs[returned[j]] = (tuple(x.shape), x.dtype)
+            order.append(("out", returned[j]))
+        else:
+            order.append(("work", len(work)))
+            work.append(x.numel() * x.element_size())
+    return Plan(tuple(outputs), tuple(work), tuple(order), tuple(packed), device)
