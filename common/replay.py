@@ -23,9 +23,15 @@ What a recorded call may do, so that replaying it is the same call: launch throu
 it allocated. Anything else makes no plan, and the key keeps the ordinary path: any other torch
 operation (a fill, a copy, a read back to the host: seen by a TorchDispatchMode while recording),
 a view of other memory (fa3's tensor maps, uploaded per address), a launch on another stream, a
-keyword argument that is an array (preallocated outputs, gradients, FP8 descales), or two inputs
-that are the same tensor. A misaligned input takes the ordinary path, so it raises what it
-always raised. In the simulator nothing is recorded.
+keyword argument that is an array (preallocated outputs, gradients, FP8 descales: such a call is
+never recorded, nor its key kept), an allocation on another device, or two inputs that are the
+same tensor. A misaligned input takes the ordinary path, so it raises what it always raised. In
+the simulator nothing is recorded.
+
+What the record cannot see: device work that bypasses both `target.launch` and torch (a Numba
+kernel launched directly, a Numba or CuPy copy or fill, a host read through them). A wrapped body
+must do its device work through `target.launch` and torch; a body that does not must not be
+wrapped (the variable-length and decoding paths, which read lengths back, are not).
 """
 import functools
 import sys
@@ -60,7 +66,8 @@ def replayed(n_inputs):
                 return fn(*args, **kwargs)   # misaligned: the ordinary path says so
             if plan is None:   # the first call: every check; the next one is recorded
                 result = fn(*args, **kwargs)
-                remember(plans, key, _TRY)
+                if _plain(kwargs):   # an array among them is in the key by identity: never kept
+                    remember(plans, key, _TRY)
                 return result
             if plan is _TRY:
                 plan, result = _record(fn, args, kwargs)
@@ -73,6 +80,15 @@ def replayed(n_inputs):
 
 
 _ALL_PLANS = []   # every replayed function's plans
+
+
+def _plain(kwargs):
+    """True if every keyword argument is None, a bool, int, float or str, or a tuple of them."""
+    for value in kwargs.values():
+        if not isinstance(value, _PLAIN) and not (
+                type(value) is tuple and all(isinstance(x, _PLAIN) for x in value)):
+            return False
+    return True
 
 
 def forget():
@@ -97,37 +113,51 @@ class Plan:
         bases = [x.data_ptr() for x in inputs]
         if misaligned(*bases):
             return None
-        like = inputs[0]
-        outs = [like.new_empty(shape, dtype=dtype) for shape, dtype in self.outputs]
-        stream = arrays.torch_stream(self.device.index)
-        work, kept = _work_arrays(self.work, self.device, stream, like)
-        for kind, i in self.made:
-            bases.append(outs[i].data_ptr() if kind == "out" else work[i])
         buffers = getattr(self.local, "buffers", None)
         if buffers is None:
             buffers = self.local.buffers = target.replay_buffers(self.launches)
+        like = inputs[0]
+        outs = [like.new_empty(shape, dtype=dtype) for shape, dtype in self.outputs]
+        stream = arrays.torch_stream(self.device.index)
+        work, free = _work_arrays(self.work, self.device, stream, like)
         try:
+            for kind, i in self.made:
+                bases.append(outs[i].data_ptr() if kind == "out" else work[i])
             target.replay(self.launches, buffers, bases, stream)
         finally:
-            if kept is None:   # back to the caching allocator, in stream order as a tensor's
-                free = sys.modules["torch"]._C._cuda_cudaCachingAllocator_raw_delete
-                for ptr in work:
-                    free(ptr)
+            free()
         return tuple(outs)
 
 
 def _work_arrays(sizes, device, stream, like):
-    """(addresses of work arrays of `sizes` bytes, None) from torch's caching allocator itself, on
-    `stream` (~1 us each, torch.empty ~4-7 us), which frees them in stream order; or, where that
-    entry point is missing or another device is current, (addresses, the tensors that hold them)."""
+    """(addresses of work arrays of `sizes` bytes, a function that frees them) from torch's caching
+    allocator itself, on `stream` (~1 us each, torch.empty ~4-7 us), which reuses them in stream
+    order after the free, as a tensor's memory; or, where that entry point is missing or another
+    device is current, from new tensors (the free drops them)."""
     if not sizes:
-        return (), None
-    torch_c = sys.modules["torch"]._C
-    alloc = getattr(torch_c, "_cuda_cudaCachingAllocator_raw_alloc", None)
-    if alloc is not None and torch_c._cuda_getDevice() == device.index:
-        return [alloc(n, stream) for n in sizes], None
-    kept = [like.new_empty((n,), dtype=sys.modules["torch"].uint8) for n in sizes]
-    return [x.data_ptr() for x in kept], kept
+        return (), _nothing
+    torch = sys.modules["torch"]
+    alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+    if alloc is None or torch._C._cuda_getDevice() != device.index:
+        kept = [like.new_empty((n,), dtype=torch.uint8) for n in sizes]
+        return [x.data_ptr() for x in kept], kept.clear
+    delete = torch._C._cuda_cudaCachingAllocator_raw_delete
+    ptrs = []
+
+    def free():
+        for ptr in ptrs:
+            delete(ptr)
+    try:
+        for n in sizes:
+            ptrs.append(alloc(n, stream))
+    except BaseException:
+        free()
+        raise
+    return ptrs, free
+
+
+def _nothing():
+    pass
 
 
 class _Unplannable(Exception):
@@ -139,8 +169,8 @@ def _record(fn, args, kwargs):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-    if _get_current_dispatch_mode() is not None:   # tracing (FakeTensorMode, ...): not a call
-        return _NONE, fn(*args, **kwargs)
+    if _get_current_dispatch_mode() is not None:   # under another mode (tracing, counting):
+        return _TRY, fn(*args, **kwargs)             # record a later call
 
     class Allocations(TorchDispatchMode):
         """torch.empty's results, in order; `foreign` names any other operation."""
@@ -187,14 +217,14 @@ def _plan(inputs, kwargs, launches, watch, result):
     """The Plan of a recorded call, or _Unplannable saying why there is none."""
     if watch.foreign is not None:
         raise _Unplannable(f"the call ran {watch.foreign}")
-    for name, value in kwargs.items():
-        if not isinstance(value, _PLAIN) and not (
-                type(value) is tuple and all(isinstance(x, _PLAIN) for x in value)):
-            raise _Unplannable(f"keyword argument {name} is a {type(value).__name__}")
+    if not _plain(kwargs):
+        raise _Unplannable("a keyword argument is an array")
     if len({id(x) for x in inputs}) != len(inputs):
         raise _Unplannable("two inputs are the same tensor")
     made = watch.made
     device = inputs[0].device
+    if any(x.device != device for x in made):   # a replay allocates on the first input's device
+        raise _Unplannable("an allocation on another device than the first input's")
     stream = arrays.torch_stream(device.index)
     owners = {id(x): (i, x.data_ptr()) for i, x in enumerate(inputs)}
     # An allocation is known by its address (the caller may hold an alias of what torch.empty
