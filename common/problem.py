@@ -296,7 +296,10 @@ def torch_call_key(tensors, options):
 def remember(cache, key, value, size=256):
     """cache[key] = value, the oldest entry dropped past `size` entries."""
     if len(cache) >= size:
-        cache.pop(next(iter(cache)))
+        try:
+            cache.pop(next(iter(cache)), None)
+        except RuntimeError:   # another thread (autograd's) changed the cache meanwhile
+            pass
     cache[key] = value
 
 
