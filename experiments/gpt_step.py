@@ -70,10 +70,12 @@ def make_model(torch, attention, *, layers, width, heads, vocab, seqlen):
 
 
 def attention_fn(name):
-    """attention(q, k, v) -> o, causal, for a variant name or `sdpa_flash`."""
+    """attention(q, k, v) -> o, causal, for a variant name or `sdpa_flash` (SDPA on the (B, N, H, d)
+    tensors transposed to its layout and back; its backend is chosen once, by `main`)."""
     if name.startswith("sdpa"):
-        from experiments import peers
-        return peers.forward_fn(name, True, None, False)
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+        return lambda q, k, v: sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    is_causal=True).transpose(1, 2)
     import variants
     return lambda q, k, v: variants.attention(q, k, v, variant=name, causal=True)
 
@@ -97,7 +99,16 @@ def main(argv=None):
     args = a.parse_args(argv)
     if args.graph and args.compile:
         a.error("--graph captures the eager step; use one of --graph and --compile")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from experiments import peers
+    # The peer's backend chosen once for the run, as a model does (until 2026-11-27 it was entered
+    # around every attention call, ~20 us of host time each: about 1% of the peer's eager step).
+    with sdpa_kernel(getattr(SDPBackend, peers.BACKENDS[args.peer])):
+        _measure(args)
+
+
+def _measure(args):
     import torch
 
     from common import target
