@@ -100,7 +100,8 @@ def forget():
 class Plan:
     """A recorded call: its outputs (shape, dtype), its work arrays (bytes) and its
     PackedLaunches, whose views lie at base + offset, the bases being the inputs' addresses, then
-    the allocations' in the order the recorded call made them (`made`: ("out", i) or ("work", i))."""
+    the allocations' in the order the recorded call made them (`made`: ("out", i) or
+    ("work", i))."""
 
     def __init__(self, outputs, work, made, launches, device):
         import threading
@@ -193,7 +194,7 @@ def _record(fn, args, kwargs):
     with target.recording() as launches, watch:
         result = fn(*args, **kwargs)
     try:
-        return _plan(args, kwargs, launches, watch, result), result
+        return _plan(args, launches, watch, result), result
     except _Unplannable as why:
         if "pytest" in sys.modules:   # the GPU tests check which calls replay, and why not
             _REFUSALS.append(str(why))
@@ -213,12 +214,10 @@ def _caller():
     return f"{os.path.relpath(frames[-1].filename, root)}:{frames[-1].lineno}" if frames else "?"
 
 
-def _plan(inputs, kwargs, launches, watch, result):
+def _plan(inputs, launches, watch, result):
     """The Plan of a recorded call, or _Unplannable saying why there is none."""
     if watch.foreign is not None:
         raise _Unplannable(f"the call ran {watch.foreign}")
-    if not _plain(kwargs):
-        raise _Unplannable("a keyword argument is an array")
     if len({id(x) for x in inputs}) != len(inputs):
         raise _Unplannable("two inputs are the same tensor")
     made = watch.made
@@ -261,7 +260,8 @@ def _plan(inputs, kwargs, launches, watch, result):
         if j is None or j - len(inputs) in returned:
             raise _Unplannable("the call returned something other than the tensors it allocated")
         y = made[j - len(inputs)]
-        if (x.shape, x.stride(), x.dtype) != (y.shape, y.stride(), y.dtype) or not y.is_contiguous():
+        if (x.shape, x.stride(), x.dtype) != (y.shape, y.stride(), y.dtype) \
+                or not y.is_contiguous():
             raise _Unplannable("the call returned a view of a tensor it allocated")
         returned[j - len(inputs)] = i
     outputs, work, order = [None] * len(result), [], []

@@ -11,11 +11,13 @@ through all the cases, SDPA's included: the table gives the median and the lowes
 "x sdpa" is the median over the rounds of the call's time over SDPA's same pass in the same round
 (a drift then moves both): SDPA's flash backend chosen once for the run (not a context manager a
 call, which made SDPA's calls ~20 us dearer before 2026-11-27), called on this layout (B, N, H, d)
-transposed to its own and back; "x bhsd" against the bare call on (B, H, N, d) tensors. "prepare" is the argument checks, output allocation and kernel views
-alone; "backward" is variants.backward given O and LSE (torch: autograd.grad of O with dO, the
-forward's graph kept); "autograd" is what a model pays: forward and backward through torch
-autograd (`variants.attention`, a torch.autograd.Function; SDPA's own autograd node),
-autograd.grad of O with dO from leaves q, k, v.
+transposed to its own and back; "x bhsd" against the bare call on (B, H, N, d) tensors.
+"prepare" is the argument checks, output allocation and kernel views alone; "backward" is
+variants.backward given O and LSE (torch: autograd.grad of O with dO, the forward's graph kept);
+"autograd" is what a model pays: forward and backward through torch autograd
+(`variants.attention`, a torch.autograd.Function; SDPA's own autograd node), autograd.grad of O
+with dO from leaves q, k, v. From the third call of a geometry, standard, fa1 and fa2 replay the
+recorded launches (common/replay.py).
 """
 import sys
 import time

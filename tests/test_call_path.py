@@ -67,7 +67,7 @@ def test_a_misaligned_tensor_of_a_known_geometry_is_refused(rng):
     torch = pytest.importorskip("torch")
     _, (q, k, v) = _torch_qkv(rng)
     for _ in range(3):
-        variants.forward(q, k, v, variant="fa2")   # the geometry is now known, and its call replayed
+        variants.forward(q, k, v, variant="fa2")   # the geometry known, its call replayed
     flat = torch.empty(q.numel() + 8, dtype=q.dtype, device=q.device)
     shifted = flat[1:1 + q.numel()].view(q.shape)              # same shape and strides, 2 bytes off
     assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
@@ -117,7 +117,7 @@ def test_replayed_calls_match_the_ordinary_path(rng, variant):
             o, lse = module.forward(*qkv, causal=causal)
             do = torch.randn_like(o)
             grads = module.backward(do, *qkv, o, lse, causal=causal)
-        assert len(_plans(module.forward)) == 1 + causal and len(_plans(module.backward)) == 1 + causal, \
+        assert len(_plans(module.forward)) == len(_plans(module.backward)) == 1 + causal, \
             replay._REFUSALS
         ref = reference.attention(*host, causal=causal)
         got = checks.compare(inputs.to_host(o), inputs.to_host(lse), *ref, "bfloat16")
