@@ -20,9 +20,10 @@ launch parameters packed once per key.
 What a recorded call may do, so that replaying it is the same call: launch through
 `target.launch` on the current stream, over views of its inputs, of tensors it allocated with
 `torch.empty` and of `arrays.placeholder`s (the same in every call), and return a tuple of tensors
-it allocated. Anything else makes no plan, and the key keeps the ordinary path: any other torch
-operation (a fill, a copy, a read back to the host: seen by a TorchDispatchMode while recording),
-a view of other memory (fa3's tensor maps, uploaded per address), a launch on another stream, a
+it allocated, and of arguments the host makes from such views through `derived` (fa3's TMA tensor
+maps: remade, from a cache, for each replay's addresses). Anything else makes no plan, and the key
+keeps the ordinary path: any other torch operation (a fill, a copy, a read back to the host: seen
+by a TorchDispatchMode while recording), a view of other memory, a launch on another stream, a
 keyword argument that is an array (preallocated outputs, gradients, FP8 descales: such a call is
 never recorded, nor its key kept), an allocation on another device, or two inputs that are the
 same tensor. A misaligned input takes the ordinary path, so it raises what it always raised. In
@@ -35,6 +36,7 @@ wrapped (the variable-length and decoding paths, which read lengths back, are no
 """
 import functools
 import sys
+import threading
 
 from common import arrays, target
 from common.problem import misaligned, remember, torch_call_key
@@ -52,8 +54,8 @@ def replayed(n_inputs):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if target.SIMULATOR or len(args) != n_inputs:
-                return fn(*args, **kwargs)
+            if target.SIMULATOR or len(args) != n_inputs or _recording():
+                return fn(*args, **kwargs)   # within a recorded call: its launches are recorded
             try:
                 key = torch_call_key(args, tuple(kwargs.items()))
                 plan = plans.get(key) if key is not None else _NONE
@@ -80,6 +82,26 @@ def replayed(n_inputs):
 
 
 _ALL_PLANS = []   # every replayed function's plans
+_made = threading.local()   # .derived while a call is recorded: id(view) -> (view, make, sources)
+
+
+def _recording():
+    """True while this thread records a call (a replayed function called within it runs its
+    ordinary path, so that the outer record sees its launches)."""
+    return getattr(_made, "derived", None) is not None
+
+
+def derived(make, sources, stream):
+    """make(sources, stream): a KernelView the host makes from `sources` (a tuple, nested tuples
+    allowed, whose KernelViews are over the call's inputs or allocations) for a launch on `stream`
+    (fa3: its TMA tensor maps, over q, k, v). A recorded call's plan makes it anew in each replay,
+    from the replay's views and stream, so `make` must be cheap for views it saw before (it caches)
+    and must do no device work on the stream that a CUDA graph could not hold."""
+    view = make(sources, stream)
+    recipes = getattr(_made, "derived", None)
+    if recipes is not None:
+        recipes[id(view)] = (view, make, sources)
+    return view
 
 
 def _plain(kwargs):
@@ -101,12 +123,12 @@ class Plan:
     """A recorded call: its outputs (shape, dtype), its work arrays (bytes) and its
     PackedLaunches, whose views lie at base + offset, the bases being the inputs' addresses, then
     the allocations' in the order the recorded call made them (`made`: ("out", i) or
-    ("work", i))."""
+    ("work", i)), then the `derived` views' (make, sources: the recorded sources with each
+    KernelView as (base, offset, layout)), in the order the launches first read them."""
 
-    def __init__(self, outputs, work, made, launches, device):
-        import threading
-        self.outputs, self.work, self.made, self.launches, self.device = \
-            outputs, work, made, launches, device
+    def __init__(self, outputs, work, made, launches, device, derived=()):
+        self.outputs, self.work, self.made, self.launches, self.device, self.derived = \
+            outputs, work, made, launches, device, derived
         self.local = threading.local()
 
     def __call__(self, inputs):
@@ -124,6 +146,8 @@ class Plan:
         try:
             for kind, i in self.made:
                 bases.append(outs[i].data_ptr() if kind == "out" else work[i])
+            for make, sources in self.derived:
+                bases.append(make(_rebuilt(sources, bases), stream).ptr)
             target.replay(self.launches, buffers, bases, stream)
         finally:
             free()
@@ -161,6 +185,20 @@ def _nothing():
     pass
 
 
+def _rebuilt(sources, bases):
+    """A derived view's sources for a replay: each (base, offset, layout) a KernelView at the
+    replay's address."""
+    if type(sources) is _Source:
+        return target.KernelView.over(bases[sources[0]] + sources[1], sources[2], None)
+    if type(sources) is tuple:
+        return tuple(_rebuilt(x, bases) for x in sources)
+    return sources
+
+
+class _Source(tuple):
+    """(base, offset, layout): a KernelView among a derived view's recorded sources."""
+
+
 class _Unplannable(Exception):
     """What a recorded call did that a replay would not repeat."""
 
@@ -191,10 +229,15 @@ def _record(fn, args, kwargs):
             return out
 
     watch = Allocations()
-    with target.recording() as launches, watch:
-        result = fn(*args, **kwargs)
+    outer, _made.derived = getattr(_made, "derived", None), {}
+    recipes = _made.derived
     try:
-        return _plan(args, launches, watch, result), result
+        with target.recording() as launches, watch:
+            result = fn(*args, **kwargs)
+    finally:
+        _made.derived = outer
+    try:
+        return _plan(args, launches, watch, result, recipes), result
     except _Unplannable as why:
         if "pytest" in sys.modules:   # the GPU tests check which calls replay, and why not
             _REFUSALS.append(str(why))
@@ -214,8 +257,9 @@ def _caller():
     return f"{os.path.relpath(frames[-1].filename, root)}:{frames[-1].lineno}" if frames else "?"
 
 
-def _plan(inputs, launches, watch, result):
-    """The Plan of a recorded call, or _Unplannable saying why there is none."""
+def _plan(inputs, launches, watch, result, recipes):
+    """The Plan of a recorded call, or _Unplannable saying why there is none (recipes: the
+    `derived` views it made)."""
     if watch.foreign is not None:
         raise _Unplannable(f"the call ran {watch.foreign}")
     if len({id(x) for x in inputs}) != len(inputs):
@@ -233,6 +277,7 @@ def _plan(inputs, launches, watch, result):
     if len(allocated) != len(made) or 0 in allocated:
         raise _Unplannable("an allocation of no bytes")
     torch = sys.modules["torch"]
+    derived, derived_base = [], {}   # (make, sources) in a replay's order; id(view) -> its base
 
     def resolve(view):
         hit = owners.get(id(view.owner))
@@ -242,10 +287,24 @@ def _plan(inputs, launches, watch, result):
             base = allocated.get(view.owner.data_ptr())
             if base is not None:
                 return base, view.ptr - view.owner.data_ptr()
+        recipe = recipes.get(id(view))
+        if recipe is not None and recipe[0] is view:
+            if id(view) not in derived_base:
+                derived.append((recipe[1], sources(recipe[2])))
+                derived_base[id(view)] = len(inputs) + len(made) + len(derived) - 1
+            return derived_base[id(view)], 0
         if arrays.is_placeholder(view):
             return None
         raise _Unplannable(f"a launch reads a {type(view.owner).__name__} that is neither an "
                            "input nor allocated by the call")
+
+    def sources(x):   # a derived view's sources, each KernelView as a _Source
+        if type(x) is target.KernelView:
+            where = resolve(x)
+            if where is None:
+                return x   # a placeholder: the same in every call
+            return _Source((*where, x.layout))
+        return tuple(sources(y) for y in x) if type(x) is tuple else x
 
     packed = []
     for record in launches:
@@ -272,4 +331,4 @@ def _plan(inputs, launches, watch, result):
         else:
             order.append(("work", len(work)))
             work.append(x.numel() * x.element_size())
-    return Plan(tuple(outputs), tuple(work), tuple(order), tuple(packed), device)
+    return Plan(tuple(outputs), tuple(work), tuple(order), tuple(packed), device, tuple(derived))

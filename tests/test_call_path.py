@@ -102,13 +102,21 @@ def _plans(fn):
     return [p for p in fn.plans.values() if type(p) is replay.Plan]
 
 
-@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])
+@pytest.mark.parametrize("variant", ["standard", "fa1", "fa2", "fa3"])
 def test_replayed_calls_match_the_ordinary_path(rng, variant):
     """From the third call of a geometry on, forward and backward are replayed (common/replay.py):
-    the recorded launches over the call's own addresses and allocations. They must return what
-    the ordinary path returns on the same data, causal or not, with GQA."""
+    the recorded launches over the call's own addresses and allocations (and fa3's tensor maps,
+    made for those addresses). They must return what the ordinary path returns on the same data,
+    causal or not, with GQA."""
     torch = pytest.importorskip("torch")
+    if variant not in _variants():
+        pytest.skip("fa3 needs sm_90")
     module = variants.get(variant)
+    if variant == "fa3":   # fa3.backward chooses a kernel; its own is the replayed function
+        from variants import fa3_backward
+        backward = fa3_backward.backward
+    else:
+        backward = module.backward
     _forget_templates()
     del replay._REFUSALS[:]
     for causal in (False, True):
@@ -117,14 +125,14 @@ def test_replayed_calls_match_the_ordinary_path(rng, variant):
             o, lse = module.forward(*qkv, causal=causal)
             do = torch.randn_like(o)
             grads = module.backward(do, *qkv, o, lse, causal=causal)
-        assert len(_plans(module.forward)) == len(_plans(module.backward)) == 1 + causal, \
+        assert len(_plans(module.forward)) == len(_plans(backward)) == 1 + causal, \
             replay._REFUSALS
         ref = reference.attention(*host, causal=causal)
         got = checks.compare(inputs.to_host(o), inputs.to_host(lse), *ref, "bfloat16")
         assert got["ok"], checks.describe_failure(got)
         o_want, lse_want = module.forward.__wrapped__(*qkv, causal=causal)
         assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
-        want = module.backward.__wrapped__(do, *qkv, o, lse, causal=causal)
+        want = backward.__wrapped__(do, *qkv, o, lse, causal=causal)
         for g, w in zip(grads, want):   # fa2's dQ atomics add in any order
             torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
     assert not replay._REFUSALS

@@ -87,7 +87,8 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, fp8, masks, pipeline, ptx, sm90, softmax, target, tiles
+from common import (arrays, configs, fp8, masks, pipeline, ptx, replay, sm90, softmax, target,
+                    tiles)
 from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.problem import (FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYPE, SEQS_TYPE,
                             prepare, prepare_varlen)
@@ -1103,6 +1104,7 @@ def build(cfg):
     return fa3_forward
 
 
+@replay.replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
             align=masks.BOTTOM_RIGHT, out=None, q_descale=None, k_descale=None, v_descale=None,
             scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16", **options):
@@ -1178,8 +1180,9 @@ def _run(prob, qkv, v_view, scales, rows, problem, options):
         v_view, v_rows = v_view(cfg), (V_UNIT if cfg.v_in_producer else prob.head_dim)
     else:
         v_rows = cfg.block_n
-    tmaps = sm90.tensor_maps(((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
-                              (v_view, v_rows, box)), prob.stream)
+    # the maps depend on the inputs' addresses: a replayed call makes them for its own
+    tmaps = replay.derived(sm90.tensor_maps, ((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
+                                              (v_view, v_rows, box)), prob.stream)
     n_q, n_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
     cu_q, cu_k = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
         (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
