@@ -195,6 +195,46 @@ def _rebuilt(sources, bases):
     return sources
 
 
+class _Bases:
+    """resolve(view) -> (base, offset) of a view a recorded launch reads, or None for a
+    placeholder (the same in every call); a `derived` view gets the next base after the
+    allocations, its sources (`derived`: (make, sources), a replay's order) resolved in turn.
+    (An object, not closures: a closure that calls itself is a reference cycle, which would keep
+    the recorded call's inputs, and so an autograd graph, alive until the collector runs.)"""
+
+    def __init__(self, inputs, allocated, recipes):
+        self.owners = {id(x): (i, x.data_ptr()) for i, x in enumerate(inputs)}
+        self.allocated, self.recipes = allocated, recipes
+        self.next_base = len(inputs) + len(allocated)
+        self.derived, self.derived_base = [], {}
+
+    def __call__(self, view):
+        hit = self.owners.get(id(view.owner))
+        if hit is not None:
+            return hit[0], view.ptr - hit[1]
+        if isinstance(view.owner, sys.modules["torch"].Tensor):
+            base = self.allocated.get(view.owner.data_ptr())
+            if base is not None:
+                return base, view.ptr - view.owner.data_ptr()
+        recipe = self.recipes.get(id(view))
+        if recipe is not None and recipe[0] is view:
+            if id(view) not in self.derived_base:
+                self.derived.append((recipe[1], self.sources(recipe[2])))
+                self.derived_base[id(view)] = self.next_base + len(self.derived) - 1
+            return self.derived_base[id(view)], 0
+        if arrays.is_placeholder(view):
+            return None
+        raise _Unplannable(f"a launch reads a {type(view.owner).__name__} that is neither an "
+                           "input nor allocated by the call")
+
+    def sources(self, x):
+        """A derived view's sources, each KernelView as a _Source (a placeholder as itself)."""
+        if type(x) is target.KernelView:
+            where = self(x)
+            return x if where is None else _Source((*where, x.layout))
+        return tuple(self.sources(y) for y in x) if type(x) is tuple else x
+
+
 class _Source(tuple):
     """(base, offset, layout): a KernelView among a derived view's recorded sources."""
 
@@ -269,7 +309,6 @@ def _plan(inputs, launches, watch, result, recipes):
     if any(x.device != device for x in made):   # a replay allocates on the first input's device
         raise _Unplannable("an allocation on another device than the first input's")
     stream = arrays.torch_stream(device.index)
-    owners = {id(x): (i, x.data_ptr()) for i, x in enumerate(inputs)}
     # An allocation is known by its address (the caller may hold an alias of what torch.empty
     # returned inside the dispatch mode); the call's allocations are alive, so addresses differ
     # (an empty one has none: no plan).
@@ -277,35 +316,7 @@ def _plan(inputs, launches, watch, result, recipes):
     if len(allocated) != len(made) or 0 in allocated:
         raise _Unplannable("an allocation of no bytes")
     torch = sys.modules["torch"]
-    derived, derived_base = [], {}   # (make, sources) in a replay's order; id(view) -> its base
-
-    def resolve(view):
-        hit = owners.get(id(view.owner))
-        if hit is not None:
-            return hit[0], view.ptr - hit[1]
-        if isinstance(view.owner, torch.Tensor):
-            base = allocated.get(view.owner.data_ptr())
-            if base is not None:
-                return base, view.ptr - view.owner.data_ptr()
-        recipe = recipes.get(id(view))
-        if recipe is not None and recipe[0] is view:
-            if id(view) not in derived_base:
-                derived.append((recipe[1], sources(recipe[2])))
-                derived_base[id(view)] = len(inputs) + len(made) + len(derived) - 1
-            return derived_base[id(view)], 0
-        if arrays.is_placeholder(view):
-            return None
-        raise _Unplannable(f"a launch reads a {type(view.owner).__name__} that is neither an "
-                           "input nor allocated by the call")
-
-    def sources(x):   # a derived view's sources, each KernelView as a _Source
-        if type(x) is target.KernelView:
-            where = resolve(x)
-            if where is None:
-                return x   # a placeholder: the same in every call
-            return _Source((*where, x.layout))
-        return tuple(sources(y) for y in x) if type(x) is tuple else x
-
+    resolve = _Bases(inputs, allocated, recipes)
     packed = []
     for record in launches:
         if record[4] != stream:
@@ -331,4 +342,5 @@ def _plan(inputs, launches, watch, result, recipes):
         else:
             order.append(("work", len(work)))
             work.append(x.numel() * x.element_size())
-    return Plan(tuple(outputs), tuple(work), tuple(order), tuple(packed), device, tuple(derived))
+    return Plan(tuple(outputs), tuple(work), tuple(order), tuple(packed), device,
+                tuple(resolve.derived))
