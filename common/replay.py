@@ -29,18 +29,23 @@ never recorded, nor its key kept), an allocation on another device, or two input
 same tensor. A misaligned input takes the ordinary path, so it raises what it always raised. In
 the simulator nothing is recorded.
 
+FA_REPLAY=0 in the environment turns replay off (every call takes the ordinary path): the
+switch for measuring what it saves.
+
 What the record cannot see: device work that bypasses both `target.launch` and torch (a Numba
 kernel launched directly, a Numba or CuPy copy or fill, a host read through them). A wrapped body
 must do its device work through `target.launch` and torch; a body that does not must not be
 wrapped (the variable-length and decoding paths, which read lengths back, are not).
 """
 import functools
+import os
 import sys
 import threading
 
 from common import arrays, target
 from common.problem import misaligned, remember, torch_call_key
 
+ENABLED = os.environ.get("FA_REPLAY", "1") != "0"
 _TRY, _NONE = "try", "none"   # a key's state before it has a Plan: record the next call / never
 _PLAIN = (type(None), bool, int, float, str)
 
@@ -54,7 +59,7 @@ def replayed(n_inputs):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if target.SIMULATOR or len(args) != n_inputs or _recording():
+            if target.SIMULATOR or not ENABLED or len(args) != n_inputs or _recording():
                 return fn(*args, **kwargs)   # within a recorded call: its launches are recorded
             try:
                 key = torch_call_key(args, tuple(kwargs.items()))
