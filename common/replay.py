@@ -128,8 +128,8 @@ class Plan:
     """A recorded call: its outputs (shape, dtype), its work arrays (bytes) and its
     PackedLaunches, whose views lie at base + offset, the bases being the inputs' addresses, then
     the allocations' in the order the recorded call made them (`made`: ("out", i) or
-    ("work", i)), then the `derived` views' (make, sources: the recorded sources with each
-    KernelView as (base, offset, layout)), in the order the launches first read them."""
+    ("work", i)), then the `derived` views' (_Derived), in the order the launches first read
+    them."""
 
     def __init__(self, outputs, work, made, launches, device, derived=()):
         self.outputs, self.work, self.made, self.launches, self.device, self.derived = \
@@ -151,8 +151,8 @@ class Plan:
         try:
             for kind, i in self.made:
                 bases.append(outs[i].data_ptr() if kind == "out" else work[i])
-            for make, sources in self.derived:
-                bases.append(make(_rebuilt(sources, bases), stream).ptr)
+            for view in self.derived:
+                bases.append(view.address(bases, stream))
             target.replay(self.launches, buffers, bases, stream)
         finally:
             free()
@@ -190,9 +190,38 @@ def _nothing():
     pass
 
 
+class _Derived:
+    """A `derived` view of a Plan: make(sources, stream) over a replay's views, its sources the
+    recorded ones with each KernelView as a _Source. The views made for the last KEEP sets of the
+    addresses they depend on are kept (a training step's inputs come back at the same addresses):
+    a replay over one of those skips make (~10 us for fa3's three tensor maps). Kept here, the view
+    stays alive even if make's own cache drops it."""
+    KEEP = 8
+
+    def __init__(self, make, sources):
+        self.make, self.sources, self.kept = make, sources, {}
+        self.used = tuple(sorted(set(_bases_of(sources))))
+
+    def address(self, bases, stream):
+        key = tuple([bases[i] for i in self.used])
+        view = self.kept.get(key)
+        if view is None:
+            view = self.make(_rebuilt(self.sources, bases), stream)
+            remember(self.kept, key, view, self.KEEP)
+        return view.ptr
+
+
+def _bases_of(sources):
+    if type(sources) is _Source:
+        yield sources[0]
+    elif type(sources) is tuple:
+        for x in sources:
+            yield from _bases_of(x)
+
+
 def _rebuilt(sources, bases):
-    """A derived view's sources for a replay: each (base, offset, layout) a KernelView at the
-    replay's address."""
+    """A derived view's sources for a replay: each _Source a KernelView at the replay's
+    address."""
     if type(sources) is _Source:
         return target.KernelView.over(bases[sources[0]] + sources[1], sources[2], None)
     if type(sources) is tuple:
@@ -203,7 +232,7 @@ def _rebuilt(sources, bases):
 class _Bases:
     """resolve(view) -> (base, offset) of a view a recorded launch reads, or None for a
     placeholder (the same in every call); a `derived` view gets the next base after the
-    allocations, its sources (`derived`: (make, sources), a replay's order) resolved in turn.
+    allocations, its sources resolved in turn (`derived`: _Derived, a replay's order).
     (An object, not closures: a closure that calls itself is a reference cycle, which would keep
     the recorded call's inputs, and so an autograd graph, alive until the collector runs.)"""
 
@@ -224,7 +253,7 @@ class _Bases:
         recipe = self.recipes.get(id(view))
         if recipe is not None and recipe[0] is view:
             if id(view) not in self.derived_base:
-                self.derived.append((recipe[1], self.sources(recipe[2])))
+                self.derived.append(_Derived(recipe[1], self.sources(recipe[2])))
                 self.derived_base[id(view)] = self.next_base + len(self.derived) - 1
             return self.derived_base[id(view)], 0
         if arrays.is_placeholder(view):
