@@ -302,6 +302,8 @@ def _record(fn, args, kwargs):
                 self.foreign = f"{func} ({_caller()})"   # detach: an alias, nothing to replay
             return out
 
+    if not _first_use_done:
+        _first_use_apart(Allocations)
     watch = Allocations()
     outer, _made.derived = getattr(_made, "derived", None), {}
     recipes = _made.derived
@@ -319,6 +321,26 @@ def _record(fn, args, kwargs):
 
 
 _REFUSALS = []   # why recent recordings made no plan (read by tests/test_call_path.py)
+_first_use_done = False
+
+
+def _first_use_apart(mode_class):
+    """Run a dispatch mode of `mode_class` over one allocation, on a thread of its own. The first
+    use of a dispatch mode in a process imports torch._dynamo (torch defers the import to then),
+    and the import leaves reference cycles through its frames; the frames of its callers, the
+    recorded call's with its tensors, then stay alive until the collector runs
+    (experiments/probes/replay_refs.py saw it). On a thread of its own the import has no caller
+    of ours."""
+    global _first_use_done
+    import torch
+
+    def use():
+        with mode_class():
+            torch.empty(1)
+    thread = threading.Thread(target=use, name="replay: first dispatch mode")
+    thread.start()
+    thread.join()
+    _first_use_done = True
 
 
 def _caller():

@@ -109,11 +109,8 @@ def test_recorded_and_replayed_calls_make_no_reference_cycles(rng, variant):
     and a CUDA-graph capture after it finds that graph's nodes on another stream (torch warns:
     test_graphs failed so while replay.py resolved views with closures that called each other).
 
-    Calls of another geometry are recorded first: the first calls recorded in a process were
-    seen to keep their tensors alive, the collector off, until later calls (this test failed where
-    it ran first in its pytest worker and passed where it ran after others; in
-    experiments/probes/replay_refs.py the first recorded forward of the process kept its tensors
-    until the next call. Not a cycle, since the collector was off; the cause is not found)."""
+    Calls of another geometry are recorded first, so that this test holds wherever it runs in its
+    pytest worker: the next test checks the first call recorded in a process."""
     torch = pytest.importorskip("torch")
     if variant not in _variants():
         pytest.skip("fa3 needs sm_90")
@@ -137,6 +134,40 @@ def test_recorded_and_replayed_calls_make_no_reference_cycles(rng, variant):
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+_FIRST_RECORDING = """
+import gc, sys, weakref
+import common
+common.select_backend()
+import variants
+from common import inputs
+q, k, v = (inputs.to_device(x, "torch") for x in inputs.random_qkv(
+    __import__("numpy").random.default_rng(0), 2, 200, 4, 64, "bfloat16"))
+gc.disable()
+for _ in range(2):   # the checked path, then the first call recorded in this process
+    o, lse = variants.forward(q, k, v, variant="fa2")
+refs = [weakref.ref(x) for x in (q, k, v, o, lse)]
+del q, k, v, o, lse
+print("alive", sum(r() is not None for r in refs))
+"""
+
+
+def test_the_first_recorded_call_of_a_process_keeps_nothing_alive():
+    """The first dispatch mode a process uses imports torch._dynamo, and the import's reference
+    cycles held the frames of the call recorded then, with its tensors, until the collector ran
+    (replay._first_use_apart). A fresh process, the collector off."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _FIRST_RECORDING], cwd=root, capture_output=True,
+                         text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [root] + os.environ.get("PYTHONPATH", "").split(os.pathsep))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == ["alive", "0"], run.stdout
 
 
 def _plans(fn):

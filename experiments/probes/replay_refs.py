@@ -9,8 +9,11 @@ what refers to it (four levels of gc.get_referrers). A reference cycle shows as 
 after every later call too; something released later shows as alive after call 2 only.
 
 2026-11-27, H200 (docs/results/replay_refs_h200_20261127.txt): alive after the first recorded
-call of the process only (fa2 forward, 2 calls: q, k, v, o, lse), freed by the next call; every
-other case freed at once. The cause is not found.
+call of the process only (fa2 forward, 2 calls: q, k, v, o, lse); every other case freed at once.
+(Each case starts with a collection, which freed them.) The cause, found on the CPU with torch
+2.13 and a fake launcher: the first dispatch mode of a process imports torch._dynamo, and the
+import leaves reference cycles through frames whose callers hold the call's tensors. Since then
+common/replay.py uses its mode once on a thread of its own first (_first_use_apart).
 """
 import gc
 import sys
