@@ -19,9 +19,9 @@ launch parameters packed once per key.
 
 What a recorded call may do, so that replaying it is the same call: launch through
 `target.launch` on the current stream, over views of its inputs, of tensors it allocated with
-`torch.empty` and of `arrays.placeholder`s (the same in every call), and return a tuple of tensors
-it allocated, and of arguments the host makes from such views through `derived` (fa3's TMA tensor
-maps: remade, from a cache, for each replay's addresses). Anything else makes no plan, and the key
+`torch.empty`, of `arrays.placeholder`s (the same in every call) and of arguments the host makes
+from such views through `derived` (fa3's TMA tensor maps: made for each replay's addresses), and
+return a tuple of tensors it allocated. Anything else makes no plan, and the key
 keeps the ordinary path: any other torch operation (a fill, a copy, a read back to the host: seen
 by a TorchDispatchMode while recording), a view of other memory, a launch on another stream, a
 keyword argument that is an array (preallocated outputs, gradients, FP8 descales: such a call is
@@ -87,23 +87,27 @@ def replayed(n_inputs):
 
 
 _ALL_PLANS = []   # every replayed function's plans
-_made = threading.local()   # .derived while a call is recorded: id(view) -> (view, make, sources)
+_recipes = threading.local()   # .of while a call is recorded: id(view) -> (view, make, sources)
 
 
 def _recording():
     """True while this thread records a call (a replayed function called within it runs its
     ordinary path, so that the outer record sees its launches)."""
-    return getattr(_made, "derived", None) is not None
+    return getattr(_recipes, "of", None) is not None
 
 
 def derived(make, sources, stream):
     """make(sources, stream): a KernelView the host makes from `sources` (a tuple, nested tuples
     allowed, whose KernelViews are over the call's inputs or allocations) for a launch on `stream`
-    (fa3: its TMA tensor maps, over q, k, v). A recorded call's plan makes it anew in each replay,
-    from the replay's views and stream, so `make` must be cheap for views it saw before (it caches)
-    and must do no device work on the stream that a CUDA graph could not hold."""
+    (fa3: its TMA tensor maps, over q, k, v). A recorded call's plan makes it anew in each replay
+    from the replay's views and stream (unless it kept one for those addresses: _Derived), so
+    `make` must be cheap for views it saw before (it caches). What `make` does is not recorded:
+    it must not depend on the sources' contents, and where it cannot work under CUDA-graph capture
+    it must say so (sm90.tensor_maps uploads a new map synchronously: under capture it raises).
+    `sources` may hold KernelViews, tuples of them and plain numbers or strings; anything else
+    makes a recorded call unplannable."""
     view = make(sources, stream)
-    recipes = getattr(_made, "derived", None)
+    recipes = getattr(_recipes, "of", None)
     if recipes is not None:
         recipes[id(view)] = (view, make, sources)
     return view
@@ -128,8 +132,8 @@ class Plan:
     """A recorded call: its outputs (shape, dtype), its work arrays (bytes) and its
     PackedLaunches, whose views lie at base + offset, the bases being the inputs' addresses, then
     the allocations' in the order the recorded call made them (`made`: ("out", i) or
-    ("work", i)), then the `derived` views' (_Derived), in the order the launches first read
-    them."""
+    ("work", i)), then the `derived` views' (_Derived), each after those among its own
+    sources."""
 
     def __init__(self, outputs, work, made, launches, device, derived=()):
         self.outputs, self.work, self.made, self.launches, self.device, self.derived = \
@@ -151,8 +155,10 @@ class Plan:
         try:
             for kind, i in self.made:
                 bases.append(outs[i].data_ptr() if kind == "out" else work[i])
-            for view in self.derived:
-                bases.append(view.address(bases, stream))
+            made = []   # held until the launches are issued: another thread may drop one from
+            for derived_view in self.derived:   # its `kept` meanwhile
+                made.append(derived_view.view(bases, stream))
+                bases.append(made[-1].ptr)
             target.replay(self.launches, buffers, bases, stream)
         finally:
             free()
@@ -195,20 +201,22 @@ class _Derived:
     recorded ones with each KernelView as a _Source. The views made for the last KEEP sets of the
     addresses they depend on are kept (a training step's inputs come back at the same addresses):
     a replay over one of those skips make (~10 us for fa3's three tensor maps). Kept here, the view
-    stays alive even if make's own cache drops it."""
+    stays alive even if make's own cache drops it. (Neither keeps a view alive for as long as a
+    CUDA graph that captured a launch reading it: a graph over fa3 must be replayed while its
+    inputs' maps are among the last few hundred made, sm90.tensor_maps' cache.)"""
     KEEP = 8
 
     def __init__(self, make, sources):
         self.make, self.sources, self.kept = make, sources, {}
         self.used = tuple(sorted(set(_bases_of(sources))))
 
-    def address(self, bases, stream):
+    def view(self, bases, stream):
         key = tuple([bases[i] for i in self.used])
         view = self.kept.get(key)
         if view is None:
             view = self.make(_rebuilt(self.sources, bases), stream)
             remember(self.kept, key, view, self.KEEP)
-        return view.ptr
+        return view
 
 
 def _bases_of(sources):
@@ -243,6 +251,12 @@ class _Bases:
         self.derived, self.derived_base = [], {}
 
     def __call__(self, view):
+        recipe = self.recipes.get(id(view))   # first: a made view may sit in an allocation
+        if recipe is not None and recipe[0] is view:
+            if id(view) not in self.derived_base:
+                self.derived.append(_Derived(recipe[1], self.sources(recipe[2])))
+                self.derived_base[id(view)] = self.next_base + len(self.derived) - 1
+            return self.derived_base[id(view)], 0
         hit = self.owners.get(id(view.owner))
         if hit is not None:
             return hit[0], view.ptr - hit[1]
@@ -250,12 +264,6 @@ class _Bases:
             base = self.allocated.get(view.owner.data_ptr())
             if base is not None:
                 return base, view.ptr - view.owner.data_ptr()
-        recipe = self.recipes.get(id(view))
-        if recipe is not None and recipe[0] is view:
-            if id(view) not in self.derived_base:
-                self.derived.append(_Derived(recipe[1], self.sources(recipe[2])))
-                self.derived_base[id(view)] = self.next_base + len(self.derived) - 1
-            return self.derived_base[id(view)], 0
         if arrays.is_placeholder(view):
             return None
         raise _Unplannable(f"a launch reads a {type(view.owner).__name__} that is neither an "
@@ -266,7 +274,12 @@ class _Bases:
         if type(x) is target.KernelView:
             where = self(x)
             return x if where is None else _Source((*where, x.layout))
-        return tuple(self.sources(y) for y in x) if type(x) is tuple else x
+        if type(x) is tuple:
+            return tuple(self.sources(y) for y in x)
+        if isinstance(x, _PLAIN) or type(x).__module__ == "numpy" and hasattr(x, "dtype"):
+            return x   # a number or string: the same in every call
+        raise _Unplannable(f"a derived argument's sources hold a {type(x).__name__}, which a "
+                           "replay could not remake")
 
 
 class _Source(tuple):
@@ -279,14 +292,38 @@ class _Unplannable(Exception):
 
 def _record(fn, args, kwargs):
     """(Plan, or _NONE, and fn's result) from one call of fn recorded."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     if _get_current_dispatch_mode() is not None:   # under another mode (tracing, counting):
         return _TRY, fn(*args, **kwargs)             # record a later call
+    allocations = _allocations_mode()
+    if not _first_use_done:
+        _first_use_apart(allocations)
+    watch = allocations()
+    outer, _recipes.of = getattr(_recipes, "of", None), {}
+    recipes = _recipes.of
+    try:
+        with target.recording() as launches, watch:
+            result = fn(*args, **kwargs)
+    finally:
+        _recipes.of = outer
+    try:
+        return _plan(args, launches, watch, result, recipes), result
+    except _Unplannable as why:
+        if "pytest" in sys.modules:   # the GPU tests check which calls replay, and why not
+            _REFUSALS.append(str(why))
+        return _NONE, result
+
+
+@functools.lru_cache(maxsize=None)
+def _allocations_mode():
+    """The TorchDispatchMode that watches a recorded call: `made`, torch.empty's results in order;
+    `foreign`, any other operation. (A class made once: torch is imported only when a call is
+    recorded, and each new mode class costs torch work at its first dispatch.)"""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Allocations(TorchDispatchMode):
-        """torch.empty's results, in order; `foreign` names any other operation."""
         def __init__(self):
             super().__init__()
             self.made, self.foreign = [], None
@@ -301,23 +338,7 @@ def _record(fn, args, kwargs):
             elif func is not torch.ops.aten.detach.default and self.foreign is None:
                 self.foreign = f"{func} ({_caller()})"   # detach: an alias, nothing to replay
             return out
-
-    if not _first_use_done:
-        _first_use_apart(Allocations)
-    watch = Allocations()
-    outer, _made.derived = getattr(_made, "derived", None), {}
-    recipes = _made.derived
-    try:
-        with target.recording() as launches, watch:
-            result = fn(*args, **kwargs)
-    finally:
-        _made.derived = outer
-    try:
-        return _plan(args, launches, watch, result, recipes), result
-    except _Unplannable as why:
-        if "pytest" in sys.modules:   # the GPU tests check which calls replay, and why not
-            _REFUSALS.append(str(why))
-        return _NONE, result
+    return Allocations
 
 
 _REFUSALS = []   # why recent recordings made no plan (read by tests/test_call_path.py)

@@ -144,11 +144,14 @@ import variants
 from common import inputs
 q, k, v = (inputs.to_device(x, "torch") for x in inputs.random_qkv(
     __import__("numpy").random.default_rng(0), 2, 200, 4, 64, "bfloat16"))
+from common import replay
+print("dynamo imported before", "torch._dynamo" in sys.modules)
 gc.disable()
 for _ in range(2):   # the checked path, then the first call recorded in this process
     o, lse = variants.forward(q, k, v, variant="fa2")
 refs = [weakref.ref(x) for x in (q, k, v, o, lse)]
 del q, k, v, o, lse
+print("plans", sum(type(p) is replay.Plan for p in variants.get("fa2").forward.plans.values()))
 print("alive", sum(r() is not None for r in refs))
 """
 
@@ -164,14 +167,43 @@ def test_the_first_recorded_call_of_a_process_keeps_nothing_alive():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", _FIRST_RECORDING], cwd=root, capture_output=True,
                          text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                         env=dict(os.environ, FA_REPLAY="1", PYTHONPATH=os.pathsep.join(
                              [root] + os.environ.get("PYTHONPATH", "").split(os.pathsep))))
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[-2:] == ["alive", "0"], run.stdout
+    words = run.stdout.split()
+    # the premise: no dispatch mode ran before, and the second call was recorded into a plan
+    assert words[words.index("before") + 1] == "False", run.stdout
+    assert words[-4:] == ["plans", "1", "alive", "0"], run.stdout
 
 
 def _plans(fn):
     return [p for p in fn.plans.values() if type(p) is replay.Plan]
+
+
+def test_fa3_replays_keep_and_remake_their_tensor_maps(rng):
+    """A replayed fa3 call makes the tensor maps of its inputs' addresses, keeps those of its last
+    _Derived.KEEP address sets and reuses them when the addresses come back. KEEP + 2 input sets,
+    then the same in reverse, so that the second round reuses the last KEEP sets' maps and remakes
+    the first two's, dropped: every call returns what the ordinary path returns on its data."""
+    torch = pytest.importorskip("torch")
+    if "fa3" not in _variants():
+        pytest.skip("fa3 needs sm_90")
+    from variants import fa3
+    _forget_templates()
+    sets = [_torch_qkv(rng)[1] for _ in range(replay._Derived.KEEP + 2)]
+    for order in (sets, sets[::-1]):
+        for qkv in order:
+            o, lse = fa3.forward(*qkv, causal=True)
+            o_want, lse_want = fa3.forward.__wrapped__(*qkv, causal=True)
+            assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
+    plan, = _plans(fa3.forward)
+    derived, = plan.derived
+    # Sets 2.. were replayed in the first round (0: the checked path, 1: recorded), and 2.. 9 kept;
+    # the second round reused 9 .. 2 and remade 1 and 0, each dropping the oldest kept. Remaking
+    # every call would leave 7 .. 0.
+    keep = replay._Derived.KEEP
+    want = sets[-(keep - 2):] + sets[:2]
+    assert set(derived.kept) == {tuple(x.data_ptr() for x in qkv) for qkv in want}
 
 
 @pytest.mark.parametrize("variant", ["standard", "fa1", "fa2", "fa3"])
