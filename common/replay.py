@@ -155,8 +155,10 @@ class Plan:
         try:
             for kind, i in self.made:
                 bases.append(outs[i].data_ptr() if kind == "out" else work[i])
-            made = []   # held until the launches are issued: another thread may drop one from
-            for derived_view in self.derived:   # its `kept` meanwhile
+            # the derived views held until the launches are issued (another thread may drop
+            # one from its `kept` meanwhile)
+            made = []
+            for derived_view in self.derived:
                 made.append(derived_view.view(bases, stream))
                 bases.append(made[-1].ptr)
             target.replay(self.launches, buffers, bases, stream)
