@@ -16,8 +16,9 @@ transposed to its own and back; "x bhsd" against the bare call on (B, H, N, d) t
 variants.backward given O and LSE (torch: autograd.grad of O with dO, the forward's graph kept);
 "autograd" is what a model pays: forward and backward through torch autograd
 (`variants.attention`, a torch.autograd.Function; SDPA's own autograd node), autograd.grad of O
-with dO from leaves q, k, v. From the third call of a geometry, standard, fa1 and fa2 replay the
-recorded launches (common/replay.py).
+with dO from leaves q, k, v. From the third call of a geometry every variant replays the
+recorded launches (common/replay.py; fa3 with its tensor maps made for each call's addresses);
+FA_REPLAY=0 python experiments/host_overhead.py ... times the ordinary path.
 """
 import sys
 import time
