@@ -46,6 +46,31 @@ def float_to_e4m3(x):
     return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
+# exp2 by a polynomial on the FMA units (FA4's software exponential): 2^x = 2^floor(x) * 2^f,
+# f = x - floor(x) in [0, 1), 2^f by a degree-3 minimax polynomial (FA4's coefficients; relative
+# error below EX2_POLY_REL_ERROR, checked in tests/test_ptx.py), 2^floor(x) in an exponent field.
+EX2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
+            0.077119089663028717041015625)
+EX2_POLY_FLOOR = -127.0   # inputs clamped here; 2^-127 and below give exactly 0 (as ex2.approx.ftz)
+EX2_POLY_REL_ERROR = 9e-5   # of ex2_poly against 2^x, x in [-126, 119] (measured: 8.8e-5)
+
+
+def ex2_poly(x):
+    """fp32 values -> 2^x as sm80.ex2_poly computes it: x clamped to [-127, inf) (so -inf gives 0),
+    n = floor(x), f = x - n (exact), p = ((c3 f + c2) f + c1) f + c0 in three fused multiply-adds
+    (each rounded once to fp32: float64 holds the product exactly), times 2^n (0 for n = -127).
+    For x <= 127 - 8: the kernels' exponents are at most FP8's shift of 8."""
+    x = np.maximum(np.asarray(x, dtype=np.float32), np.float32(EX2_POLY_FLOOR))
+    n = np.floor(x)
+    f = (x - n).astype(np.float64)
+    c0, c1, c2, c3 = EX2_POLY
+    p = np.float32(c3)
+    for c in (c2, c1, c0):
+        p = (p.astype(np.float64) * f + np.float64(np.float32(c))).astype(np.float32)
+    scale = np.where(n > EX2_POLY_FLOOR, np.exp2(n.astype(np.float64)), 0.0)
+    return (p.astype(np.float64) * scale).astype(np.float32)
+
+
 # (row, col) of the 16-bit halves of each lane's registers, in register order (low half first).
 _A_ROW = np.stack([_G, _G, _G + 8, _G + 8, _G, _G, _G + 8, _G + 8], axis=1)
 _A_COL = np.stack([2 * _T, 2 * _T + 1] * 2 + [2 * _T + 8, 2 * _T + 9] * 2, axis=1)

@@ -16,6 +16,7 @@ syncwarp = sm80.syncwarp
 bar_sync = sm80.bar_sync
 bar_arrive = sm80.bar_arrive
 ex2_approx = sm80.ex2_approx
+ex2_poly = sm80.ex2_poly
 rcp_approx = sm80.rcp_approx
 prmt = sm80.prmt
 pack_bf16x2 = sm80.pack_bf16x2

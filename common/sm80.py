@@ -26,6 +26,8 @@ groups, exit checks) and common/_inline_asm.py (the inline-PTX codegen helpers).
 |                                      | the value is warp-uniform (uniform registers)          |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
 | rcp_approx                           | rcp.approx.ftz.f32                                     |
+| ex2_poly                             | 2^x in 9 FP32/ALU instructions, no MUFU (FA4's         |
+|                                      | software exp2: add.rm to floor, 3 fma, shl, mul.ftz)   |
 | prmt                                 | prmt.b32: 4 of 8 bytes, by a selector in a register    |
 | pack_bf16x2, pack_f16x2              | cvt.rn.{bf16x2,f16x2}.f32                              |
 | pack_e4m3x4                          | cvt.rn.satfinite.e4m3x2.f32 (x2): four fp32 -> e4m3    |
@@ -70,6 +72,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    from common import lanes
     from common._inline_asm import (_as, _asm, _f32, _global_address, _i32, _make_statement,
                                     _shared_address, _statement, _unpack)
 
@@ -189,6 +192,9 @@ if SIMULATOR:
     def rcp_approx(x):
         with np.errstate(divide="ignore"):
             return np.float32(np.float32(1) / np.float32(x))
+
+    def ex2_poly(x):
+        return np.float32(lanes.ex2_poly(x))
 else:
     def _make_f32_unary(text):
         """fp32 $0 = f($1): pure arithmetic, left free to schedule."""
@@ -206,6 +212,30 @@ else:
 
     ex2_approx = _make_f32_unary("ex2.approx.ftz.f32 $0, $1;")
     rcp_approx = _make_f32_unary("rcp.approx.ftz.f32 $0, $1;")
+
+    def _f32_hex(value):
+        import struct
+        return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
+
+    # 2^x off the MUFU unit (lanes.ex2_poly is the specification): add.rm of 1.5 * 2^23 + 127
+    # rounds x down to an integer in the low bits of r, biased by 127 (the exponent's bias); f =
+    # x - floor(x) exactly; 2^f by Horner's rule; r << 23 is then the fp32 bit pattern of
+    # 2^floor(x) (the magic number's own bits shift out), 0 for floor(x) = -127, whose product
+    # with 2^f is then exactly 0 (mul.ftz).
+    _MAGIC = _f32_hex(1.5 * 2 ** 23 + 127)
+    ex2_poly = _make_f32_unary(
+        "{ .reg .f32 xc, r, n, f, p; .reg .b32 e;\n"
+        f"max.f32 xc, $1, {_f32_hex(lanes.EX2_POLY_FLOOR)};\n"
+        f"add.rm.f32 r, xc, {_MAGIC};\n"
+        f"sub.f32 n, r, {_MAGIC};\n"
+        "sub.f32 f, xc, n;\n"
+        f"fma.rn.f32 p, f, {_f32_hex(lanes.EX2_POLY[3])}, {_f32_hex(lanes.EX2_POLY[2])};\n"
+        f"fma.rn.f32 p, p, f, {_f32_hex(lanes.EX2_POLY[1])};\n"
+        f"fma.rn.f32 p, p, f, {_f32_hex(lanes.EX2_POLY[0])};\n"
+        "mov.b32 e, r;\n"
+        "shl.b32 e, e, 23;\n"
+        "mov.b32 r, e;\n"
+        "mul.ftz.f32 $0, p, r; }")
 
 
 if SIMULATOR:

@@ -92,26 +92,37 @@ def exp2_base(row_max, scale_log2):
 
 
 @device_function
-def exponentiate_row(s, m, h, base, scale_log2):
+def exp2(x, n, poly_every):
+    """2^x for a score of n-tile n: on the MUFU unit (ex2.approx), or, for one n-tile in every
+    `poly_every` (0: none), by a polynomial on the FMA units (ptx.ex2_poly, FA4's software
+    exponential: the MUFU's 16 a clock an SM bound the softmax of FP8, whose GEMMs take as long).
+    n is a constant of the unrolled loops, so the choice is made at compile time."""
+    if poly_every > 0 and n % poly_every == poly_every - 1:
+        return ptx.ex2_poly(x)
+    return ptx.ex2_approx(x)
+
+
+@device_function
+def exponentiate_row(s, m, h, base, scale_log2, poly_every):
     """S <- P~ = exp(S - m) = 2^(S * scale*log2(e) - base) in place for row half h of m-tile m;
-    returns the lane's part of rowsum(P~)."""
+    returns the lane's part of rowsum(P~). poly_every: see `exp2`."""
     row_sum = float32(0)
     for n in range(s.shape[1]):
         for j in range(2 * h, 2 * h + 2):
-            p = ptx.ex2_approx(s[m, n, j] * scale_log2 - base)
+            p = exp2(s[m, n, j] * scale_log2 - base, n, poly_every)
             s[m, n, j] = p
             row_sum += p
     return row_sum
 
 
 @device_function
-def online_softmax(s, m_i, l_i, o, scale_log2, log2_shift):
+def online_softmax(s, m_i, l_i, o, scale_log2, log2_shift, poly_every):
     """Alg.1 l.9 and the rescale of l.10 for one K/V block, in place:
     m_new = max(m_old, rowmax(S)); S <- P~ = exp(S - m_new); l = exp(m_old - m_new) l + rowsum(P~);
     O <- diag(exp(m_old - m_new)) O. (Scores already masked to -inf where they do not count.)
     log2_shift (0 but for FP8) scales P~, and so l and O, by 2^log2_shift at no cost: FP8's P~ is
     kept clear of e4m3's underflow (common/fp8.py); O / l is unchanged, L = LSE needs the shift
-    taken off."""
+    taken off. poly_every: which exponentials take the FMA units (`exp2`; 0: none)."""
     for m in range(s.shape[0]):
         for h in range(2):
             r = 2 * m + h
@@ -119,14 +130,15 @@ def online_softmax(s, m_i, l_i, o, scale_log2, log2_shift):
             base = exp2_base(row_max, scale_log2)
             alpha = ptx.ex2_approx(m_i[r] * scale_log2 - base)
             m_i[r] = row_max
-            l_i[r] = l_i[r] * alpha + exponentiate_row(s, m, h, base - log2_shift, scale_log2)
+            l_i[r] = l_i[r] * alpha + exponentiate_row(s, m, h, base - log2_shift, scale_log2,
+                                                       poly_every)
             for d in range(o.shape[1]):
                 o[m, d, 2 * h] *= alpha
                 o[m, d, 2 * h + 1] *= alpha
 
 
 @device_function
-def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2, log2_shift):
+def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2, log2_shift, poly_every):
     """online_softmax without touching O: S <- P~, m and l updated, and each row's rescale factor
     exp(m_old - m_new) left in alpha[r] for O to be rescaled later (`tiles.scale_rows`), once the
     MMA still accumulating into O has completed (FA3's intra-warpgroup overlap)."""
@@ -137,7 +149,8 @@ def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2, log2_shift):
             base = exp2_base(row_max, scale_log2)
             alpha[r] = ptx.ex2_approx(m_i[r] * scale_log2 - base)
             m_i[r] = row_max
-            l_i[r] = l_i[r] * alpha[r] + exponentiate_row(s, m, h, base - log2_shift, scale_log2)
+            l_i[r] = l_i[r] * alpha[r] + exponentiate_row(s, m, h, base - log2_shift,
+                                                          scale_log2, poly_every)
 
 
 @device_function

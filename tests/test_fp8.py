@@ -166,6 +166,24 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, d):
     rounding to e4m3 (relative U a probability, at most U sum_j p_j |v_j| an element of O;
     below the normals 2^-10 absolute) and O's to bf16 (2^-8 relative). The inputs' scores are
     spread (q x 3) so that P is peaked and a wrong key order in V^T is far outside that bound."""
+    check_fa3_fp8(rng, seqlen, causal, block, kv_group, d)
+
+
+POLY_CASES = [(130, True, 4)]
+if ON_GPU:
+    POLY_CASES += [(1000, False, 2), (2048, True, 4), (700, True, 1)]
+
+
+@pytest.mark.parametrize("seqlen, causal, poly_exp2", POLY_CASES)
+def test_fa3_fp8_with_exponentials_on_the_fma_units(rng, seqlen, causal, poly_exp2):
+    """poly_exp2: some of P~'s exponentials by ptx.ex2_poly (FA4's polynomial) instead of the MUFU
+    unit; the bound above widened by the polynomial's relative error on P~ and on l (1 in 1:
+    every exponential of S)."""
+    check_fa3_fp8(rng, seqlen, causal, None, 1, 128, poly_exp2=poly_exp2)
+
+
+def check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, **options):
+    """test_fa3_fp8_matches_float64's check, with fa3 `options`."""
     b, h = 1, 2 * kv_group
     q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((b, seqlen, h // kv_group, d)).astype(ml_dtypes.bfloat16)
@@ -175,7 +193,7 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, d):
     k8, kd = fp8.quantize_fp8(dk, block=block)
     v8, vd = fp8.quantize_fp8(dv, block=None)
     o, lse = variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
-                              k_descale=kd, v_descale=vd, scale_block=block or 128)
+                              k_descale=kd, v_descale=vd, scale_block=block or 128, **options)
     qf, kf = (_dequantized(x8, s, block or seqlen) for x8, s in ((q8, qd), (k8, kd)))
     vf = _dequantized(v8, vd, seqlen)
     kf, vf = (np.repeat(x, kv_group, axis=2) for x in (kf, vf))
@@ -188,6 +206,8 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, d):
     got = arrays_to_host(o).astype(np.float64)
     bound = (U * np.einsum("bhqk,bkhd->bqhd", p, np.abs(vf)) + 2.0 ** -8 * np.abs(o_ref)
              + SUBNORMAL_HALF_STEP / 256 * np.abs(vf).sum(1)[:, None] + 1e-6)
+    if options.get("poly_exp2"):   # P~ and l each off by at most the polynomial's relative error
+        bound += 2 * sem.EX2_POLY_REL_ERROR * np.einsum("bhqk,bkhd->bqhd", p, np.abs(vf))
     assert (np.abs(got - o_ref) <= bound).all(), np.abs(got - o_ref).max()
     # L: S = Q K^T comes from FP8 wgmmas, whose sums keep fewer than fp32's bits (~14 measured by
     # DeepSeek-V3): held to 2^-10 of the row's sum of |q_i . k_j| terms

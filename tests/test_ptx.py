@@ -214,6 +214,32 @@ def test_ex2_and_packing(rng):
 
 
 @cuda.jit
+def ex2_poly_kernel(x, e):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        e[i] = ptx.ex2_poly(x[i])
+
+
+def test_ex2_poly_is_its_lane_semantics_and_within_its_error_of_exp2(rng):
+    """ptx.ex2_poly (2^x on the FMA units) against lanes.ex2_poly, which it must match within an
+    ulp (NumPy's float64 stands in for each fused multiply-add's single rounding), and both
+    against float64 exp2 within the polynomial's relative error on the range the softmax uses
+    (every input at most FP8's shift of 8; -inf and anything below -127 give exactly 0)."""
+    x = np.concatenate([rng.uniform(-140, 8, 4000), np.arange(-130, 9)]).astype(np.float32)
+    x[:4] = [-np.inf, 0.0, 8.0, -126.0]
+    e = np.zeros_like(x)
+    ex2_poly_kernel[(x.size + 127) // 128, 128](x, e)
+    spec = sem.ex2_poly(x)
+    ulps = np.abs(e.view(np.int32).astype(np.int64) - spec.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1, (x[ulps.argmax()], e[ulps.argmax()], spec[ulps.argmax()])
+    exact = np.exp2(x.astype(np.float64))
+    normal = x >= -126
+    assert (np.abs(spec[normal] - exact[normal]) <= sem.EX2_POLY_REL_ERROR * exact[normal]).all()
+    assert (spec[x < -126] == 0).all() and (e[x < -126] == 0).all()
+    assert spec[1] == e[1] == 1.0 and spec[2] == e[2] == 256.0
+
+
+@cuda.jit
 def unpack_kernel(words, bf, hf):
     i = cuda.threadIdx.x
     bf[i, 0], bf[i, 1] = ptx.unpack_bf16x2(words[i])

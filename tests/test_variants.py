@@ -149,7 +149,8 @@ if ON_GPU:
                   (dict(block_n=176), True),                 # FA3's own B_c at d=128
                   (dict(block_n=80, stages=3), False),
                   (dict(producer="cp_async"), False),
-                  (dict(producer="cp_async", block_m=64, stages=3), True)]
+                  (dict(producer="cp_async", block_m=64, stages=3), True),
+                  (dict(poly_exp2=2), True)]   # half the exponentials on the FMA units
 
 
 @pytest.mark.gpu

@@ -608,7 +608,7 @@ def build(cfg):
             tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, SWZ, ELEM)
             if int32(t * BN + BN) > (int32(n_k - n_q + 1) if CAUSAL else n_k):
                 mask_keys(s, key0, n_k, n_q, lane)
-            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
+            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0), 0)
             tiles.accumulator_to_a(p, s, ELEM)
             tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, SWZ, ELEM)
             t = int32(t + n_splits)

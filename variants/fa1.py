@@ -215,7 +215,7 @@ def build(cfg):
         for r in range(ROWS):
             m_blk = splitk.gather_max(red_max, splitk.block_row(r, lane), WARPS, BR)
             part = softmax.exponentiate_row(s, r >> 1, r & 1, softmax.exp2_base(m_blk, scale_log2),
-                                            scale_log2)
+                                            scale_log2, 0)
             splitk.publish(red_sum, r, softmax.quad_sum(part), warp, lane, BR)
         tiles.accumulator_to_a(p, s, ELEM)
         tiles.fill(o_w, float32(0))

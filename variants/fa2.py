@@ -282,7 +282,7 @@ def build(cfg):
                 refill_after_use(k_s, k_h, j, j1, n_k, tid)
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
-            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0))
+            softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0), 0)
             if P_IN_REGISTERS:
                 tiles.accumulator_to_a(p, s, ELEM)
             else:  # the warp's own rows of the P tile: a warp barrier suffices

@@ -158,6 +158,9 @@ class Config:
                                  # tile: no pre-pass, no V^T in HBM)
     v_staging: int = 2           # transpose_v="producer": staging buffers of V_UNIT keys (TMA
                                  # fills one while the transposers empty another)
+    poly_exp2: int = 0           # the exponentials of one 8-key column group of S in every
+                                 # poly_exp2 by a polynomial on the FMA units (FA4's software exp2,
+                                 # ptx.ex2_poly) instead of the MUFU unit; 0: all on the MUFU
 
     @property
     def consumers(self):
@@ -299,6 +302,9 @@ class Config:
         if self.transpose_v == "producer" and not self.fp8:
             raise ValueError("transpose_v='producer' is for FP8 (e4m3) inputs: 16-bit V is read "
                              "as it is (the wgmma transposes 16-bit B operands itself)")
+        if not 0 <= self.poly_exp2 <= self.block_n // 8:
+            raise ValueError(f"poly_exp2 must be 0 (off) to block_n / 8 = {self.block_n // 8} (one "
+                             f"8-key column group in every poly_exp2), got {self.poly_exp2}")
         if not 1 <= self.v_staging <= 4:
             raise ValueError(f"v_staging must be 1 to 4, got {self.v_staging}")
         if self.v_in_producer and self.head_dim != 128:
@@ -441,6 +447,7 @@ def build(cfg):
     BACK_TO_BACK = cfg.back_to_back
     S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, K_PV, 4)
     P_SHIFT = float32(P_LOG2_SHIFT if FP8 else 0)
+    POLY = cfg.poly_exp2                        # exponentials on the FMA units: softmax.exp2
     INTRA_OVERLAP = cfg.intra_overlap
     K_TILE_BYTES = 2 * K_TILE_ELEMS
     STAGE_BYTES = 2 * K_TILE_BYTES              # a stage: K_j then V_j
@@ -584,7 +591,7 @@ def build(cfg):
             release(smem, BAR_EMPTY_Q, 0, lane)
         logits(s, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
                lane)
-        softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)
+        softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
         to_a(p, s)
 
     @device_function
@@ -1012,7 +1019,7 @@ def build(cfg):
                         release(smem, BAR_EMPTY_Q, 0, lane)
                     logits(s, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
                            wg_row0, warp_row, lane)
-                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)      # l.16-17
+                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
                     to_a(p, s)
                     wait_full(smem, BAR_V + 4 * stage, parity)
                     if CLEAR_V_TAIL:
@@ -1039,7 +1046,8 @@ def build(cfg):
                     release(smem, BAR_EMPTY_Q, 0, lane)
                 logits(s, j0, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
                        warp_row, lane)
-                softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT)   # O = 0: nothing to defer
+                # O = 0: nothing to defer
+                softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
                 to_a(p, s)
                 for j in range(1, t_c):
                     stage, parity = slot(it + j)
@@ -1057,7 +1065,7 @@ def build(cfg):
                         release(smem, BAR_EMPTY_Q, 0, lane)
                     logits(s, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
                            wg_row0, warp_row, lane)
-                    softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT)
+                    softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
                     release(smem, BAR_EMPTY_V, prev, lane)
                     tiles.scale_rows(o_acc, alpha)
