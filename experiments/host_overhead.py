@@ -11,7 +11,9 @@ through all the cases, SDPA's included: the table gives the median and the lowes
 "x sdpa" is the median over the rounds of the call's time over SDPA's same pass in the same round
 (a drift then moves both): SDPA's flash backend chosen once for the run (not a context manager a
 call, which made SDPA's calls ~20 us dearer before 2026-11-27), called on this layout (B, N, H, d)
-transposed to its own and back; "x bhsd" against the bare call on (B, H, N, d) tensors.
+transposed to its own and back; "x bhsd" against the bare call on (B, H, N, d) tensors; "x math"
+against SDPA's math backend (aten's _scaled_dot_product_attention_math on (B, H, N, d): S and P
+materialised by separate ops, the peer of `standard`).
 "prepare" is the argument checks, output allocation and kernel views alone; "backward" is
 variants.backward given O and LSE (torch: autograd.grad of O with dO, the forward's graph kept);
 "autograd" is what a model pays: forward and backward through torch autograd
@@ -99,6 +101,10 @@ def main(names=("fa2", "fa3"), rounds=7):
     q_t, k_t, v_t = (x.transpose(1, 2) for x in (q, k, v))
     cases["sdpa_flash", "forward"] = lambda: sdpa(q, k, v)
     cases["sdpa_bhsd", "forward"] = lambda: sdpa_call(q_t, k_t, v_t)
+    # SDPA's math backend, the peer of `standard` (S and P materialised by separate ATen ops), as
+    # the op it dispatches to (a per-call sdpa_kernel context would add ~20 us)
+    math_op = torch.ops.aten._scaled_dot_product_attention_math
+    cases["sdpa_math", "forward"] = lambda: math_op(q_t, k_t, v_t)[0]
     cases["sdpa_flash", "autograd"] = lambda: torch.autograd.grad(sdpa(*leaves), leaves, do)
     # Replayed from CUDA graphs first: a capture fails once the leaves' gradient nodes are held
     # by a graph made outside it (SDPA's backward case below keeps its forward's graph).
@@ -117,15 +123,16 @@ def main(names=("fa2", "fa3"), rounds=7):
     print(f"# {target.describe()}, torch {torch.__version__}; microseconds a call, {rounds} rounds "
           "of 100 calls")
     print(f"{'what':12s} {'pass':9s} {'median':>8s} {'lowest':>8s} {'graph':>8s} {'x sdpa':>7s} "
-          f"{'x bhsd':>7s}")
+          f"{'x bhsd':>7s} {'x math':>7s}")
     for (name, pass_), times in sorted(eager.items(), key=lambda c: c[0][0].startswith("sdpa")):
         ratios = []
-        for peer_name in ("sdpa_flash", "sdpa_bhsd"):
+        for peer_name in ("sdpa_flash", "sdpa_bhsd", "sdpa_math"):
             peer = eager.get((peer_name, pass_))
             ratios.append(statistics.median(t / p for t, p in zip(times, peer))
                           if peer and name != "prepare" else float("nan"))
         print(f"{name:12s} {pass_:9s} {statistics.median(times):8.1f} {min(times):8.1f} "
-              f"{graph[name, pass_]:8.1f} {ratios[0]:7.2f} {ratios[1]:7.2f}", flush=True)
+              f"{graph[name, pass_]:8.1f} {ratios[0]:7.2f} {ratios[1]:7.2f} {ratios[2]:7.2f}",
+              flush=True)
 
 
 if __name__ == "__main__":
