@@ -11,8 +11,10 @@
 For each kernel: the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
 in the PTX, and, when ptxas is installed (the `test` extra brings CUDA 13.0's), the registers,
 spills and stack frame ptxas reports for sm_90 (and with --sass, counts of SASS instructions:
-HMMA tensor-core ops, LDSM/LDGSTS loads, MUFU, integer IMAD/ISETP, local LDL/STL). Needs NUMBA_ENABLE_CUDASIM unset or 0: the simulator
-cannot compile.
+HMMA tensor-core ops, LDSM/LDGSTS loads, MUFU, integer IMAD/ISETP, local LDL/STL, and the main
+loop's instructions; the innermost MMA loop's instructions and stall cycles from the control
+bits: `step_loop_stalls`). Needs
+NUMBA_ENABLE_CUDASIM unset or 0: the simulator cannot compile.
 """
 import json
 import os
@@ -91,6 +93,7 @@ def ptxas_resources(ptx, arch="sm_90"):
         row.update(loop_instructions=len(loop), loop_HMMA=loop.count("HMMA"),
                    loop_HGMMA=loop.count("HGMMA"),
                    loop_local=loop.count("LDL") + loop.count("STL"))
+        row["step_instructions"], row["step_stall_cycles"] = step_loop_stalls(sass)
         if "USETMAXREG" in ops:
             row["consumer_local"] = consumer_local(ops)
     return row
@@ -109,13 +112,29 @@ def consumer_local(ops):
 
 
 _SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([^;]*)")
+_HEX_WORD = re.compile(r"/\* (0x[0-9a-f]{16}) \*/")
 
 
-def main_loop(sass):
-    """Opcodes of the main loop in a SASS listing: the instructions between the target of the
-    longest backward branch and that branch (for the fa2 kernel: the loop over K/V blocks), among
-    the loops that hold a tensor-core instruction when any does (decoding's fused combine has a
-    longer loop after its K/V loop: the merge's, over the rows)."""
+def control_stalls(sass):
+    """{address: stall cycles} of each instruction in a cuobjdump SASS listing (sm_70 on, sm_90
+    included): the fixed number of cycles ptxas makes the warp wait before its next instruction
+    (dependent latency or a pipe's issue rate; results of variable latency, MUFU, shared memory,
+    wgmma, are waited for on scoreboard barriers instead), bits 41-44 of the instruction's second
+    64-bit word, which cuobjdump prints on the line after it. Their sum over a loop is the fewest
+    cycles one warp takes to issue it with every variable-latency result on time."""
+    lines = sass.splitlines()
+    stalls = {}
+    for line, after in zip(lines, lines[1:]):
+        m, hi = _SASS_LINE.match(line), _HEX_WORD.search(after)
+        if m and hi and _HEX_WORD.search(line):
+            stalls[int(m.group(1), 16)] = (int(hi.group(1), 16) >> 41) & 0xF
+    return stalls
+
+
+def _loops(sass):
+    """(code, loops): the listing's (address, opcode, operands) and its loops as (length, start,
+    end), longest first, each from the target of a backward branch to that branch, those holding
+    a tensor-core instruction first when any does."""
     code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
     loops = []
     for addr, op, rest in code:
@@ -123,9 +142,35 @@ def main_loop(sass):
         if target and int(target.group(1), 16) < addr:
             loops.append((addr - int(target.group(1), 16), int(target.group(1), 16), addr))
     loops.sort(key=lambda loop: -loop[0])   # longest first (a stable sort: ties keep their order)
-    bodies = [[op for addr, op, _ in code if start <= addr <= end] for _, start, end in loops]
-    with_mma = [b for b in bodies if any(op in ("HMMA", "HGMMA", "QGMMA") for op in b)]
-    return (with_mma or bodies or [[]])[0]
+
+    def has_mma(loop):
+        return any(op in ("HMMA", "HGMMA", "QGMMA") for addr, op, _ in code if loop[1] <= addr <= loop[2])
+    with_mma = [loop for loop in loops if has_mma(loop)]
+    return code, with_mma or loops
+
+
+def main_loop(sass):
+    """Opcodes of the main loop in a SASS listing: the longest loop (for the fa2 kernel: the loop
+    over K/V blocks), among the loops that hold a tensor-core instruction when any does
+    (decoding's fused combine has a longer loop after its K/V loop: the merge's, over the rows)."""
+    code, loops = _loops(sass)
+    if not loops:
+        return []
+    _, start, end = loops[0]
+    return [op for addr, op, _ in code if start <= addr <= end]
+
+
+def step_loop_stalls(sass):
+    """(instructions, stall cycles) of the innermost loop that holds a tensor-core instruction (the
+    shortest such: fa3's step over K/V blocks inside its persistent loop over tiles; fa2's K/V
+    loop), the stalls from `control_stalls`; (0, 0) without one."""
+    code, loops = _loops(sass)
+    if not loops:
+        return 0, 0
+    _, start, end = loops[-1]
+    cycles = control_stalls(sass)
+    inside = [addr for addr, _, _ in code if start <= addr <= end]
+    return len(inside), sum(cycles.get(addr, 0) for addr in inside)
 
 
 def report(cc=(9, 0), skip=None, jobs=1, ptx_dir=None):
@@ -199,7 +244,9 @@ def main(argv=None):
     cols = ["kernel", "mma", "ldmatrix", "cp_async", "f64_ops", "registers", "spill_stores", "stack_bytes"]
     if "--sass" in argv:
         cols += [f"sass_{op}" for op in SASS_OPS] + ["sass_total", "loop_instructions", "loop_HMMA",
-                                                     "loop_local", "consumer_local"]
+                                                     "loop_local", "step_instructions",
+                                                     "step_stall_cycles",
+                                                     "consumer_local"]
     widths = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:

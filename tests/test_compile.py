@@ -229,6 +229,27 @@ def test_no_spills_in_the_kv_loop(report):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
 
 
+def test_step_loop_stalls_decode_the_control_bits():
+    """compile_report.step_loop_stalls on a listing laid out as cuobjdump prints it (each
+    instruction's second 64-bit word on the next line, its stall count in bits 41-44): the
+    innermost loop holding a tensor-core instruction (an inner loop inside a longer outer one, both
+    with an HGMMA), its instruction count and the sum of their stalls; main_loop stays the longest."""
+    from experiments.compile_report import control_stalls, main_loop, step_loop_stalls
+
+    def line(addr, text, stall):
+        hi = (stall << 41) | (0x7E << 45) | 0x800   # yield, barriers, reuse bits set around it
+        return (f"        /*{addr:04x}*/                   {text} ;   /* 0x000000000000{addr:04x} */\n"
+                f"                                                      /* 0x{hi:016x} */")
+    body = [(0x00, "MOV R1, R2", 3), (0x10, "HGMMA.64x64x16.F32 R0, gdesc[UR4], RZ", 1),
+            (0x20, "FADD R3, R3, R4", 4), (0x30, "HGMMA.64x64x16.F32 R0, gdesc[UR4], R0", 2),
+            (0x40, "FMUL R5, R3, R3", 5), (0x50, "BRA 0x20", 7), (0x60, "IADD3 R6, R6, 1, RZ", 6),
+            (0x70, "BRA 0x0", 9), (0x80, "EXIT", 15)]
+    sass = "\n".join(line(*x) for x in body)
+    assert control_stalls(sass) == {a: st for a, _, st in body}
+    assert step_loop_stalls(sass) == (4, 4 + 2 + 5 + 7)          # 0x20..0x50
+    assert main_loop(sass) == ["MOV", "HGMMA", "FADD", "HGMMA", "FMUL", "BRA", "IADD3", "BRA"]
+
+
 def test_unroll_pass_marks_exactly_the_back_edges():
     """common.target.unroll_all_loops: `llvm.loop.unroll.full` on branches to an earlier block of the
     same function (loop back edges), nothing on forward branches, fresh metadata ids."""
