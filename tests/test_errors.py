@@ -151,6 +151,8 @@ def test_backward_bad_options(rng, qkv, variant, options, message):
     (dict(block_n=256, stages=2), "bytes of shared memory; the limit is"),
     (dict(pipeline=False), "fa3 has no option pipeline"),
     (dict(producer="bulk"), "producer must be one of \\('tma', 'cp_async'\\), got 'bulk'"),
+    (dict(poly_exp2=17), "poly_exp2 must be 0 \\(off\\) to block_n / 8 = 16 .*got 17"),
+    (dict(poly_exp2=-1), "poly_exp2 must be 0 \\(off\\) to block_n / 8 = 16 .*got -1"),
 ])
 def test_fa3_bad_options(rng, options, message):
     q = device(rng, (1, 16, 2, 128))
