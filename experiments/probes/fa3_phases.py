@@ -1,0 +1,203 @@
+"""(Probe.) Where a consumer warpgroup's K/V step goes in fa3's forward, in SM cycles: a copy of
+variants/fa3.py with %clock stamps in the default step loop (no intra-warpgroup overlap, not back
+to back: the loop FP8 and bf16 run by default), built as a module of its own with the kernel cache
+off (so no stamped cubin is kept), one call timed after warm-up:
+
+    python experiments/probes/fa3_phases.py SEQLEN CAUSAL(0|1) [fp8|bf16] ['{"option": value}']
+
+(GPU host, torch; in the simulator, NUMBA_ENABLE_CUDASIM=1, with a small SEQLEN: the stand-in
+clock is the host's nanoseconds, a check of the plumbing only.) Per consumer warp, the cycles a
+step spends in each phase, summed over the call:
+
+    wait K     the wait for K_j's full barrier (and the loop's own overhead since the last stamp)
+    S issue    S_j = Q K_j^T issued (fence, descriptors, wgmma) and the turn passed on
+    wait S     until S_j has landed
+    softmax    logits (mask, FP8's K scales), the online softmax, P~ into the A registers
+    wait V     the wait for V_j's full barrier
+    wait turn  the ping-pong's turn (the other warpgroup's GEMMs issued)
+    P V        O += P~ V_j issued and waited for, V_j released
+    tile       everything outside the step loop (prologue, epilogue, the store of O), per tile
+
+Each warp leaves its totals in its own 16 LSE rows of each tile it ends, over the LSE the epilogue
+wrote there (a marker, the block, the warp, steps, tiles, the eight sums; the call's LSE is
+therefore not the attention's), and the host keeps each warp's last record. Stamps order only
+with the instructions that have side effects (barrier waits, wgmma issue and waits): ptxas may
+move some pure arithmetic of the softmax across the softmax's own two stamps. d=128,
+batch x seqlen = 16k, 16 heads (the FA2 paper's shapes)."""
+import json
+import os
+import sys
+import types
+
+os.environ["FA_KERNEL_CACHE"] = ""   # the stamped kernels must not meet the real ones' cubins
+sys.path.insert(0, os.getcwd())
+import common  # noqa: E402
+
+MODE = common.select_backend()
+import numpy as np  # noqa: E402
+
+PHASES = ("wait K", "S issue", "wait S", "softmax", "wait V", "wait turn", "P V", "tile")
+MARK = -12345.0   # a record's first word (no LSE is this)
+
+s = open(os.path.join("variants", "fa3.py")).read()
+
+
+def sub(old, new):
+    global s
+    assert s.count(old) == 1, old
+    s = s.replace(old, new, 1)
+
+
+# the clock: %clock (32 bits, SM cycles); in the simulator the host's nanoseconds
+sub('''
+def work_items(n_blocks, batch_heads, paired):''', '''
+if target.SIMULATOR:
+    import time as _time
+
+    def probe_clock():
+        return uint32(_time.perf_counter_ns() & 0xFFFFFFFF)
+else:
+    from numba.cuda.extending import intrinsic as _intr
+    from common._inline_asm import _asm as _asm2, _i32 as _i32b
+
+    @_intr
+    def probe_clock(typingctx):
+        sig = types.uint32()
+
+        def codegen(context, builder, sig, args):
+            return _asm2(builder, _i32b, [], "mov.u32 $0, %clock;", "=r", side_effect=True)
+        return sig, codegen
+
+
+@device_function
+def probe_add(tl, k, t0):
+    """tl[k] += now - t0 (uint32, wraps); returns now."""
+    t1 = probe_clock()
+    tl[k] += uint32(t1 - t0)
+    return t1
+
+
+def work_items(n_blocks, batch_heads, paired):''')
+sub('''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
+''', '''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
+        tl = cuda.local.array(8, uint32)
+        for q_ in range(8):
+            tl[q_] = uint32(0)
+        tl_t = probe_clock()
+''')
+sub('''                # The same with O waited for inside the turn, before S_{j+1} is issued.
+                for j in range(t_c):                                               # l.14
+                    stage, parity = slot(it + j)
+                    wait_full(smem, BAR_K + 4 * stage, parity)
+                    sm90.wgmma_fence()
+                    scores(s, q_desc, k_desc0, stage)                          # l.15
+                    pass_turn(wg)
+                    WAIT_S(s)
+''', '''                # The same with O waited for inside the turn, before S_{j+1} is issued.
+                tl_t = probe_add(tl, 7, tl_t)
+                for j in range(t_c):                                               # l.14
+                    stage, parity = slot(it + j)
+                    wait_full(smem, BAR_K + 4 * stage, parity)
+                    tl_t = probe_add(tl, 0, tl_t)
+                    sm90.wgmma_fence()
+                    scores(s, q_desc, k_desc0, stage)                          # l.15
+                    pass_turn(wg)
+                    tl_t = probe_add(tl, 1, tl_t)
+                    WAIT_S(s)
+                    tl_t = probe_add(tl, 2, tl_t)
+''')
+sub('''                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
+                    to_a(p, s)
+                    wait_full(smem, BAR_V + 4 * stage, parity)
+                    if CLEAR_V_TAIL:
+                        clear_v_tail(tiles0, stage, (j0 + j) * BC, nk, wg, wg_tid)
+                    wait_turn(wg)
+                    sm90.wgmma_fence()
+                    values(o_acc, p, v_desc0, stage)                           # l.18
+                    WAIT_OP(o_acc, p)
+                    release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
+''', '''                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
+                    to_a(p, s)
+                    tl_t = probe_add(tl, 3, tl_t)
+                    wait_full(smem, BAR_V + 4 * stage, parity)
+                    if CLEAR_V_TAIL:
+                        clear_v_tail(tiles0, stage, (j0 + j) * BC, nk, wg, wg_tid)
+                    tl_t = probe_add(tl, 4, tl_t)
+                    wait_turn(wg)
+                    tl_t = probe_add(tl, 5, tl_t)
+                    sm90.wgmma_fence()
+                    values(o_acc, p, v_desc0, stage)                           # l.18
+                    WAIT_OP(o_acc, p)
+                    release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
+                    tl_t = probe_add(tl, 6, tl_t)
+''')
+sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
+            done += 1
+''', '''                        lse[bb, h, first_q + row] = lse_rows[r]
+            done += 1
+            tl_t = probe_add(tl, 7, tl_t)
+            if lane == 0 and warp_row + 16 <= nq:   # this warp's 16 LSE rows of this tile
+                rec = first_q + warp_row
+                lse[bb, h, rec] = float32(-12345.0)
+                lse[bb, h, rec + 1] = float32(cuda.blockIdx.x)
+                lse[bb, h, rec + 2] = float32(warp)
+                lse[bb, h, rec + 3] = float32(it)
+                lse[bb, h, rec + 4] = float32(done)
+                for q_ in range(8):
+                    lse[bb, h, rec + 5 + q_] = float32(tl[q_])
+''')
+
+fa3 = types.ModuleType("fa3_stamped")
+fa3.__file__ = "variants/fa3.py (stamped)"
+exec(compile(s, fa3.__file__, "exec"), fa3.__dict__)
+
+
+def records(lse):
+    """{(block, warp): (steps, tiles, sums[8])}: each warp's record with the most tiles."""
+    flat = lse.reshape(-1)
+    out = {}
+    for at in np.flatnonzero(flat == np.float32(MARK)):
+        block, warp, steps, tiles = (int(x) for x in flat[at + 1:at + 5])
+        sums = flat[at + 5:at + 13].astype(np.float64)
+        if (block, warp) not in out or tiles > out[block, warp][1]:
+            out[block, warp] = (steps, tiles, sums)
+    return out
+
+
+def main(n, causal, dtype, options):
+    from common import fp8, inputs, target
+    b, h, d = (max(1, 16384 // n), 16, 128) if MODE == "gpu" else (1, 2, 128)
+    q, k, v = (inputs.to_device(x, inputs.default_library()) for x in
+               inputs.random_qkv(np.random.default_rng(0), b, n, h, d, "bfloat16"))
+    if dtype == "fp8":
+        (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize_fp8(x, block=None) for x in (q, k, v))
+
+        def call():
+            return fa3.forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                               v_descale=vd, **options)
+    else:
+        def call():
+            return fa3.forward(q, k, v, causal=causal, **options)
+    for _ in range(1 if MODE != "gpu" else 3):
+        call()
+    _, lse = call()
+    got = records(inputs.to_host(lse))
+    if not got:
+        raise SystemExit("no record: the default step loop did not run (intra_overlap or "
+                         "back_to_back on?)")
+    print(f"# {target.describe()}; fa3 {dtype} d={d}, seqlen {n}, batch {b}, {h} heads, "
+          f"causal={causal}, options {json.dumps(options)}; cycles a step (tile: a tile)")
+    print(f"{'warps':>10s} {'steps':>6s} " + " ".join(f"{p:>9s}" for p in PHASES) + "  step total")
+    for wg in sorted({w // 4 for _, w in got if w < 8}):
+        rows = [r for (blk, w), r in got.items() if w // 4 == wg]
+        steps = sum(r[0] for r in rows)
+        tiles = sum(r[1] for r in rows)
+        sums = sum(r[2] for r in rows)
+        per = [x / max(steps, 1) for x in sums[:7]] + [sums[7] / max(tiles, 1)]
+        print(f"{'wg ' + str(wg):>10s} {steps / len(rows):6.1f} " + " ".join(f"{x:9.0f}" for x in per)
+              + f"  {sum(per[:7]):9.0f}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3] if len(sys.argv) > 3 else "fp8",
+         json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})
