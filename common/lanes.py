@@ -51,16 +51,20 @@ def float_to_e4m3(x):
 # error below EX2_POLY_REL_ERROR, checked in tests/test_ptx.py), 2^floor(x) in an exponent field.
 EX2_POLY = (1.0, 0.695146143436431884765625, 0.227564394474029541015625,
             0.077119089663028717041015625)
-EX2_POLY_FLOOR = -127.0   # inputs clamped here; 2^-127 and below give exactly 0 (as ex2.approx.ftz)
-EX2_POLY_REL_ERROR = 9e-5   # of ex2_poly against 2^x, x in [-126, 119] (measured: 8.8e-5)
+EX2_POLY_FLOOR = -127.0   # inputs clamped here: every x < -126 gives exactly 0 (as ex2.approx.ftz,
+                          # which flushes those subnormal results to 0)
+EX2_POLY_REL_ERROR = 9e-5   # of ex2_poly against 2^x, x in [-126, 127] (measured: 8.8e-5)
 
 
 def ex2_poly(x):
-    """fp32 values -> 2^x as sm80.ex2_poly computes it: x clamped to [-127, inf) (so -inf gives 0),
-    n = floor(x), f = x - n (exact), p = ((c3 f + c2) f + c1) f + c0 in three fused multiply-adds
-    (each rounded once to fp32: float64 holds the product exactly), times 2^n (0 for n = -127).
-    For x <= 127 - 8: the kernels' exponents are at most FP8's shift of 8."""
-    x = np.maximum(np.asarray(x, dtype=np.float32), np.float32(EX2_POLY_FLOOR))
+    """fp32 values -> 2^x as sm80.ex2_poly computes it: x clamped to [-127, inf) as max.f32 does
+    it (-inf gives 0; so does NaN, which max.f32 drops: where ex2.approx would pass a NaN score on,
+    this gives 0), n = floor(x), f = x - n in fp32 (exact but for tiny negative x, where it rounds
+    to 1), p = ((c3 f + c2) f + c1) f + c0 in three fused multiply-adds (each rounded once to
+    fp32: float64 holds the product exactly), times 2^n (0 for n = -127). Defined for x < 128
+    (from 129 the exponent field overflows into the sign: the PTX gives -0); the kernels' exponents
+    are at most FP8's shift of 8."""
+    x = np.fmax(np.asarray(x, dtype=np.float32), np.float32(EX2_POLY_FLOOR))
     n = np.floor(x)
     f = (x - n).astype(np.float64)
     c0, c1, c2, c3 = EX2_POLY

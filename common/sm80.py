@@ -219,9 +219,9 @@ else:
 
     # 2^x off the MUFU unit (lanes.ex2_poly is the specification): add.rm of 1.5 * 2^23 + 127
     # rounds x down to an integer in the low bits of r, biased by 127 (the exponent's bias); f =
-    # x - floor(x) exactly; 2^f by Horner's rule; r << 23 is then the fp32 bit pattern of
-    # 2^floor(x) (the magic number's own bits shift out), 0 for floor(x) = -127, whose product
-    # with 2^f is then exactly 0 (mul.ftz).
+    # x - floor(x); 2^f by Horner's rule; r << 23 is then the fp32 bit pattern of 2^floor(x)
+    # (the magic number's own bits shift out), +0 for floor(x) = -127, whose product with 2^f is
+    # then exactly 0.
     _MAGIC = _f32_hex(1.5 * 2 ** 23 + 127)
     ex2_poly = _make_f32_unary(
         "{ .reg .f32 xc, r, n, f, p; .reg .b32 e;\n"

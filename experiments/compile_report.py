@@ -120,8 +120,9 @@ def control_stalls(sass):
     included): the fixed number of cycles ptxas makes the warp wait before its next instruction
     (dependent latency or a pipe's issue rate; results of variable latency, MUFU, shared memory,
     wgmma, are waited for on scoreboard barriers instead), bits 41-44 of the instruction's second
-    64-bit word, which cuobjdump prints on the line after it. Their sum over a loop is the fewest
-    cycles one warp takes to issue it with every variable-latency result on time."""
+    64-bit word, which cuobjdump prints on the line after it. Their sum over a straight-line
+    stretch is the fewest cycles one warp takes to issue it with every variable-latency result on
+    time (over a loop with branches it counts every arm: an upper bound of that)."""
     lines = sass.splitlines()
     stalls = {}
     for line, after in zip(lines, lines[1:]):
@@ -132,9 +133,9 @@ def control_stalls(sass):
 
 
 def _loops(sass):
-    """(code, loops): the listing's (address, opcode, operands) and its loops as (length, start,
-    end), longest first, each from the target of a backward branch to that branch, those holding
-    a tensor-core instruction first when any does."""
+    """(code, loops, mma): the listing's (address, opcode, operands) and its loops as (length,
+    start, end), longest first, each from the target of a backward branch to that branch: those
+    holding a tensor-core instruction when any does (mma True), else all of them."""
     code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
     loops = []
     for addr, op, rest in code:
@@ -146,14 +147,14 @@ def _loops(sass):
     def has_mma(loop):
         return any(op in ("HMMA", "HGMMA", "QGMMA") for addr, op, _ in code if loop[1] <= addr <= loop[2])
     with_mma = [loop for loop in loops if has_mma(loop)]
-    return code, with_mma or loops
+    return code, with_mma or loops, bool(with_mma)
 
 
 def main_loop(sass):
     """Opcodes of the main loop in a SASS listing: the longest loop (for the fa2 kernel: the loop
     over K/V blocks), among the loops that hold a tensor-core instruction when any does
     (decoding's fused combine has a longer loop after its K/V loop: the merge's, over the rows)."""
-    code, loops = _loops(sass)
+    code, loops, _ = _loops(sass)
     if not loops:
         return []
     _, start, end = loops[0]
@@ -164,8 +165,8 @@ def step_loop_stalls(sass):
     """(instructions, stall cycles) of the innermost loop that holds a tensor-core instruction (the
     shortest such: fa3's step over K/V blocks inside its persistent loop over tiles; fa2's K/V
     loop), the stalls from `control_stalls`; (0, 0) without one."""
-    code, loops = _loops(sass)
-    if not loops:
+    code, loops, mma = _loops(sass)
+    if not mma:
         return 0, 0
     _, start, end = loops[-1]
     cycles = control_stalls(sass)

@@ -248,6 +248,8 @@ def test_step_loop_stalls_decode_the_control_bits():
     assert control_stalls(sass) == {a: st for a, _, st in body}
     assert step_loop_stalls(sass) == (4, 4 + 2 + 5 + 7)          # 0x20..0x50
     assert main_loop(sass) == ["MOV", "HGMMA", "FADD", "HGMMA", "FMUL", "BRA", "IADD3", "BRA"]
+    no_mma = sass.replace("HGMMA.64x64x16.F32", "FFMA")
+    assert step_loop_stalls(no_mma) == (0, 0) and len(main_loop(no_mma)) == 8
 
 
 def test_unroll_pass_marks_exactly_the_back_edges():

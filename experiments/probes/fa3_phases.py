@@ -84,6 +84,7 @@ sub('''        turned = False      # VARLEN: warpgroup 0 has given itself the fi
         for q_ in range(8):
             tl[q_] = uint32(0)
         tl_t = probe_clock()
+        stamped = False     # the default step loop ran (else no record: its phases were not timed)
 ''')
 sub('''                # The same with O waited for inside the turn, before S_{j+1} is issued.
                 for j in range(t_c):                                               # l.14
@@ -95,6 +96,7 @@ sub('''                # The same with O waited for inside the turn, before S_{j
                     WAIT_S(s)
 ''', '''                # The same with O waited for inside the turn, before S_{j+1} is issued.
                 tl_t = probe_add(tl, 7, tl_t)
+                stamped = True
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
                     wait_full(smem, BAR_K + 4 * stage, parity)
@@ -136,7 +138,8 @@ sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
 ''', '''                        lse[bb, h, first_q + row] = lse_rows[r]
             done += 1
             tl_t = probe_add(tl, 7, tl_t)
-            if lane == 0 and warp_row + 16 <= nq:   # this warp's 16 LSE rows of this tile
+            ptx.syncwarp()   # the warp's LSE stores above land before lane 0 writes over them
+            if stamped and lane == 0 and warp_row + 16 <= nq:   # the warp's 16 LSE rows here
                 rec = first_q + warp_row
                 lse[bb, h, rec] = float32(-12345.0)
                 lse[bb, h, rec + 1] = float32(cuda.blockIdx.x)
