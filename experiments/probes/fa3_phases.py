@@ -16,14 +16,21 @@ step spends in each phase, summed over the call:
     wait V     the wait for V_j's full barrier
     wait turn  the ping-pong's turn (the other warpgroup's GEMMs issued)
     P V        O += P~ V_j issued and waited for, V_j released
-    tile       everything outside the step loop (prologue, epilogue, the store of O), per tile
+  and a tile's, outside the step loop:
+    epilogue   from the last step to O stored and L written (finalize, O staged and stored)
+    schedule   from there (or the kernel's start) to the next tile's wait for Q_i: the tile
+               scheduler's arithmetic, the sequence's bounds, O and the statistics cleared
+    wait Q     the wait for Q_i's full barrier
+    turn       from Q_i to the step loop: the ping-pong's first turn of the tile
 
 Each warp leaves its totals in its own 16 LSE rows of each tile it ends, over the LSE the epilogue
-wrote there (a marker, the block, the warp, steps, tiles, the eight sums; the call's LSE is
+wrote there (a marker, the block, the warp, steps, tiles, the eleven sums; the call's LSE is
 therefore not the attention's), and the host keeps each warp's last record. Stamps order only
 with the instructions that have side effects (barrier waits, wgmma issue and waits): ptxas may
-move some pure arithmetic of the softmax across the softmax's own two stamps. d=128,
-batch x seqlen = 16k, 16 heads (the FA2 paper's shapes)."""
+move some pure arithmetic of the softmax across the softmax's own two stamps. The stamps add ~40
+instructions to a step of ~1 000 (FP8, d=128; causal, ptxas also spills 8 bytes). d=128,
+batch x seqlen = 16k, 16 heads (the FA2 paper's shapes). docs/results/fa3_phases_h100.txt ran
+the first version, whose one "tile" column is the sum of the last four here."""
 import json
 import os
 import sys
@@ -36,7 +43,8 @@ import common  # noqa: E402
 MODE = common.select_backend()
 import numpy as np  # noqa: E402
 
-PHASES = ("wait K", "S issue", "wait S", "softmax", "wait V", "wait turn", "P V", "tile")
+PHASES = ("wait K", "S issue", "wait S", "softmax", "wait V", "wait turn", "P V",
+          "epilogue", "schedule", "wait Q", "turn")   # the last four: a tile's, outside the loop
 MARK = -12345.0   # a record's first word (no LSE is this)
 
 s = open(os.path.join("variants", "fa3.py")).read()
@@ -80,11 +88,16 @@ def probe_add(tl, k, t0):
 def work_items(n_blocks, batch_heads, paired):''')
 sub('''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
 ''', '''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
-        tl = cuda.local.array(8, uint32)
-        for q_ in range(8):
+        tl = cuda.local.array(11, uint32)
+        for q_ in range(11):
             tl[q_] = uint32(0)
         tl_t = probe_clock()
         stamped = False     # the default step loop ran (else no record: its phases were not timed)
+''')
+sub('''            wait_full(smem, BAR_Q, done & 1)                                       # l.13
+''', '''            tl_t = probe_add(tl, 8, tl_t)
+            wait_full(smem, BAR_Q, done & 1)                                       # l.13
+            tl_t = probe_add(tl, 9, tl_t)
 ''')
 sub('''                # The same with O waited for inside the turn, before S_{j+1} is issued.
                 for j in range(t_c):                                               # l.14
@@ -95,7 +108,7 @@ sub('''                # The same with O waited for inside the turn, before S_{j
                     pass_turn(wg)
                     WAIT_S(s)
 ''', '''                # The same with O waited for inside the turn, before S_{j+1} is issued.
-                tl_t = probe_add(tl, 7, tl_t)
+                tl_t = probe_add(tl, 10, tl_t)
                 stamped = True
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
@@ -146,7 +159,7 @@ sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
                 lse[bb, h, rec + 2] = float32(warp)
                 lse[bb, h, rec + 3] = float32(it)
                 lse[bb, h, rec + 4] = float32(done)
-                for q_ in range(8):
+                for q_ in range(11):
                     lse[bb, h, rec + 5 + q_] = float32(tl[q_])
 ''')
 
@@ -156,12 +169,12 @@ exec(compile(s, fa3.__file__, "exec"), fa3.__dict__)
 
 
 def records(lse):
-    """{(block, warp): (steps, tiles, sums[8])}: each warp's record with the most tiles."""
+    """{(block, warp): (steps, tiles, sums)}: each warp's record with the most tiles."""
     flat = lse.reshape(-1)
     out = {}
     for at in np.flatnonzero(flat == np.float32(MARK)):
         block, warp, steps, tiles = (int(x) for x in flat[at + 1:at + 5])
-        sums = flat[at + 5:at + 13].astype(np.float64)
+        sums = flat[at + 5:at + 5 + len(PHASES)].astype(np.float64)
         if (block, warp) not in out or tiles > out[block, warp][1]:
             out[block, warp] = (steps, tiles, sums)
     return out
@@ -189,16 +202,17 @@ def main(n, causal, dtype, options):
         raise SystemExit("no record: the default step loop did not run (intra_overlap or "
                          "back_to_back on?)")
     print(f"# {target.describe()}; fa3 {dtype} d={d}, seqlen {n}, batch {b}, {h} heads, "
-          f"causal={causal}, options {json.dumps(options)}; cycles a step (tile: a tile)")
-    print(f"{'warps':>10s} {'steps':>6s} " + " ".join(f"{p:>9s}" for p in PHASES) + "  step total")
+          f"causal={causal}, options {json.dumps(options)}; cycles a step (the last four: a tile)")
+    print(f"{'warps':>10s} {'steps':>6s} " + " ".join(f"{p:>9s}" for p in PHASES)
+          + "  step total tile total")
     for wg in sorted({w // 4 for _, w in got if w < 8}):
         rows = [r for (blk, w), r in got.items() if w // 4 == wg]
         steps = sum(r[0] for r in rows)
         tiles = sum(r[1] for r in rows)
         sums = sum(r[2] for r in rows)
-        per = [x / max(steps, 1) for x in sums[:7]] + [sums[7] / max(tiles, 1)]
+        per = [x / max(steps, 1) for x in sums[:7]] + [x / max(tiles, 1) for x in sums[7:]]
         print(f"{'wg ' + str(wg):>10s} {steps / len(rows):6.1f} " + " ".join(f"{x:9.0f}" for x in per)
-              + f"  {sum(per[:7]):9.0f}")
+              + f"  {sum(per[:7]):9.0f} {sum(per[7:]):9.0f}")
 
 
 if __name__ == "__main__":
