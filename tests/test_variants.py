@@ -10,6 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
+from numba import cuda
 
 import variants
 from common import arrays, checks, inputs, reference
@@ -173,6 +174,30 @@ def test_fa3_persistent_blocks_share_the_tiles(rng, monkeypatch, causal):
     monkeypatch.setattr(target, "multiprocessor_count", lambda: 3)
     run_and_check(rng, "fa3", batch=2, seqlen=130, heads=2, heads_kv=1,
                   head_dim=64, dtype="bfloat16", causal=causal, block_n=64, block_m=64)
+
+
+def test_fa3_tile_dividers_match_integer_division(rng):
+    """The tile scheduler's divisions by a multiply and a shift (fa3.divider, fa3.divmod_by, made
+    once a block) against NumPy's: divisors from 1 to 2^31 - 1, dividends from 0 to 2^31 - 1 with
+    those either side of the divisor's multiples (where a rounding error would show)."""
+    from variants import fa3
+    ds = np.array([1, 2, 3, 5, 7, 16, 31, 64, 100, 127, 255, 256, 257, 1000, 4097, 65537,
+                   1_000_003, 2**30, 2**30 + 1, 2**31 - 1], np.int64)
+    ns = np.concatenate([np.stack([np.zeros_like(ds), ds - 1, ds, ds + 1, 2 * ds - 1, 3 * ds,
+                                   (2**31 - 1) // ds * ds, (2**31 - 1) // ds * ds - 1,
+                                   np.full_like(ds, 2**31 - 1)], 1),
+                         rng.integers(0, 2**31, (len(ds), 7))], 1)
+    ns = np.minimum(ns, 2**31 - 1).astype(np.int32)
+
+    @cuda.jit
+    def divide(ds, ns, q, r):
+        i, j = cuda.blockIdx.x, cuda.threadIdx.x
+        q[i, j], r[i, j] = fa3.divmod_by(ns[i, j], fa3.divider(ds[i]))
+
+    q, r = np.zeros_like(ns), np.zeros_like(ns)
+    divide[len(ds), ns.shape[1]](ds.astype(np.int32), ns, q, r)
+    np.testing.assert_array_equal(q, ns // ds[:, None])
+    np.testing.assert_array_equal(r, ns % ds[:, None])
 
 
 @pytest.mark.slow

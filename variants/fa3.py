@@ -85,7 +85,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint16, uint32
+from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
 from common import (arrays, configs, fp8, masks, pipeline, ptx, replay, sm90, softmax, target,
                     tiles)
@@ -118,6 +118,28 @@ def work_items(n_blocks, batch_heads, paired):
     its rounds reads as many heads' K and V as it has blocks (at 1k, 256 heads' 128 MB: every read
     went to DRAM)."""
     return (((n_blocks + 1) >> 1) if paired else n_blocks) * batch_heads
+
+
+@device_function
+def divider(d):
+    """(d, m, l): what `divmod_by` needs to divide by d (1 <= d < 2^31) with one multiply and a
+    shift (Granlund and Montgomery's method, CUTLASS's FastDivmod): l = ceil(log2 d) and m =
+    floor(2^32 (2^l - d) / d) + 1 < 2^32. A block makes its dividers once (one 64-bit division
+    each); a tile's indices then cost a multiply-high each, not a division (~40 instructions and a
+    MUFU round trip on the GPU, which has no integer divider)."""
+    d = uint32(d)
+    l = uint32(32 - cuda.clz(int32(d - uint32(1))))
+    m = uint32((uint64((uint64(1) << uint64(l)) - uint64(d)) << uint64(32)) // uint64(d) + uint64(1))
+    return d, m, l
+
+
+@device_function
+def divmod_by(n, div):
+    """(n // d, n % d) for 0 <= n < 2^31 and div = divider(d): q = (mulhi(m, n) + n) >> l."""
+    d, m, l = div
+    n = uint32(n)
+    q = uint32(uint32(uint32((uint64(m) * uint64(n)) >> uint64(32)) + n) >> l)
+    return int32(q), int32(uint32(n - uint32(q * d)))
 TMAP_TYPE = types.Array(types.uint64, 2, "C")
 SCALES_TYPE = types.Array(types.float32, 3, "C")
 COMPILE_CC = (9, 0, "a")   # wgmma and setmaxnreg: sm_90a (experiments/compile_report.py)
@@ -615,29 +637,49 @@ def build(cfg):
         return w if w < n_items else int32(-1)
 
     @device_function
-    def next_tile(k, rounds, n_items, n_blocks, heads, batch_heads):
+    def tile_plan(n_q, heads, batch_heads, kv_group):
+        """What a block's walk over its tiles needs, made once a block (as FA3's tile scheduler
+        makes its FastDivmods): (tiles, n_items, n_blocks, by_item, by_heads, by_group), tiles
+        the walk's length (rounds of items, times SPAN) and the dividers of a work item's index
+        (by a head's items, or the heads' count for causal tiles a block apiece), of b H + h by
+        H and of h by the heads a K/V head serves. Every tile index below is int32 arithmetic
+        (Numba types Python's // and % on int32 as int64 floor division: ~90 instructions)."""
+        n_blocks = int32((n_q + BR - 1) // BR)
+        n_items = int32(count_items(n_blocks, batch_heads, PAIRED))
+        g = int32(cuda.gridDim.x)
+        rounds = int32(uint32(n_items + g - 1) // uint32(g))   # once a block
+        per = int32((n_blocks + 1) >> 1) if PAIRED else (batch_heads if CAUSAL else n_blocks)
+        return (int32(rounds * SPAN), n_items, n_blocks, divider(per), divider(heads),
+                divider(kv_group))
+
+    @device_function
+    def next_tile(k, plan):
         """(go, i, b, h, final) of this block's k-th tile (`Config.work_items`): go -1 past the
         last, 0 for the empty half of an odd count's middle block, else 1; i, b, h its query
         block, batch and head; final: the block's last tile. Pairs: the longer tile first.
         Causal tiles a block apiece: every head's last query blocks first (they see the most
         keys). Else a head's query blocks together (they share K, V in L2)."""
-        w = item(k // SPAN, n_items)
-        m = k % SPAN
+        tiles, n_items, n_blocks, by_item, by_heads, _ = plan
+        r = int32(k >> 1) if PAIRED else k        # the round
+        w = item(r, n_items)
         if w < 0:
             return int32(-1), int32(0), int32(0), int32(0), False
         if PAIRED:
-            per_head = (n_blocks + 1) >> 1
-            q, bh = w % per_head, w // per_head
+            m = k & 1
+            bh, q = divmod_by(w, by_item)
             if m == 1 and 2 * q + 1 == n_blocks:
                 return int32(0), int32(0), int32(0), int32(0), False
-            i = n_blocks - 1 - q if m == 0 else q
+            i = int32(n_blocks - 1 - q) if m == 0 else q
             last_half = m == 1 or 2 * q + 1 == n_blocks
         elif CAUSAL:
-            i, bh, last_half = n_blocks - 1 - w // batch_heads, w % batch_heads, True
+            q, bh = divmod_by(w, by_item)
+            i, last_half = int32(n_blocks - 1 - q), True
         else:
-            i, bh, last_half = w % n_blocks, w // n_blocks, True
-        final = last_half and (k // SPAN + 1 == rounds or item(k // SPAN + 1, n_items) < 0)
-        return int32(1), int32(i), int32(bh // heads), int32(bh % heads), final
+            bh, i = divmod_by(w, by_item)
+            last_half = True
+        final = last_half and (int32((r + 1) * SPAN) == tiles or item(int32(r + 1), n_items) < 0)
+        b, h = divmod_by(bh, by_heads)
+        return int32(1), i, b, h, final
 
     @device_function
     def sequence(b, n_q, n_k, lo, hi, cu_q, cu_k):
@@ -760,12 +802,10 @@ def build(cfg):
         """The K/V blocks that go through this block's ring, over all its tiles (as `produce`
         loads them): what the transposers follow, without the tiles' state in their registers
         (the producer warpgroup has 40 a thread)."""
-        n_blocks = (n_q + BR - 1) // BR
-        n_items = count_items(n_blocks, batch_heads, PAIRED)
-        rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
+        plan = tile_plan(n_q, heads, batch_heads, int32(1))
         total = int32(0)
-        for t in range(rounds * SPAN):
-            go, i, b, _, _ = next_tile(t, rounds, n_items, n_blocks, heads, batch_heads)
+        for t in range(plan[0]):
+            go, i, b, _, _ = next_tile(t, plan)
             if go < 0:
                 break
             if go > 0:
@@ -783,18 +823,16 @@ def build(cfg):
         if not CP_ASYNC:
             for m in range(3):
                 sm90.tensormap_acquire(tmaps, m)
-        n_blocks = (n_q + BR - 1) // BR
-        n_items = count_items(n_blocks, batch_heads, PAIRED)
-        rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
+        plan = tile_plan(n_q, heads, batch_heads, kv_group)
         it = int32(0)       # K/V blocks through the ring so far
         done = int32(0)     # tiles so far
-        for t in range(rounds * SPAN):
-            go, i, b, h, _ = next_tile(t, rounds, n_items, n_blocks, heads, batch_heads)
+        for t in range(plan[0]):
+            go, i, b, h, _ = next_tile(t, plan)
             if go < 0:
                 break
             if go == 0:
                 continue
-            h_kv = h // kv_group
+            h_kv = divmod_by(h, plan[5])[0]
             row0 = i * BR
             bb, first_q, first_k, nq, nk, lo_b, hi_b = sequence(b, n_q, n_k, lo, hi, cu_q, cu_k)
             if VARLEN and row0 >= nq:   # past a packed sequence's end: no tile (consumers too)
@@ -821,8 +859,8 @@ def build(cfg):
                     v_h = v[bb, h_kv, first_k:first_k + nk] if VARLEN else v[b, h_kv]
                     load_kv(smem, k0 + K_TILE_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
                             BAR_V + 4 * stage, ptid)
-                it += 1
-            done += 1
+                it = int32(it + 1)
+            done = int32(done + 1)
 
     @kernel_for_one_block_per_sm(cfg.threads)
     def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi, cap,
@@ -901,19 +939,18 @@ def build(cfg):
         inv_l = cuda.local.array(2, float32)
         lse_rows = cuda.local.array(2, float32)
 
-        n_blocks = (n_q + BR - 1) // BR
-        n_items = count_items(n_blocks, batch_heads, PAIRED)
-        rounds = (n_items + cuda.gridDim.x - 1) // cuda.gridDim.x
+        plan = tile_plan(n_q, heads, batch_heads, kv_group)
+        by_q_rows = divider(q_scale_rows) if FP8 else divider(int32(1))   # FP8: Q's scale blocks
         it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
         done = int32(0)     # tiles so far (Q's phases)
         turned = False      # VARLEN: warpgroup 0 has given itself the first turn
-        for k in range(rounds * SPAN):
-            go, i, b, h, final = next_tile(k, rounds, n_items, n_blocks, heads, batch_heads)
+        for k in range(plan[0]):
+            go, i, b, h, final = next_tile(k, plan)
             if go < 0:
                 break
             if go == 0:
                 continue
-            h_kv = h // kv_group
+            h_kv = divmod_by(h, plan[5])[0]
             bb, first_q, first_k, nq, nk, lo_b, hi_b = sequence(b, n_q, n_k, lo, hi, cu_q, cu_k)
             if VARLEN:
                 if PINGPONG and wg == 0 and not turned:   # (below, without VARLEN)
@@ -927,20 +964,23 @@ def build(cfg):
                     if wg != NWG - 1 or not final:
                         pass_turn(wg)
                     continue
-            wg_row0 = i * BR + wg * WG_ROWS         # this warpgroup's first query row
-            warp_row = wg_row0 + 16 * wg_warp       # this warp's first row (mask, LSE)
-            j0, t_c = steps(i * BR, nq, nk, lo_b, hi_b)
+            wg_row0 = int32(i * BR + wg * WG_ROWS)  # this warpgroup's first query row
+            warp_row = int32(wg_row0 + 16 * wg_warp)   # this warp's first row (mask, LSE)
+            j0, t_c = steps(int32(i * BR), nq, nk, lo_b, hi_b)
 
             tiles.fill(o_acc, float32(0))                                          # l.11
             softmax.init_rows(m_i, l_i)
             # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per
-            # block: multiplied into S in the loop), V's joins 1/l at the end.
+            # block: multiplied into S in the loop), V's joins 1/l at the end (loaded here, with
+            # the others before the wait for Q: none of the three loads' latency is waited out).
             eff_scale = softmax_scale
+            v_scale = float32(1)
             if FP8:
-                q_block = min(wg_row0 // q_scale_rows, q_descale.shape[2] - 1)
+                q_block = min(divmod_by(wg_row0, by_q_rows)[0], int32(q_descale.shape[2] - 1))
                 eff_scale = softmax_scale * q_descale[b, h, q_block]
                 if not K_BLOCK_SCALES:
                     eff_scale *= k_descale[b, h_kv, 0]
+                v_scale = v_descale[b, h_kv, 0]
             sl2 = eff_scale * LOG2E if FP8 else scale_log2
 
             wait_full(smem, BAR_Q, done & 1)                                       # l.13
@@ -1081,13 +1121,13 @@ def build(cfg):
                 release(smem, BAR_EMPTY_V, last, lane)
                 if wg != NWG - 1 or not final:
                     pass_turn(wg)
-            it += t_c
+            it = int32(it + t_c)
 
             # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
             softmax.finalize(m_i, l_i, inv_l, lse_rows, eff_scale)
             if FP8:   # O = descale_v P~ V8 / l, and L without P~'s 2^P_SHIFT
                 for r in range(2):
-                    inv_l[r] *= v_descale[b, h_kv, 0]
+                    inv_l[r] *= v_scale
                     lse_rows[r] -= P_SHIFT * LN2
             tiles.scale_rows(o_acc, inv_l)
             # l.22: write O_i, staged for 16-byte stores (the barrier before: every thread of the
@@ -1107,7 +1147,7 @@ def build(cfg):
                     row = warp_row + (lane >> 2) + 8 * r
                     if row < nq:
                         lse[bb, h, first_q + row] = lse_rows[r]
-            done += 1
+            done = int32(done + 1)
 
     return fa3_forward
 

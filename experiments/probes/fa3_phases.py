@@ -17,20 +17,24 @@ step spends in each phase, summed over the call:
     wait turn  the ping-pong's turn (the other warpgroup's GEMMs issued)
     P V        O += P~ V_j issued and waited for, V_j released
   and a tile's, outside the step loop:
-    epilogue   from the last step to O stored and L written (finalize, O staged and stored)
+    finalize   from the last step to O scaled by 1/l (the turn passed on, l summed across the
+               row's lanes, 1/l and L)
+    stage O    O into shared memory as 16-bit pairs, between the warpgroup's two barriers
+    store O    O's 16-byte stores to global memory, Q's room released, L written
     schedule   from there (or the kernel's start) to the next tile's wait for Q_i: the tile
                scheduler's arithmetic, the sequence's bounds, O and the statistics cleared
     wait Q     the wait for Q_i's full barrier
     turn       from Q_i to the step loop: the ping-pong's first turn of the tile
 
-Each warp leaves its totals in its own 16 LSE rows of each tile it ends, over the LSE the epilogue
-wrote there (a marker, the block, the warp, steps, tiles, the eleven sums; the call's LSE is
-therefore not the attention's), and the host keeps each warp's last record. Stamps order only
+Each warp leaves its totals in its own 16 LSE rows of the block's last tile, over the LSE the
+epilogue wrote there (a marker, the block, warp and tiles packed, steps, the 13 sums; the call's
+LSE is therefore not the attention's). Stamps order only
 with the instructions that have side effects (barrier waits, wgmma issue and waits): ptxas may
 move some pure arithmetic of the softmax across the softmax's own two stamps. The stamps add ~40
 instructions to a step of ~1 000 (FP8, d=128; causal, ptxas also spills 8 bytes). d=128,
 batch x seqlen = 16k, 16 heads (the FA2 paper's shapes). docs/results/fa3_phases_h100.txt ran
-the first version, whose one "tile" column is the sum of the last four here."""
+the first version, whose one "tile" column is the sum of the last six here; fa3_tile_h100.txt
+this one (the versions between wrote a record every tile, timed in the next tile's "schedule")."""
 import json
 import os
 import sys
@@ -44,7 +48,8 @@ MODE = common.select_backend()
 import numpy as np  # noqa: E402
 
 PHASES = ("wait K", "S issue", "wait S", "softmax", "wait V", "wait turn", "P V",
-          "epilogue", "schedule", "wait Q", "turn")   # the last four: a tile's, outside the loop
+          "finalize", "stage O", "store O", "schedule", "wait Q", "turn")
+TILE_PHASES = 6   # the last six: a tile's, outside the step loop
 MARK = -12345.0   # a record's first word (no LSE is this)
 
 s = open(os.path.join("variants", "fa3.py")).read()
@@ -88,16 +93,16 @@ def probe_add(tl, k, t0):
 def work_items(n_blocks, batch_heads, paired):''')
 sub('''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
 ''', '''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
-        tl = cuda.local.array(11, uint32)
-        for q_ in range(11):
+        tl = cuda.local.array(13, uint32)
+        for q_ in range(13):
             tl[q_] = uint32(0)
         tl_t = probe_clock()
         stamped = False     # the default step loop ran (else no record: its phases were not timed)
 ''')
 sub('''            wait_full(smem, BAR_Q, done & 1)                                       # l.13
-''', '''            tl_t = probe_add(tl, 8, tl_t)
+''', '''            tl_t = probe_add(tl, 10, tl_t)
             wait_full(smem, BAR_Q, done & 1)                                       # l.13
-            tl_t = probe_add(tl, 9, tl_t)
+            tl_t = probe_add(tl, 11, tl_t)
 ''')
 sub('''                # The same with O waited for inside the turn, before S_{j+1} is issued.
                 for j in range(t_c):                                               # l.14
@@ -108,7 +113,7 @@ sub('''                # The same with O waited for inside the turn, before S_{j
                     pass_turn(wg)
                     WAIT_S(s)
 ''', '''                # The same with O waited for inside the turn, before S_{j+1} is issued.
-                tl_t = probe_add(tl, 10, tl_t)
+                tl_t = probe_add(tl, 12, tl_t)
                 stamped = True
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
@@ -146,21 +151,37 @@ sub('''                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHI
                     release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
                     tl_t = probe_add(tl, 6, tl_t)
 ''')
-sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
-            done += 1
-''', '''                        lse[bb, h, first_q + row] = lse_rows[r]
-            done += 1
+sub('''            tiles.scale_rows(o_acc, inv_l)
+            # l.22: write O_i, staged for 16-byte stores (the barrier before: every thread of the
+            # warpgroup is done reading the room, the previous tile's O or, in Q's room, the last
+            # QK^T wgmma has completed).
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
+            ptx.bar_sync(1 + wg, WG_THREADS)
+''', '''            tiles.scale_rows(o_acc, inv_l)
             tl_t = probe_add(tl, 7, tl_t)
+            # l.22: write O_i, staged for 16-byte stores (the barrier before: every thread of the
+            # warpgroup is done reading the room, the previous tile's O or, in Q's room, the last
+            # QK^T wgmma has completed).
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tl_t = probe_add(tl, 8, tl_t)
+''')
+sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
+            done = int32(done + 1)
+''', '''                        lse[bb, h, first_q + row] = lse_rows[r]
+            done = int32(done + 1)
+            tl_t = probe_add(tl, 9, tl_t)
             ptx.syncwarp()   # the warp's LSE stores above land before lane 0 writes over them
-            if stamped and lane == 0 and warp_row + 16 <= nq:   # the warp's 16 LSE rows here
+            # one record a warp, at the block's last tile: none of its stores in a timed phase
+            if final and stamped and lane == 0 and warp_row + 16 <= nq:   # its 16 LSE rows
                 rec = first_q + warp_row
                 lse[bb, h, rec] = float32(-12345.0)
-                lse[bb, h, rec + 1] = float32(cuda.blockIdx.x)
-                lse[bb, h, rec + 2] = float32(warp)
-                lse[bb, h, rec + 3] = float32(it)
-                lse[bb, h, rec + 4] = float32(done)
-                for q_ in range(11):
-                    lse[bb, h, rec + 5 + q_] = float32(tl[q_])
+                lse[bb, h, rec + 1] = float32((cuda.blockIdx.x * 16 + warp) * 4096 + done)
+                lse[bb, h, rec + 2] = float32(it)
+                for q_ in range(13):
+                    lse[bb, h, rec + 3 + q_] = float32(tl[q_])
 ''')
 
 fa3 = types.ModuleType("fa3_stamped")
@@ -169,14 +190,14 @@ exec(compile(s, fa3.__file__, "exec"), fa3.__dict__)
 
 
 def records(lse):
-    """{(block, warp): (steps, tiles, sums)}: each warp's record with the most tiles."""
+    """{(block, warp): (steps, tiles, sums)}: each warp's record (block, warp and tiles packed
+    into one float: 8 + 4 + 12 bits, exact in float32)."""
     flat = lse.reshape(-1)
     out = {}
     for at in np.flatnonzero(flat == np.float32(MARK)):
-        block, warp, steps, tiles = (int(x) for x in flat[at + 1:at + 5])
-        sums = flat[at + 5:at + 5 + len(PHASES)].astype(np.float64)
-        if (block, warp) not in out or tiles > out[block, warp][1]:
-            out[block, warp] = (steps, tiles, sums)
+        packed, steps = int(flat[at + 1]), int(flat[at + 2])
+        block, warp, tiles = packed >> 16, (packed >> 12) & 15, packed & 4095
+        out[block, warp] = (steps, tiles, flat[at + 3:at + 3 + len(PHASES)].astype(np.float64))
     return out
 
 
@@ -202,7 +223,7 @@ def main(n, causal, dtype, options):
         raise SystemExit("no record: the default step loop did not run (intra_overlap or "
                          "back_to_back on?)")
     print(f"# {target.describe()}; fa3 {dtype} d={d}, seqlen {n}, batch {b}, {h} heads, "
-          f"causal={causal}, options {json.dumps(options)}; cycles a step (the last four: a tile)")
+          f"causal={causal}, options {json.dumps(options)}; cycles a step (the last six: a tile)")
     print(f"{'warps':>10s} {'steps':>6s} " + " ".join(f"{p:>9s}" for p in PHASES)
           + "  step total tile total")
     for wg in sorted({w // 4 for _, w in got if w < 8}):
