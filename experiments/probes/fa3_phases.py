@@ -78,7 +78,12 @@ else:
         sig = types.uint32()
 
         def codegen(context, builder, sig, args):
-            return _asm2(builder, _i32b, [], "mov.u32 $0, %clock;", "=r", side_effect=True)
+            # %clock plus the lane's index, which the differences cancel: a value that differs
+            # across the warp keeps ptxas from reading the clock on the uniform datapath (S2UR),
+            # whose reads it moved across barriers and stores
+            return _asm2(builder, _i32b, [], "{ .reg .u32 t; mov.u32 $0, %clock; "
+                         "mov.u32 t, %laneid; add.u32 $0, $0, t; }", "=r,~{memory}",
+                         side_effect=True)
         return sig, codegen
 
 
