@@ -9,6 +9,10 @@ from common import pipeline, ptx
 from common.target import kernel
 
 STEPS, ROW = 7, 8   # rows of 8 uint16 (one 16-byte cp.async each)
+RING_BYTES = 2 * ROW * 2   # the two slots, in dynamic shared memory: 16-byte aligned, as cp.async
+                          # needs its destinations (a static uint16 array is aligned to 2 bytes
+                          # only; and `cuda.shared.array(2 * ROW, uint16)`, a shape Numba does not
+                          # fold to a constant, did not compile on the GPU)
 
 
 @kernel
@@ -30,7 +34,7 @@ def test_slot_of_step():
 @kernel
 def stream_rows(src, out, n_steps):
     """Row j of src copied into slot j mod 2 one step ahead, read back from it at step j."""
-    smem = cuda.shared.array(2 * ROW, uint16)
+    smem = cuda.shared.array(0, uint16)
     tid = int32(cuda.threadIdx.x)
     if tid == 0:
         ptx.cp_async_16(smem, 0, src, 0, 0, 16)
@@ -52,5 +56,5 @@ def stream_rows(src, out, n_steps):
 def test_ring_of_two_streams_every_row(rng, threads):
     src = rng.integers(0, 1 << 16, (STEPS, ROW), dtype=np.uint16)
     out = cuda.to_device(np.zeros_like(src))
-    stream_rows[1, threads](cuda.to_device(src), out, np.int32(STEPS))
+    stream_rows[1, threads, 0, RING_BYTES](cuda.to_device(src), out, np.int32(STEPS))
     assert (out.copy_to_host() == src).all()
