@@ -199,6 +199,7 @@ def test_main_job_checks_and_writes_a_row(tmp_path):
     # what ran, defaults resolved: every fa2 option, with the value its default_config chose at
     # the job's head_dim (the problem's default: 64 in the simulator, 128 on a GPU)
     fa2 = variants.get("fa2")
+    assert ours["head_dim"] == ("64" if MODE == "sim" else "128")
     want = fa2.default_config(int(ours["head_dim"]), "bfloat16", False)
     assert ours["config"] == ";".join(f"{k}={getattr(want, k)}" for k in fa2.OPTIONS)
     if MODE == "sim":

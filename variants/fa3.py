@@ -123,7 +123,8 @@ def work_items(n_blocks, batch_heads, paired):
 @device_function
 def divider(d):
     """(d, m, l): what `divmod_by` needs to divide by d (1 <= d < 2^31) with one multiply and a
-    shift (Granlund and Montgomery's method, CUTLASS's FastDivmod): l = ceil(log2 d) and m =
+    shift (Granlund and Montgomery's round-up method, as PyTorch's IntDivider has it; FA3's tile
+    scheduler uses CUTLASS's FastDivmod, a variant of it): l = ceil(log2 d) and m =
     floor(2^32 (2^l - d) / d) + 1 < 2^32. A block makes its dividers once (one 64-bit division
     each); a tile's indices then cost a multiply-high each, not a division (~40 instructions and a
     MUFU round trip on the GPU, which has no integer divider)."""
@@ -972,7 +973,7 @@ def build(cfg):
             softmax.init_rows(m_i, l_i)
             # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per
             # block: multiplied into S in the loop), V's joins 1/l at the end (loaded here, with
-            # the others before the wait for Q: none of the three loads' latency is waited out).
+            # the others, before the wait for Q: no descale load's latency is waited out).
             eff_scale = softmax_scale
             v_scale = float32(1)
             if FP8:

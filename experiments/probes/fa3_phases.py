@@ -22,7 +22,8 @@ step spends in each phase, summed over the call:
     stage O    O into shared memory as 16-bit pairs, between the warpgroup's two barriers
     store O    O's 16-byte stores to global memory, Q's room released, L written
     schedule   from there (or the kernel's start) to the next tile's wait for Q_i: the tile
-               scheduler's arithmetic, the sequence's bounds, O and the statistics cleared
+               scheduler's arithmetic, the sequence's bounds, O and the statistics cleared,
+               FP8's descale loads issued
     wait Q     the wait for Q_i's full barrier
     turn       from Q_i to the step loop: the ping-pong's first turn of the tile
 
@@ -200,6 +201,9 @@ def records(lse):
     flat = lse.reshape(-1)
     out = {}
     for at in np.flatnonzero(flat == np.float32(MARK)):
+        if flat[at + 1] >= 2 ** 24:
+            raise SystemExit("a record's block, warp and tile count do not fit its float (more "
+                             "than 255 blocks: the probe reads persistent runs only)")
         packed, steps = int(flat[at + 1]), int(flat[at + 2])
         block, warp, tiles = packed >> 16, (packed >> 12) & 15, packed & 4095
         out[block, warp] = (steps, tiles, flat[at + 3:at + 3 + len(PHASES)].astype(np.float64))
@@ -208,6 +212,9 @@ def records(lse):
 
 def main(n, causal, dtype, options):
     from common import fp8, inputs, target
+    if n % 128:   # a warp records at its block's last tile, from 16 whole LSE rows of it
+        raise SystemExit(f"seqlen {n}: the probe takes a multiple of 128 (B_r), so that every "
+                         "warp's last tile holds its record")
     b, h, d = (max(1, 16384 // n), 16, 128) if MODE == "gpu" else (1, 2, 128)
     q, k, v = (inputs.to_device(x, inputs.default_library()) for x in
                inputs.random_qkv(np.random.default_rng(0), b, n, h, d, "bfloat16"))
@@ -236,9 +243,10 @@ def main(n, causal, dtype, options):
         steps = sum(r[0] for r in rows)
         tiles = sum(r[1] for r in rows)
         sums = sum(r[2] for r in rows)
-        per = [x / max(steps, 1) for x in sums[:7]] + [x / max(tiles, 1) for x in sums[7:]]
+        cut = len(PHASES) - TILE_PHASES
+        per = [x / max(steps, 1) for x in sums[:cut]] + [x / max(tiles, 1) for x in sums[cut:]]
         print(f"{'wg ' + str(wg):>10s} {steps / len(rows):6.1f} " + " ".join(f"{x:9.0f}" for x in per)
-              + f"  {sum(per[:7]):9.0f} {sum(per[7:]):9.0f}")
+              + f"  {sum(per[:cut]):9.0f} {sum(per[cut:]):9.0f}")
 
 
 if __name__ == "__main__":
