@@ -36,6 +36,7 @@ red_add_v2_f32 = sm80.red_add_v2_f32
 red_add_v2_f32_at = sm80.red_add_v2_f32_at
 st_shared_v4_f32 = sm80.st_shared_v4_f32
 bulk_reduce_add_f32 = sm80.bulk_reduce_add_f32
+bulk_store = sm80.bulk_store
 bulk_commit = sm80.bulk_commit
 bulk_wait_read = sm80.bulk_wait_read
 bulk_wait = sm80.bulk_wait

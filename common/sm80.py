@@ -43,6 +43,7 @@ groups, exit checks) and common/_inline_asm.py (the inline-PTX codegen helpers).
 | red_add_v2_f32_at                    | the same at a global_address plus whole rows, + cols   |
 | st_shared_v4_f32                     | st.shared.v4.f32                                       |
 | bulk_reduce_add_f32                  | cp.reduce.async.bulk.global.shared::cta...add.f32      |
+| bulk_store                           | cp.async.bulk.global.shared::cta.bulk_group (sm_90)    |
 | bulk_commit, bulk_wait_read, _wait   | cp.async.bulk.commit_group, .wait_group[.read] (sm_90) |
 | fence_proxy_async_shared             | fence.proxy.async.shared::cta                          |
 
@@ -698,6 +699,18 @@ if SIMULATOR:
         with _RED_LOCK:
             a.reshape(-1)[start:start + n] += unwrap(src)[o:o + n].astype(np.float32)
 
+    def bulk_store(address, src, src_offset, nbytes):
+        """The nbytes at `address` (global_address of 32-bit words, moved by whole rows) =
+        src[o:o + nbytes / 4]: done at once (the simulator has no copy engine; the kernels call it
+        only after the barrier that makes the source final)."""
+        n, o = int(nbytes) // 4, int(src_offset)
+        a, r, c = address.ary, address.row, address.col
+        if int(nbytes) % 16 or o % 4 or a.itemsize != 4 or not 0 <= r < a.shape[0] \
+                or c + n > a.shape[1]:
+            raise ValueError("a bulk store moves whole 16-byte units from a 16-byte aligned source "
+                             "into one row of its destination (32-bit words)")
+        a[r, c:c + n] = unwrap(src)[o:o + n]
+
     def bulk_commit():
         pass
 
@@ -742,6 +755,26 @@ else:
             return context.get_dummy_value()
 
         return types.void(dst, row, src, src_offset, nbytes), codegen
+
+    @intrinsic
+    def bulk_store(typingctx, address, src, src_offset, nbytes):
+        """The nbytes at a 64-bit global address (global_address, moved by whole row pitches) =
+        src[src_offset:...] (16-byte aligned at both ends, nbytes a multiple of 16): one
+        asynchronous bulk copy from shared to global memory by the copy engine (no tensor map),
+        issued by the calling thread into its bulk group. The source's ordinary stores need
+        fence_proxy_async_shared and a barrier before; close the group with bulk_commit; the
+        source may be overwritten after bulk_wait_read, and the copy is complete (before the
+        kernel ends) after bulk_wait."""
+        def codegen(context, builder, sig, args):
+            gaddr = _as(context, builder, args[0], sig.args[0], types.int64)
+            saddr = _shared_address(context, builder, sig.args[1], args[1], args[2], sig.args[2])
+            n = _as(context, builder, args[3], sig.args[3], types.int32)
+            _asm(builder, ir.VoidType(), [gaddr, saddr, n],
+                 "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+                 "l,r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(address, src, src_offset, nbytes), codegen
 
     bulk_commit = _make_statement("cp.async.bulk.commit_group;",
                                   "Close the calling thread's group of bulk operations issued since "

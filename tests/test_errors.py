@@ -153,8 +153,17 @@ def test_backward_bad_options(rng, qkv, variant, options, message):
     (dict(producer="bulk"), "producer must be one of \\('tma', 'cp_async'\\), got 'bulk'"),
     (dict(poly_exp2=17), "poly_exp2 must be 0 \\(off\\) to block_n / 8 = 16 .*got 17"),
     (dict(poly_exp2=-1), "poly_exp2 must be 0 \\(off\\) to block_n / 8 = 16 .*got -1"),
+    (dict(o_store="tma"), "o_store must be one of \\('threads', 'bulk'\\), got 'tma'"),
 ])
 def test_fa3_bad_options(rng, options, message):
     q = device(rng, (1, 16, 2, 128))
     with pytest.raises(ValueError, match=message):
         variants.forward(q, q, q, variant="fa3", **options)
+
+
+def test_fa3_bulk_store_needs_its_room(rng):
+    """At head_dim 256 O has no room of its own beside the ring (o_apart), which o_store="bulk"
+    stages into."""
+    q = device(rng, (1, 16, 2, 256))
+    with pytest.raises(ValueError, match="o_store='bulk' needs O's own staging room"):
+        variants.forward(q, q, q, variant="fa3", o_store="bulk")

@@ -182,6 +182,18 @@ def test_fa3_fp8_with_exponentials_on_the_fma_units(rng, seqlen, causal, poly_ex
     check_fa3_fp8(rng, seqlen, causal, None, 1, 128, poly_exp2=poly_exp2)
 
 
+BULK_CASES = [(130, True, 1)]
+if ON_GPU:
+    BULK_CASES += [(700, False, 2), (2048, True, 1), (1000, False, 1)]
+
+
+@pytest.mark.parametrize("seqlen, causal, kv_group", BULK_CASES)
+def test_fa3_fp8_with_o_stored_by_bulk_copies(rng, seqlen, causal, kv_group):
+    """o_store="bulk": O staged unswizzled and stored by the copy engine, a row a copy (partial
+    last tiles: 130, 700, 1000 rows)."""
+    check_fa3_fp8(rng, seqlen, causal, None, kv_group, 128, o_store="bulk")
+
+
 def check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, **options):
     """test_fa3_fp8_matches_float64's check, with fa3 `options`."""
     b, h = 1, 2 * kv_group

@@ -378,6 +378,39 @@ def test_bulk_reduction_adds_a_contiguous_block():
 
 
 @cuda.jit
+def bulk_store_kernel(dst, rows):
+    """Shared memory filled with 16-byte stores (word w = 1000 blk + w), then thread 0 copies
+    `rows` rows of 32 words into rows blk, blk + 2, ... of dst (uint32), one bulk copy a row."""
+    tid, blk = int32(cuda.threadIdx.x), int32(cuda.blockIdx.x)
+    smem = cuda.shared.array(0, uint32)
+    x = 4 * tid
+    base = uint32(1000 * blk)
+    for i in range(4):
+        smem[x + i] = base + uint32(x + i)
+    ptx.fence_proxy_async_shared()
+    cuda.syncthreads()
+    if tid == 0:
+        for r in range(rows):
+            ptx.bulk_store(ptx.global_address(dst, blk, int32(0)) + 2 * r * dst.strides[0],
+                           smem, int32(32 * r), 128)
+        ptx.bulk_commit()
+        ptx.bulk_wait_read(0)
+        ptx.bulk_wait(0)
+
+
+def test_bulk_store_copies_whole_rows():
+    """ptx.bulk_store (fa3's o_store="bulk"): rows of 128 bytes from shared memory, each into a
+    row of a strided destination (every other row: the rows between stay as they were)."""
+    dst = np.full((6, 40), 7, np.uint32)   # rows longer than a copy: its tail stays too
+    bulk_store_kernel[2, 16, 0, 256](dst, 2)
+    expect = np.full((6, 40), 7, np.uint32)
+    for blk in range(2):
+        for r in range(2):
+            expect[blk + 2 * r, :32] = 1000 * blk + 32 * r + np.arange(32)
+    np.testing.assert_array_equal(dst, expect)
+
+
+@cuda.jit
 def pair_barrier_kernel(out, spin):
     """Warps 2p and 2p+1 meet at named barrier 1 + p: the first spins, then writes its lanes' ids
     to shared memory; after the barrier the second reads them (and the first the second's)."""

@@ -151,7 +151,9 @@ if ON_GPU:
                   (dict(block_n=80, stages=3), False),
                   (dict(producer="cp_async"), False),
                   (dict(producer="cp_async", block_m=64, stages=3), True),
-                  (dict(poly_exp2=2), True)]   # half the exponentials on the FMA units
+                  (dict(poly_exp2=2), True),   # half the exponentials on the FMA units
+                  (dict(o_store="bulk"), False),   # O by bulk copies (simulated: test_fp8)
+                  (dict(o_store="bulk", intra_overlap=True, block_m=64), True)]
 
 
 @pytest.mark.gpu

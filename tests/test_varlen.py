@@ -102,6 +102,15 @@ def test_fa3_varlen_skips_tiles_past_each_sequence(rng, lengths, mask):
     check_packed_forward(rng, "fa3", lengths, mask, 1, 1, 64, VARIANT_OPTIONS["fa3"])
 
 
+@pytest.mark.gpu   # (the simulator runs o_store="bulk" in test_fp8)
+def test_fa3_varlen_bulk_store_keeps_to_each_sequence(rng):
+    """o_store="bulk" (O by bulk copies, a row each): no copy for the rows past a sequence's end,
+    which in the packed output are the next sequence's."""
+    lengths, mask = FA3_SKIPS[0]
+    check_packed_forward(rng, "fa3", lengths, mask, 1, 1, 64,
+                         dict(VARIANT_OPTIONS["fa3"], o_store="bulk"))
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the simulator's 0 x inf in sequence 1
 @pytest.mark.parametrize("options", [dict(producer="cp_async"), dict(), dict(intra_overlap=True),
                                      dict(back_to_back=True)],

@@ -96,6 +96,9 @@ from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_bloc
 
 HEAD_DIMS = tiles.HEAD_DIMS     # multiples of 8 from 32 to 256, in tiles of whole 64-column panels
 PRODUCERS = ("tma", "cp_async")
+O_STORES = ("threads", "bulk")
+O_BULK_PAD = 8          # o_store="bulk": O's staged rows 8 elements (16 bytes) apart beyond d, so
+                        # that the staging's 4-byte stores of a warp fall in 32 distinct banks
 FP8_HEAD_DIMS = (128, 256)   # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
 P_LOG2_SHIFT = 8        # FP8: P~ = 2^8 exp(S - m) in [0, 256]: the smallest probabilities that
                         # matter (~2^-8 of a row's largest) land on e4m3 normals (>= 2^-6), not
@@ -184,6 +187,10 @@ class Config:
     poly_exp2: int = 0           # the exponentials of one 8-key column group of S in every
                                  # poly_exp2 by a polynomial on the FMA units (FA4's software exp2,
                                  # ptx.ex2_poly) instead of the MUFU unit; 0: all on the MUFU
+    o_store: str = "threads"     # how O_i leaves shared memory: "threads" (16-byte loads and
+                                 # stores by every consumer thread) or "bulk" (FA3's: the copy
+                                 # engine, one bulk copy a row, so the warps go on at once; rows
+                                 # staged unswizzled at a padded pitch in O's own room, o_apart)
 
     @property
     def consumers(self):
@@ -273,16 +280,23 @@ class Config:
         return BARRIER_BYTES + sm90.SWIZZLE_ATOM_BYTES - 2
 
     @property
+    def o_pitch(self):
+        """Elements from one staged row of O_i to the next: the tile's (swizzled 16-byte chunks),
+        or for o_store="bulk" unswizzled rows O_BULK_PAD further apart (the bulk copy reads a row
+        as it lies)."""
+        return self.tile_dim + (O_BULK_PAD if self.o_store == "bulk" else 0)
+
+    @property
     def o_apart(self):
         """O_i is staged for its store in a room of its own after the ring when that fits (beside
         the staging buffers of V, when the producer transposes it), so that Q_{i+1} may land while
         O_i is written (persistent); else in Q_i's room, which is then released only after the
         store."""
         return (self._fixed_bytes() + self.ring_bytes() + self.staging_units * self.unit_bytes()
-                + 2 * self.block_m * self.tile_dim) <= MAX_SHARED_BYTES
+                + 2 * self.block_m * self.o_pitch) <= MAX_SHARED_BYTES
 
     def o_room_bytes(self):
-        return 2 * self.block_m * self.tile_dim if self.o_apart else 0
+        return 2 * self.block_m * self.o_pitch if self.o_apart else 0
 
     def tile_bytes(self):
         """Bytes of the tiles after the first 1024-aligned byte past the mbarriers: Q_i at 0, the
@@ -328,6 +342,14 @@ class Config:
         if not 0 <= self.poly_exp2 <= self.block_n // 8:
             raise ValueError(f"poly_exp2 must be 0 (off) to block_n / 8 = {self.block_n // 8} (one "
                              f"8-key column group in every poly_exp2), got {self.poly_exp2}")
+        if self.o_store not in O_STORES:
+            raise ValueError(f"o_store must be one of {O_STORES}, got {self.o_store!r}")
+        if self.o_store == "bulk" and not self.o_apart:
+            raise ValueError(
+                f"o_store='bulk' needs O's own staging room (o_apart), which does not fit in "
+                f"{MAX_SHARED_BYTES} bytes beside this configuration's ring (block_m="
+                f"{self.block_m}, block_n={self.block_n}, stages={self.stages}, head_dim "
+                f"{self.head_dim}); use o_store='threads' or fewer stages")
         if not 1 <= self.v_staging <= 4:
             raise ValueError(f"v_staging must be 1 to 4, got {self.v_staging}")
         if self.v_in_producer and self.head_dim != 128:
@@ -452,6 +474,10 @@ def build(cfg):
     TRANSPOSE_UNIT = fp8.unit_transposer(D, TRANSPOSERS) if TRANSPOSE else None
     O_APART = cfg.o_apart
     O_ROOM = cfg.ring_bytes() // 2              # 16-bit offset of O's staging room (o_apart)
+    O_BULK = cfg.o_store == "bulk"              # O_i stored by bulk copies, a row each
+    O_PITCH = cfg.o_pitch                       # 16-bit elements from one staged row of O to the next
+    WG_O_ELEMS = WG_ROWS * O_PITCH              # a warpgroup's part of O's room
+    O_ROW_BYTES = 2 * HEAD_DIM                  # a bulk copy: a row of O, its columns past d left out
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
     # and one panel (rows x 128 bytes) per 64 columns; V (MN-major) one 2 KB row group per 16 keys,
     # its d/64 panels LBO apart.
@@ -928,8 +954,8 @@ def build(cfg):
         k_desc0 = sm90.smem_descriptor(kv_addr, 16, SBO)
         v_desc0 = sm90.smem_descriptor(kv_addr + K_TILE_BYTES, 16 if FP8 else V_LBO, SBO)
         # O_i's staging room (16-bit pairs): its own after the ring, or this warpgroup's Q room
-        o_start = ((tiles0 + O_ROOM) if O_APART else tiles0) + wg * WG_Q_ELEMS
-        stage32 = cuda.shared.array(0, uint32)[o_start >> 1:(o_start >> 1) + WG_Q_ELEMS // 2]
+        o_start = ((tiles0 + O_ROOM) if O_APART else tiles0) + wg * WG_O_ELEMS
+        stage32 = cuda.shared.array(0, uint32)[o_start >> 1:(o_start >> 1) + WG_O_ELEMS // 2]
 
         o_acc = cuda.local.array(O_ACC, float32)
         m_i = cuda.local.array(2, float32)
@@ -1131,15 +1157,45 @@ def build(cfg):
                     inv_l[r] *= v_scale
                     lse_rows[r] -= P_SHIFT * LN2
             tiles.scale_rows(o_acc, inv_l)
-            # l.22: write O_i, staged for 16-byte stores (the barrier before: every thread of the
-            # warpgroup is done reading the room, the previous tile's O or, in Q's room, the last
-            # QK^T wgmma has completed).
-            ptx.bar_sync(1 + wg, WG_THREADS)
-            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
-            ptx.bar_sync(1 + wg, WG_THREADS)
-            o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
-            tiles.store_tile(o_h, stage32, wg_row0, nq, WG_ROWS, D, D, True, wg_tid, WG_THREADS,
-                             O_COLS)
+            # l.22: write O_i, staged in shared memory.
+            if O_BULK:
+                # FA3's store by the copy engine, without a tensor map: a bulk copy a row. A warp
+                # stages its own 16 rows of O (unswizzled, O_PITCH apart) and its lane 0 issues
+                # their copies; the warps go on while they run. (The warpgroup's barriers, not
+                # the warp's: with syncwarps here ptxas took the step loop's descriptor
+                # arithmetic off the uniform datapath, 1 001 -> 1 020 instructions a step.)
+                if lane == 0:
+                    ptx.bulk_wait_read(0)   # the warp's last copies have read its rows of the room
+                ptx.bar_sync(1 + wg, WG_THREADS)
+                tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, O_PITCH, False, ELEM)
+                ptx.fence_proxy_async_shared()   # the stores before the copy engine's reads
+                ptx.bar_sync(1 + wg, WG_THREADS)
+                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
+                # the warp's index from lane 0, so that ptxas knows it the same in every lane
+                # and builds the copies' operands in uniform registers; the warp's first row
+                # and its address made once, then moved by whole rows
+                bw = int32(ptx.broadcast_u32(uint32(warp)))
+                row0 = int32(i * BR + 16 * bw)   # bw = 4 wg + wg_warp
+                words = int32((((tiles0 + O_ROOM) >> 1) + (bw >> 2) * (WG_O_ELEMS >> 1))
+                              + 16 * (bw & 3) * (O_PITCH >> 1))   # its first staged row
+                if lane == 0:
+                    smem32 = cuda.shared.array(0, uint32)
+                    address = ptx.global_address(o_h, min(row0, int32(nq - 1)), int32(0))
+                    for r in range(16):
+                        if int32(row0 + r) < nq:
+                            ptx.bulk_store(address + r * o_h.strides[0], smem32,
+                                           int32(words + r * (O_PITCH >> 1)), O_ROW_BYTES)
+                    ptx.bulk_commit()
+            else:
+                # 16-byte stores by every thread of the warpgroup (the barrier before: every
+                # thread of it is done reading the room, the previous tile's O or, in Q's room,
+                # the last QK^T wgmma has completed)
+                ptx.bar_sync(1 + wg, WG_THREADS)
+                tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
+                ptx.bar_sync(1 + wg, WG_THREADS)
+                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
+                tiles.store_tile(o_h, stage32, wg_row0, nq, WG_ROWS, D, D, True, wg_tid,
+                                 WG_THREADS, O_COLS)
             if not O_APART:   # O_i has left Q's room: the next Q may land there
                 ptx.bar_sync(1 + wg, WG_THREADS)
                 release(smem, BAR_EMPTY_Q, 0, lane)
@@ -1149,6 +1205,8 @@ def build(cfg):
                     if row < nq:
                         lse[bb, h, first_q + row] = lse_rows[r]
             done = int32(done + 1)
+        if O_BULK and lane == 0:
+            ptx.bulk_wait(0)   # the last tile's copies done while the block's shared memory lives
 
     return fa3_forward
 

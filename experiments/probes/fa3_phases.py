@@ -20,7 +20,8 @@ step spends in each phase, summed over the call:
     finalize   from the last step to O scaled by 1/l (the turn passed on, l summed across the
                row's lanes, 1/l and L)
     stage O    O into shared memory as 16-bit pairs, between the warpgroup's two barriers
-    store O    O's 16-byte stores to global memory, Q's room released, L written
+    store O    O stored (16-byte stores, or o_store="bulk": the bulk copies issued), Q's room
+               released (O in Q's room), L written
     schedule   from there (or the kernel's start) to the next tile's wait for Q_i: the tile
                scheduler's arithmetic, the sequence's bounds, O and the statistics cleared,
                FP8's descale loads issued
@@ -158,22 +159,18 @@ sub('''                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHI
                     tl_t = probe_add(tl, 6, tl_t)
 ''')
 sub('''            tiles.scale_rows(o_acc, inv_l)
-            # l.22: write O_i, staged for 16-byte stores (the barrier before: every thread of the
-            # warpgroup is done reading the room, the previous tile's O or, in Q's room, the last
-            # QK^T wgmma has completed).
-            ptx.bar_sync(1 + wg, WG_THREADS)
-            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
-            ptx.bar_sync(1 + wg, WG_THREADS)
+            # l.22: write O_i, staged in shared memory.
 ''', '''            tiles.scale_rows(o_acc, inv_l)
             tl_t = probe_add(tl, 7, tl_t)
-            # l.22: write O_i, staged for 16-byte stores (the barrier before: every thread of the
-            # warpgroup is done reading the room, the previous tile's O or, in Q's room, the last
-            # QK^T wgmma has completed).
-            ptx.bar_sync(1 + wg, WG_THREADS)
-            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
-            ptx.bar_sync(1 + wg, WG_THREADS)
-            tl_t = probe_add(tl, 8, tl_t)
+            # l.22: write O_i, staged in shared memory.
 ''')
+s = s.replace('''                ptx.bar_sync(1 + wg, WG_THREADS)
+                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
+''', '''                ptx.bar_sync(1 + wg, WG_THREADS)
+                tl_t = probe_add(tl, 8, tl_t)
+                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
+''')   # both stores' paths (o_store)
+assert s.count("tl_t = probe_add(tl, 8, tl_t)") == 2
 sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
             done = int32(done + 1)
 ''', '''                        lse[bb, h, first_q + row] = lse_rows[r]
