@@ -699,29 +699,52 @@ if SIMULATOR:
         with _RED_LOCK:
             a.reshape(-1)[start:start + n] += unwrap(src)[o:o + n].astype(np.float32)
 
+    # A bulk store is queued in the issuing thread's open group ("bulk"), bulk_commit closes it,
+    # and it reads its source and lands only at the bulk_wait_read or bulk_wait that covers it:
+    # the latest a GPU may read the source, so a kernel that restages the source before that wait
+    # copies the new data, deterministically, and one that never waits leaves the copy unmade
+    # (and fails check_bulk_landed). The bulk reductions above are applied at once.
     def bulk_store(address, src, src_offset, nbytes):
         """The nbytes at `address` (global_address of 32-bit words, moved by whole rows) =
-        src[o:o + nbytes / 4]: done at once (the simulator has no copy engine; the kernels call it
-        only after the barrier that makes the source final)."""
+        src[o:o + nbytes / 4] (32-bit words), when a bulk wait covers it."""
         n, o = int(nbytes) // 4, int(src_offset)
         a, r, c = address.ary, address.row, address.col
-        if int(nbytes) % 16 or o % 4 or a.itemsize != 4 or not 0 <= r < a.shape[0] \
-                or c + n > a.shape[1]:
+        s = unwrap(src)
+        if int(nbytes) % 16 or o % 4 or c % 4 or a.strides[0] % 16 or a.itemsize != 4 \
+                or s.itemsize != 4 or not 0 <= r < a.shape[0] or c + n > a.shape[1]:
             raise ValueError("a bulk store moves whole 16-byte units from a 16-byte aligned source "
-                             "into one row of its destination (32-bit words)")
-        a[r, c:c + n] = unwrap(src)[o:o + n]
+                             "into one row of its 16-byte aligned destination (32-bit words)")
+        async_groups("bulk")[0].append((a, r, c, s, o, n))
+
+    def _bulk_land(pending):
+        committed = async_groups("bulk")[1]
+        while len(committed) > int(pending):
+            for a, r, c, s, o, n in committed.pop(0):
+                a[r, c:c + n] = s[o:o + n]
+
+    def check_bulk_landed():
+        """Raise if this thread has bulk stores that no bulk wait has covered (its kernel is
+        returning: on a GPU the block's shared memory, their source, would be gone)."""
+        open_group, committed = async_groups("bulk")
+        waiting = sum(len(g) for g in committed)
+        if open_group or waiting:
+            raise RuntimeError(f"bulk stores issued but never waited for (bulk_wait) before the "
+                               f"kernel returned: {waiting} committed, {len(open_group)} "
+                               "uncommitted")
+
+    EXIT_CHECKS.append(check_bulk_landed)
 
     def bulk_commit():
-        pass
+        commit_group("bulk")
 
     def fence_proxy_async_shared():
         pass
 
     def bulk_wait_read(pending):
-        pass
+        _bulk_land(pending)
 
     def bulk_wait(pending):
-        pass
+        _bulk_land(pending)
 else:
     @intrinsic
     def st_shared_v4_f32(typingctx, smem, offset, x0, x1, x2, x3):

@@ -379,8 +379,9 @@ def test_bulk_reduction_adds_a_contiguous_block():
 
 @cuda.jit
 def bulk_store_kernel(dst, rows):
-    """Shared memory filled with 16-byte stores (word w = 1000 blk + w), then thread 0 copies
-    `rows` rows of 32 words into rows blk, blk + 2, ... of dst (uint32), one bulk copy a row."""
+    """Shared memory filled (word w = 1000 blk + w, four 4-byte stores a thread), then thread 0
+    copies `rows` rows of 32 words into rows blk, blk + 2, ... of dst (uint32), a bulk copy a
+    row."""
     tid, blk = int32(cuda.threadIdx.x), int32(cuda.blockIdx.x)
     smem = cuda.shared.array(0, uint32)
     x = 4 * tid
@@ -482,6 +483,43 @@ def test_async_copies_land_only_at_the_wait_that_covers_them(rng):
     a, b, mark, zero = src[:, 0], src[:, 8], np.full(32, MARK), np.zeros(32)
     expect = [[mark, mark, mark], [a, mark, mark], [a, b, mark], [a, b, zero]]
     np.testing.assert_array_equal(seen, np.array(expect, np.uint16))
+
+
+@target.kernel
+def bulk_store_restaged_kernel(dst, wait_before_restage, wait_at_end):
+    """Thread 0 bulk-stores 16 words of 1s from shared memory, which is then restaged with 2s;
+    its waits for the copy: before the restaging, at the end, or none."""
+    tid = int32(cuda.threadIdx.x)
+    smem = cuda.shared.array(0, uint32)
+    for i in range(4):
+        smem[4 * tid + i] = uint32(1)
+    ptx.fence_proxy_async_shared()
+    cuda.syncthreads()
+    if tid == 0:
+        ptx.bulk_store(ptx.global_address(dst, 0, int32(0)), smem, 0, 64)
+        ptx.bulk_commit()
+        if wait_before_restage:
+            ptx.bulk_wait_read(0)
+    cuda.syncthreads()
+    for i in range(4):
+        smem[4 * tid + i] = uint32(2)
+    cuda.syncthreads()
+    if tid == 0 and wait_at_end:
+        ptx.bulk_wait(0)
+
+
+@pytest.mark.sim
+def test_simulated_bulk_stores_read_their_source_at_the_wait():
+    """The simulator lands a bulk store at the latest a GPU may read its source, the bulk wait
+    that covers it: a source restaged before that wait is what gets copied (on a GPU, a race),
+    and a kernel that never waits is refused."""
+    for before, expect in ((True, 1), (False, 2)):
+        dst = np.zeros((2, 16), np.uint32)
+        bulk_store_restaged_kernel[1, 4, 0, 64](dst, before, True)
+        np.testing.assert_array_equal(dst[0], np.full(16, expect, np.uint32))
+        assert not dst[1].any()
+    with pytest.raises(RuntimeError, match="bulk stores issued but never waited for"):
+        bulk_store_restaged_kernel[1, 4, 0, 64](np.zeros((2, 16), np.uint32), False, False)
 
 
 @target.kernel

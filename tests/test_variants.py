@@ -157,6 +157,15 @@ if ON_GPU:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [40, 96])
+def test_fa3_bulk_store_at_a_padded_head_dim(rng, head_dim):
+    """o_store="bulk" where the tile is wider than head_dim (40 in 64 columns, 96 in 128): each
+    row's copy is 2 * head_dim bytes, the tile's zero columns left out."""
+    run_and_check(rng, "fa3", batch=1, seqlen=300, heads=2, head_dim=head_dim,
+                  dtype="bfloat16", causal=True, o_store="bulk")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("intra_overlap", [False, True])
 def test_fa3_three_consumer_warpgroups(rng, causal, intra_overlap):

@@ -188,8 +188,9 @@ class Config:
                                  # poly_exp2 by a polynomial on the FMA units (FA4's software exp2,
                                  # ptx.ex2_poly) instead of the MUFU unit; 0: all on the MUFU
     o_store: str = "threads"     # how O_i leaves shared memory: "threads" (16-byte loads and
-                                 # stores by every consumer thread) or "bulk" (FA3's: the copy
-                                 # engine, one bulk copy a row, so the warps go on at once; rows
+                                 # stores by every consumer thread) or "bulk" (the copy engine, as
+                                 # in FA3's epilogue, which uses a TMA tensor store; here one bulk
+                                 # copy a row, no tensor map, so the warps go on at once; rows
                                  # staged unswizzled at a padded pitch in O's own room, o_apart)
 
     @property
@@ -349,7 +350,7 @@ class Config:
                 f"o_store='bulk' needs O's own staging room (o_apart), which does not fit in "
                 f"{MAX_SHARED_BYTES} bytes beside this configuration's ring (block_m="
                 f"{self.block_m}, block_n={self.block_n}, stages={self.stages}, head_dim "
-                f"{self.head_dim}); use o_store='threads' or fewer stages")
+                f"{self.head_dim}); use o_store='threads', fewer stages or a smaller block_n")
         if not 1 <= self.v_staging <= 4:
             raise ValueError(f"v_staging must be 1 to 4, got {self.v_staging}")
         if self.v_in_producer and self.head_dim != 128:

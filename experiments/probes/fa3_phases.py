@@ -20,6 +20,7 @@ step spends in each phase, summed over the call:
     finalize   from the last step to O scaled by 1/l (the turn passed on, l summed across the
                row's lanes, 1/l and L)
     stage O    O into shared memory as 16-bit pairs, between the warpgroup's two barriers
+               (o_store="bulk": after lane 0's wait for the last tile's copies to read the room)
     store O    O stored (16-byte stores, or o_store="bulk": the bulk copies issued), Q's room
                released (O in Q's room), L written
     schedule   from there (or the kernel's start) to the next tile's wait for Q_i: the tile
