@@ -714,13 +714,17 @@ if SIMULATOR:
                 or s.itemsize != 4 or not 0 <= r < a.shape[0] or c + n > a.shape[1]:
             raise ValueError("a bulk store moves whole 16-byte units from a 16-byte aligned source "
                              "into one row of its 16-byte aligned destination (32-bit words)")
-        async_groups("bulk")[0].append((a, r, c, s, o, n))
+        def land():
+            a[r, c:c + n] = s[o:o + n]
+        async_groups("bulk")[0].append(land)
 
     def _bulk_land(pending):
+        """Every bulk group but the newest `pending` lands (each entry of a group, a bulk store or
+        sm90's tensor store, is the function that makes its copy)."""
         committed = async_groups("bulk")[1]
         while len(committed) > int(pending):
-            for a, r, c, s, o, n in committed.pop(0):
-                a[r, c:c + n] = s[o:o + n]
+            for land in committed.pop(0):
+                land()
 
     def check_bulk_landed():
         """Raise if this thread has bulk stores that no bulk wait has covered (its kernel is

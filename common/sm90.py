@@ -16,6 +16,7 @@ instructions (mma.sync, ldmatrix, cp.async).
 | cp_async_mbarrier_arrive                 | cp.async.mbarrier.arrive.noinc.shared::cta.b64            |
 | mbarrier_try_wait, mbarrier_wait         | mbarrier.try_wait.parity.shared::cta.b64 (and its loop)   |
 | tma_load_4d                              | cp.async.bulk.tensor.4d.shared::cluster.global.tile       |
+| tma_store_4d                             | cp.async.bulk.tensor.4d.global.shared::cta.bulk_group     |
 | tensormap_acquire                        | prefetch.tensormap; fence.proxy.tensormap::generic.acquire|
 | setmaxnreg(direction, count)             | setmaxnreg.{inc,dec}.sync.aligned.u32 (a warpgroup's cap) |
 | griddep_launch_dependents, griddep_wait  | griddepcontrol.launch_dependents / .wait (PDL, below)     |
@@ -427,6 +428,26 @@ if SIMULATOR:
         _dynamic_shared()[addr] = np.ascontiguousarray(box).view(np.uint8)
         _barrier(bar_smem, bar_offset)[0].complete_tx(rows * SWIZZLE_BYTES)
 
+    def tma_store_4d(tmaps, i, c0, c1, c2, c3, src, src_offset):
+        """The box [c3, c2, c1:c1+rows, c0:c0+cols] of the map's (B, H, N, d) array <- the
+        128-byte-swizzled box at src (tma_load_4d's layout), clipped at the array's ends. Queued in
+        the issuing thread's bulk group (sm80.bulk_store's rule): it reads shared memory and lands
+        at the bulk_wait_read or bulk_wait that covers it."""
+        dst, rows, cols = _TENSOR_MAPS[int(sim.unwrap(tmaps)[int(i), 0])]
+        start = int(shared_address(src, src_offset))
+        if start % SWIZZLE_ATOM_BYTES or cols * dst.itemsize != SWIZZLE_BYTES:
+            raise ValueError("a 128-byte-swizzled box is 128 bytes wide at a 1024-aligned address")
+        r0, col0, h, b = int(c1), int(c0), int(c2), int(c3)
+        addr = _swizzle(start + np.arange(rows)[:, None] * SWIZZLE_BYTES
+                        + np.arange(SWIZZLE_BYTES)[None, :])
+        shared = _dynamic_shared()
+
+        def land():
+            box = np.ascontiguousarray(shared[addr]).view(dst.dtype)
+            part = dst[b, h, r0:r0 + rows, col0:col0 + cols]
+            part[...] = box[:part.shape[0], :part.shape[1]]
+        sim.async_groups("bulk")[0].append(land)
+
 # =========================================================================== GPU side
 
 else:
@@ -628,12 +649,13 @@ else:
         "selp.u32 $0, 1, 0, p; }", returns=True)
 
     def encode_tensor_map(view, box_rows, box_cols):
-        """cuTensorMapEncodeTiled over a (B, H, N, d) view of 16-bit or 8-bit (e4m3, as UINT8:
-        the copy engine moves bits) elements (any strides, the last axis contiguous): dimensions
+        """cuTensorMapEncodeTiled over a (B, H, N, d) view of 32-bit (16-bit pairs), 16-bit or 8-bit
+        (e4m3, as UINT8: the copy engine moves bits) elements (any strides, the last axis contiguous): dimensions
         innermost first (d, N, H, B), a box of box_cols x box_rows x 1 x 1, SWIZZLE_128B, zeros
         past the ends. Returns its 16 words (128 bytes)."""
         from cuda.bindings import driver as cu
-        kind = {2: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        kind = {4: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32,
+                2: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
                 1: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[view.dtype.itemsize]
         b, h, n, d = view.shape
         sb, sh, sn, sd = view.strides
@@ -683,6 +705,22 @@ else:
             _asm(builder, ir.VoidType(), [d, t] + cs + [bar],
                  "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                  "[$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}", side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+
+    @intrinsic
+    def tma_store_4d(typingctx, tmaps, i, c0, c1, c2, c3, src, src_offset):
+        sig = types.void(tmaps, i, c0, c1, c2, c3, src, src_offset)
+
+        def codegen(context, builder, sig, args):
+            t = _tmap_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            cs = [_as(context, builder, v, ty, types.int32) for v, ty in zip(args[2:6], sig.args[2:6])]
+            s = _shared_address(context, builder, sig.args[6], args[6], args[7], sig.args[7])
+            _asm(builder, ir.VoidType(), [t] + cs + [s],
+                 "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [$0, {$1, $2, $3, $4}], "
+                 "[$5];", "l,r,r,r,r,r,~{memory}", side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -746,7 +784,7 @@ _MAP_CACHE_SIZE = 256
 
 def tensor_maps(boxes, stream=0):
     """A (len(boxes), 16) uint64 device array of tensor maps, as a KernelView for `launch`:
-    boxes = ((view, box_rows, box_cols), ...) over (B, H, N, d) KernelViews of 16-bit or 8-bit
+    boxes = ((view, box_rows, box_cols), ...) over (B, H, N, d) KernelViews of 32-, 16- or 8-bit
     elements, a box 128 bytes wide. A map depends only on (address, shape, strides, element, box),
     so maps are encoded and uploaded once per such key.
 

@@ -46,6 +46,18 @@ def benchmark(fn, *, warmup=3, min_reps=5, max_reps=100, target_ms=300.0):
     return Timing(statistics.median(times), min(times), max(times), reps)
 
 
+def interleaved(fns, *, rounds=5, target_ms=60.0, warmup=3):
+    """Time every fn(i) in turn, round after round (fns[0], fns[1], ..., then again), each one's
+    `benchmark` of about target_ms a round: a GPU's clocks follow its power and temperature over
+    seconds, and the calls compared within one round ran under the same clocks. Returns, per fn,
+    the list of its rounds' Timings (a ratio of two fns is best taken round by round)."""
+    out = [[] for _ in fns]
+    for r in range(rounds):
+        for k, fn in enumerate(fns):
+            out[k].append(benchmark(fn, warmup=warmup if r == 0 else 1, target_ms=target_ms))
+    return out
+
+
 class PerInputSet:
     """make(j) for input set j, made once and kept; `self[i]` takes set i % n, as benchmark's fn(i)
     rotates them. For what a timed pass starts from but must not time (the forward that a

@@ -3,7 +3,7 @@ SDPA peers, each one command, on the GPU (the accuracy table also runs in the si
 
     python experiments/fp8.py accuracy [--seqlen 4096] [--csv out.csv]
     python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--head-dim 128|256] [--csv out.csv]
-    python experiments/fp8.py configs '[{}, {"intra_overlap": true}]' [--seqlens ...] [--causal ...]
+    python experiments/fp8.py configs '[{}, {"intra_overlap": true}]' [--seqlens ...] [--causal ...] [--rounds 5]
     python experiments/fp8.py figure SPEED.csv ACCURACY.csv OUT.png   (needs matplotlib)
 
 accuracy: RMSE of O against float64 attention over the fp16 inputs, for Q, K, V ~ N(0, 1) and
@@ -178,8 +178,12 @@ def speed(args):
 
 
 def configs(args):
-    """fa3 FP8 (one scale a head) forward TFLOP/s for several option sets, beside fa3 bf16."""
+    """fa3 FP8 (one scale a head) forward TFLOP/s for several option sets, beside fa3 bf16, in
+    interleaved rounds (`timing.interleaved`): each round times bf16 then every option set, so a
+    ratio compares calls made under the same clocks; printed: the median over rounds, and the
+    ratio to bf16 as the median of the rounds' ratios with their range."""
     import json
+    import statistics
 
     import numpy as np
 
@@ -188,7 +192,9 @@ def configs(args):
     d = args.head_dim
     heads = 2048 // d   # the FA2 paper's hidden size, 2048
     options = json.loads(args.configs)
-    print("causal seqlen TFLOP/s (x fa3 bf16) options")
+    print(f"# {args.rounds} interleaved rounds; TFLOP/s: median of the rounds' medians; x fa3 bf16: "
+          "median [min-max] of the rounds' ratios")
+    print("causal seqlen TFLOP/s (x fa3 bf16 [range]) options")
     for causal in (c == "1" for c in args.causal.split(",")):
         for n in map(int, args.seqlens.split(",")):
             b = max(1, 16384 // n)
@@ -198,19 +204,28 @@ def configs(args):
                     for _ in range(n_sets)]
             q8s = [tuple(fp8.quantize_fp8(x, block=None) for x in s) for s in sets]
             total = flops.attention_flops(b, heads, n, n, d, causal)
-            base = total / timing.benchmark(lambda i: variants.forward(
-                *sets[i % n_sets], variant="fa3", causal=causal), target_ms=200).median_ms / 1e9
-            print(f"{int(causal)} {n} {base:.1f} (1.00) fa3 bf16", flush=True)
+            fns, names = [lambda i: variants.forward(*sets[i % n_sets], variant="fa3", causal=causal)], \
+                ["fa3 bf16"]
             for opt in options:
                 def fn(i, opt=opt):
                     (q8, qd), (k8, kd), (v8, vd) = q8s[i % n_sets]
                     return variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
                                             k_descale=kd, v_descale=vd, **opt)
                 try:
-                    t = total / timing.benchmark(fn, target_ms=200).median_ms / 1e9
-                    print(f"{int(causal)} {n} {t:.1f} ({t / base:.2f}) fp8 {json.dumps(opt)}", flush=True)
+                    fn(0)
                 except Exception as e:   # a configuration that does not fit is reported, not fatal
                     print(f"{int(causal)} {n} - fp8 {json.dumps(opt)}: {type(e).__name__}: {e}"[:300])
+                    continue
+                fns.append(fn)
+                names.append(f"fp8 {json.dumps(opt)}")
+            rounds = timing.interleaved(fns, rounds=args.rounds)
+            rates = [[total / t.median_ms / 1e9 for t in r] for r in rounds]
+            for name, rate in zip(names, rates):
+                ratio = [x / y for x, y in zip(rate, rates[0])]
+                print(f"{int(causal)} {n} {statistics.median(rate):.1f} ({statistics.median(ratio):.2f} "
+                      f"[{min(ratio):.2f}-{max(ratio):.2f}]) {name}", flush=True)
+            for name, rate in zip(names, rates):   # every round, for the record
+                print(f"#   {int(causal)} {n} rounds {' '.join(f'{x:.0f}' for x in rate)}  {name}")
 
 
 def figure(args):
@@ -286,6 +301,7 @@ def main(argv=None):
     c.add_argument("--seqlens", default="4096,16384")
     c.add_argument("--causal", default="0,1")
     c.add_argument("--head-dim", type=int, default=128, choices=(128, 256))
+    c.add_argument("--rounds", type=int, default=5, help="interleaved rounds (timing.interleaved)")
     f = sub.add_parser("figure")
     f.add_argument("speed")
     f.add_argument("accuracy")

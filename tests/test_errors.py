@@ -153,7 +153,7 @@ def test_backward_bad_options(rng, qkv, variant, options, message):
     (dict(producer="bulk"), "producer must be one of \\('tma', 'cp_async'\\), got 'bulk'"),
     (dict(poly_exp2=17), "poly_exp2 must be 0 \\(off\\) to block_n / 8 = 16 .*got 17"),
     (dict(poly_exp2=-1), "poly_exp2 must be 0 \\(off\\) to block_n / 8 = 16 .*got -1"),
-    (dict(o_store="tma"), "o_store must be one of \\('threads', 'bulk'\\), got 'tma'"),
+    (dict(o_store="dma"), "o_store must be one of \\('threads', 'bulk', 'tma'\\), got 'dma'"),
 ])
 def test_fa3_bad_options(rng, options, message):
     q = device(rng, (1, 16, 2, 128))
@@ -161,9 +161,19 @@ def test_fa3_bad_options(rng, options, message):
         variants.forward(q, q, q, variant="fa3", **options)
 
 
-def test_fa3_bulk_store_needs_its_room(rng):
-    """At head_dim 256 O has no room of its own beside the ring (o_apart), which o_store="bulk"
-    stages into."""
+@pytest.mark.parametrize("o_store", ["bulk", "tma"])
+def test_fa3_copy_engine_store_needs_its_room(rng, o_store):
+    """At head_dim 256 O has no room of its own beside the ring (o_apart), which the copy engine's
+    stores (o_store="bulk", "tma") stage into."""
     q = device(rng, (1, 16, 2, 256))
-    with pytest.raises(ValueError, match="o_store='bulk' needs O's own staging room"):
-        variants.forward(q, q, q, variant="fa3", o_store="bulk")
+    with pytest.raises(ValueError, match=f"o_store='{o_store}' needs O's own staging room"):
+        variants.forward(q, q, q, variant="fa3", o_store=o_store)
+
+
+def test_fa3_tensor_store_refuses_a_packed_batch(rng):
+    """o_store="tma" clips its boxes at the packed tensor's end only: in a packed batch (varlen)
+    it would write over the next sequence's rows, so it is refused, by name."""
+    q = device(rng, (1, 40, 2, 64))[0]   # (total rows, heads, d)
+    cu = inputs.to_device(np.array([0, 17, 40], np.int32), inputs.default_library())
+    with pytest.raises(ValueError, match="o_store='tma' .* packed batch"):
+        variants.forward_varlen(q, q, q, cu, cu, 23, 23, variant="fa3", o_store="tma")

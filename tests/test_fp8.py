@@ -187,11 +187,13 @@ if ON_GPU:
     BULK_CASES += [(700, False, 2), (2048, True, 1), (1000, False, 1)]
 
 
+@pytest.mark.parametrize("o_store", ["bulk", "tma"])
 @pytest.mark.parametrize("seqlen, causal, kv_group", BULK_CASES)
-def test_fa3_fp8_with_o_stored_by_bulk_copies(rng, seqlen, causal, kv_group):
-    """o_store="bulk": O staged unswizzled and stored by the copy engine, a row a copy (partial
-    last tiles: 130, 700, 1000 rows)."""
-    check_fa3_fp8(rng, seqlen, causal, None, kv_group, 128, o_store="bulk")
+def test_fa3_fp8_with_o_stored_by_the_copy_engine(rng, seqlen, causal, kv_group, o_store):
+    """O stored by the copy engine: o_store="bulk" (staged unswizzled, a row a copy) or "tma"
+    (staged as the tensor map's swizzled boxes, a 64-column panel a store); partial last tiles
+    (130, 700, 1000 rows: the tensor store clips the rows past N)."""
+    check_fa3_fp8(rng, seqlen, causal, None, kv_group, 128, o_store=o_store)
 
 
 def check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, **options):

@@ -392,3 +392,58 @@ def test_wgmma_lands_at_its_wait():
     assert (got[0] == 7).all() and (got[1] == 0).all()
     with pytest.raises(RuntimeError, match="wgmma issued but never waited for"):
         launch(build_lands_at_wait_kernel(False), 1, 128, 16384, 0, out)
+
+
+@cuda.jit
+def tma_round_trip_kernel(tmaps, row_a, row_b):
+    """Box 0 of map 0 (64 rows x 32 words) into shared memory by a tensor load, then out by a
+    tensor store of map 1 at row_a; a second store of the same room after the wait that lets it
+    be restaged (wait_group.read), with every word + 1, at row_b."""
+    tid = int32(cuda.threadIdx.x)
+    smem = cuda.shared.array(0, uint16)
+    base = sm90.shared_address(smem, 0)
+    t0 = int32(((base + uint32(1024 + 127)) & uint32(0xFFFFFC00)) - base) >> 1
+    words = cuda.shared.array(0, uint32)
+    if tid == 0:
+        sm90.mbarrier_init(smem, 0, 1)
+        sm90.fence_mbarrier_init()
+    cuda.syncthreads()
+    if tid == 0:
+        for m in range(2):
+            sm90.tensormap_acquire(tmaps, m)
+        sm90.mbarrier_arrive_expect_tx(smem, 0, 64 * 128)
+        sm90.tma_load_4d(smem, t0, tmaps, 0, 0, 0, 0, 0, smem, 0)
+    sm90.mbarrier_wait(smem, 0, 0)
+    ptx.fence_proxy_async_shared()
+    cuda.syncthreads()
+    if tid == 0:
+        sm90.tma_store_4d(tmaps, 1, 0, row_a, 0, 0, smem, t0)
+        ptx.bulk_commit()
+        ptx.bulk_wait_read(0)   # the room may be restaged
+    cuda.syncthreads()
+    for w in range(tid, 64 * 32, cuda.blockDim.x):
+        words[(t0 >> 1) + w] += uint32(1)
+    ptx.fence_proxy_async_shared()
+    cuda.syncthreads()
+    if tid == 0:
+        sm90.tma_store_4d(tmaps, 1, 0, row_b, 0, 0, smem, t0)
+        ptx.bulk_commit()
+        ptx.bulk_wait(0)
+
+
+def test_tma_store_writes_the_box_and_clips_at_the_end(rng):
+    """cp.async.bulk.tensor store (sm90.tma_store_4d, fa3's o_store="tma"): a 64-row box of 32-bit
+    words goes back out unswizzled, at any row; rows past the tensor's end are not written (the
+    second box starts 40 rows before it), and the source is read by the wait that covers the
+    store, so restaging after wait_group.read leaves the first store's data alone."""
+    src = rng.integers(0, 2 ** 31, (64, 32)).astype(np.uint32)
+    dst = np.zeros((100, 32), np.uint32)
+    views = [device_view(x.reshape(1, 1, *x.shape), None) for x in (src, dst)]
+    tmaps = sm90.tensor_maps(((views[0][0], 64, 32), (views[1][0], 64, 32)))
+    launch(tma_round_trip_kernel, 1, 128, 1024 + 128 + 64 * 128, 0, tmaps, np.int32(8),
+           np.int32(60))
+    got = views[1][1].copy_to_host().reshape(100, 32)
+    want = np.zeros_like(dst)
+    want[8:60] = src[:52]     # the first box's rows that the second does not overwrite
+    want[60:100] = src[:40] + 1
+    np.testing.assert_array_equal(got, want)

@@ -153,16 +153,21 @@ if ON_GPU:
                   (dict(producer="cp_async", block_m=64, stages=3), True),
                   (dict(poly_exp2=2), True),   # half the exponentials on the FMA units
                   (dict(o_store="bulk"), False),   # O by bulk copies (simulated: test_fp8)
-                  (dict(o_store="bulk", intra_overlap=True, block_m=64), True)]
+                  (dict(o_store="bulk", intra_overlap=True, block_m=64), True),
+                  (dict(o_store="tma"), False),    # O by TMA tensor stores (simulated: test_fp8)
+                  (dict(o_store="tma", producer="cp_async", block_m=64), True),
+                  (dict(o_store="tma", persistent=False), True)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("o_store", ["bulk", "tma"])
 @pytest.mark.parametrize("head_dim", [40, 96])
-def test_fa3_bulk_store_at_a_padded_head_dim(rng, head_dim):
-    """o_store="bulk" where the tile is wider than head_dim (40 in 64 columns, 96 in 128): each
-    row's copy is 2 * head_dim bytes, the tile's zero columns left out."""
+def test_fa3_copy_engine_store_at_a_padded_head_dim(rng, head_dim, o_store):
+    """O stored by the copy engine where the tile is wider than head_dim (40 in 64 columns, 96 in
+    128): "bulk" copies 2 * head_dim bytes a row, "tma"'s tensor map clips the columns past d;
+    the tile's zero columns are left out either way."""
     run_and_check(rng, "fa3", batch=1, seqlen=300, heads=2, head_dim=head_dim,
-                  dtype="bfloat16", causal=True, o_store="bulk")
+                  dtype="bfloat16", causal=True, o_store=o_store)
 
 
 @pytest.mark.gpu

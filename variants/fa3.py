@@ -96,7 +96,7 @@ from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_bloc
 
 HEAD_DIMS = tiles.HEAD_DIMS     # multiples of 8 from 32 to 256, in tiles of whole 64-column panels
 PRODUCERS = ("tma", "cp_async")
-O_STORES = ("threads", "bulk")
+O_STORES = ("threads", "bulk", "tma")
 O_BULK_PAD = 8          # o_store="bulk": O's staged rows 8 elements (16 bytes) apart beyond d, so
                         # that the staging's 4-byte stores of a warp fall in 32 distinct banks
 FP8_HEAD_DIMS = (128, 256)   # d=64 has 64-byte e4m3 rows: the 64-byte swizzle, not modelled yet
@@ -188,10 +188,13 @@ class Config:
                                  # poly_exp2 by a polynomial on the FMA units (FA4's software exp2,
                                  # ptx.ex2_poly) instead of the MUFU unit; 0: all on the MUFU
     o_store: str = "threads"     # how O_i leaves shared memory: "threads" (16-byte loads and
-                                 # stores by every consumer thread) or "bulk" (the copy engine, as
-                                 # in FA3's epilogue, which uses a TMA tensor store; here one bulk
-                                 # copy a row, no tensor map, so the warps go on at once; rows
-                                 # staged unswizzled at a padded pitch in O's own room, o_apart)
+                                 # stores by every consumer thread); "bulk" (the copy engine, one
+                                 # bulk copy a row, no tensor map; rows staged unswizzled at a
+                                 # padded pitch in O's own room, o_apart); or "tma" (FA3's
+                                 # epilogue: a TMA tensor store a 64-column panel, issued by one
+                                 # thread of the warpgroup, O staged as the map's swizzled box;
+                                 # o_apart, not varlen; O's tensor map is made per output address,
+                                 # as Q's, K's and V's are per input: the CUDA-graph rule below)
 
     @property
     def consumers(self):
@@ -345,12 +348,16 @@ class Config:
                              f"8-key column group in every poly_exp2), got {self.poly_exp2}")
         if self.o_store not in O_STORES:
             raise ValueError(f"o_store must be one of {O_STORES}, got {self.o_store!r}")
-        if self.o_store == "bulk" and not self.o_apart:
+        if self.o_store != "threads" and not self.o_apart:
             raise ValueError(
-                f"o_store='bulk' needs O's own staging room (o_apart), which does not fit in "
-                f"{MAX_SHARED_BYTES} bytes beside this configuration's ring (block_m="
+                f"o_store={self.o_store!r} needs O's own staging room (o_apart), which does not "
+                f"fit in {MAX_SHARED_BYTES} bytes beside this configuration's ring (block_m="
                 f"{self.block_m}, block_n={self.block_n}, stages={self.stages}, head_dim "
                 f"{self.head_dim}); use o_store='threads', fewer stages or a smaller block_n")
+        if self.o_store == "tma" and self.varlen:
+            raise ValueError("o_store='tma' stores whole boxes of rows, clipped at the packed "
+                             "tensor's end only: in a packed batch (varlen) they would write over "
+                             "the next sequence's rows; use o_store='threads' or 'bulk'")
         if not 1 <= self.v_staging <= 4:
             raise ValueError(f"v_staging must be 1 to 4, got {self.v_staging}")
         if self.v_in_producer and self.head_dim != 128:
@@ -476,6 +483,9 @@ def build(cfg):
     O_APART = cfg.o_apart
     O_ROOM = cfg.ring_bytes() // 2              # 16-bit offset of O's staging room (o_apart)
     O_BULK = cfg.o_store == "bulk"              # O_i stored by bulk copies, a row each
+    O_TMA = cfg.o_store == "tma"                # ... or by TMA tensor stores, a panel each
+    O_PANEL = sm90.SWIZZLE_BYTES // 2           # O_TMA: a panel of O, 64 16-bit columns (FP8 too),
+    O_PANELS, O_WORDS = D // O_PANEL, O_PANEL // 2   # ... D / 64 of them; its columns as 32-bit words
     O_PITCH = cfg.o_pitch                       # 16-bit elements from one staged row of O to the next
     WG_O_ELEMS = WG_ROWS * O_PITCH              # a warpgroup's part of O's room
     O_ROW_BYTES = 2 * HEAD_DIM                  # a bulk copy: a row of O, its columns past d left out
@@ -894,7 +904,8 @@ def build(cfg):
     def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi, cap,
                     softmax_scale, scale_log2, q_descale, k_descale, v_descale, q_scale_rows,
                     k_scale_rows, cu_q, cu_k):
-        """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T), read by producer="tma"; q, k, v:
+        """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T), read by producer="tma", and with
+        o_store="tma" a fourth, of o (32-bit words: 16-bit pairs); q, k, v:
         (B, H, N, d) uint16 views, read by producer="cp_async" (FP8: unread); o: (B, H, N_q, d/2)
         uint32 view; lse: (B, H, N_q); heads: H, batch_heads: B H; lo, hi: the band of keys a query
         sees (lo <= key - query <= hi; causal, a window); cap: the soft cap on raw scores
@@ -946,6 +957,8 @@ def build(cfg):
         # ---- a consumer warpgroup: 64 rows of each tile's Q_i
         wg, wg_warp = warp >> 2, warp & 3
         wg_tid = tid & (WG_THREADS - 1)
+        if O_TMA and wg_tid == 0:   # the thread that issues the warpgroup's stores of O
+            sm90.tensormap_acquire(tmaps, 3)
         kv_addr = sm90.shared_address(smem, tiles0 + K0)
         # Q's room, its address broadcast from lane 0 so that the compiler knows it is the same in
         # every lane: the descriptors derived from it are then built in the uniform registers that
@@ -1187,6 +1200,21 @@ def build(cfg):
                             ptx.bulk_store(address + r * o_h.strides[0], smem32,
                                            int32(words + r * (O_PITCH >> 1)), O_ROW_BYTES)
                     ptx.bulk_commit()
+            elif O_TMA:
+                # FA3's epilogue: the warpgroup stages its 64 rows as the O map's boxes (a panel of
+                # 64 columns each, 128-byte swizzled, as TMA lands Q), and one thread issues a
+                # tensor store a panel; the copy engine clips rows past N and columns past d.
+                if wg_tid == 0:
+                    ptx.bulk_wait_read(0)   # the last tile's stores have read the room
+                ptx.bar_sync(1 + wg, WG_THREADS)
+                tiles.stage_accumulator_panels(stage32, o_acc, 16 * wg_warp, lane, WG_ROWS, ELEM)
+                ptx.fence_proxy_async_shared()   # the stores before the copy engine's reads
+                ptx.bar_sync(1 + wg, WG_THREADS)
+                if wg_tid == 0:
+                    for p_ in range(O_PANELS):
+                        sm90.tma_store_4d(tmaps, 3, p_ * O_WORDS, wg_row0, h, b, smem,
+                                          o_start + p_ * WG_ROWS * O_PANEL)
+                    ptx.bulk_commit()
             else:
                 # 16-byte stores by every thread of the warpgroup (the barrier before: every
                 # thread of it is done reading the room, the previous tile's O or, in Q's room,
@@ -1206,7 +1234,7 @@ def build(cfg):
                     if row < nq:
                         lse[bb, h, first_q + row] = lse_rows[r]
             done = int32(done + 1)
-        if O_BULK and lane == 0:
+        if (O_BULK and lane == 0) or (O_TMA and wg_tid == 0):
             ptx.bulk_wait(0)   # the last tile's copies done while the block's shared memory lives
 
     return fa3_forward
@@ -1289,8 +1317,10 @@ def _run(prob, qkv, v_view, scales, rows, problem, options):
     else:
         v_rows = cfg.block_n
     # the maps depend on the inputs' addresses: a replayed call makes them for its own
-    tmaps = replay.derived(sm90.tensor_maps, ((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box),
-                                              (v_view, v_rows, box)), prob.stream)
+    boxes = ((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box), (v_view, v_rows, box))
+    if cfg.o_store == "tma":   # o32's words: a box of 64 rows x 128 bytes, as the room stages it
+        boxes += ((prob.o32, WG_ROWS, sm90.SWIZZLE_BYTES // 4),)
+    tmaps = replay.derived(sm90.tensor_maps, boxes, prob.stream)
     n_q, n_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
     cu_q, cu_k = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
         (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2

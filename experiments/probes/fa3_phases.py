@@ -20,8 +20,8 @@ step spends in each phase, summed over the call:
     finalize   from the last step to O scaled by 1/l (the turn passed on, l summed across the
                row's lanes, 1/l and L)
     stage O    O into shared memory as 16-bit pairs, between the warpgroup's two barriers
-               (o_store="bulk": after lane 0's wait for the last tile's copies to read the room)
-    store O    O stored (16-byte stores, or o_store="bulk": the bulk copies issued), Q's room
+               (o_store="bulk", "tma": after the wait for the last tile's copies to read the room)
+    store O    O stored (16-byte stores; o_store="bulk", "tma": the copies issued), Q's room
                released (O in Q's room), L written
     schedule   from there (or the kernel's start) to the next tile's wait for Q_i: the tile
                scheduler's arithmetic, the sequence's bounds, O and the statistics cleared,
@@ -171,7 +171,15 @@ s = s.replace('''                ptx.bar_sync(1 + wg, WG_THREADS)
                 tl_t = probe_add(tl, 8, tl_t)
                 o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
 ''')   # both stores' paths (o_store)
-assert s.count("tl_t = probe_add(tl, 8, tl_t)") == 2
+s = s.replace('''                ptx.bar_sync(1 + wg, WG_THREADS)
+                if wg_tid == 0:
+                    for p_ in range(O_PANELS):
+''', '''                ptx.bar_sync(1 + wg, WG_THREADS)
+                tl_t = probe_add(tl, 8, tl_t)
+                if wg_tid == 0:
+                    for p_ in range(O_PANELS):
+''')   # and o_store="tma"'s
+assert s.count("tl_t = probe_add(tl, 8, tl_t)") == 3
 sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
             done = int32(done + 1)
 ''', '''                        lse[bb, h, first_q + row] = lse_rows[r]
