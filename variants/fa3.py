@@ -43,7 +43,10 @@ kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 i
 (`common/fp8.py: v_k_major`) or by the producer (below). The descales fold into the softmax scale
 (Q: one a warpgroup; K: one a head, or one a key block, multiplied into S), V's into O's final
 1/l; P~ is computed as
-2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again.
+2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again. B_c is a
+multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole 128-key panels (`kv_rows`), so
+at B_c = 160..224 its last panel also lands keys that no wgmma reads (FA3's FP8 tiles are 224 keys,
+with the intra-warpgroup overlap, whose registers fit there and not at 256).
 Persistence (`persistent`, FA3's tile scheduler): a block a SM, each looping over its share of the
 (query block, batch, head) tiles, so that the producer loads the next tile's Q and first K/V
 blocks while the consumers finish this one and write its O. Causal tiles are dealt in pairs of
@@ -268,11 +271,18 @@ class Config:
         without it."""
         return self.v_staging if self.v_in_producer else 0
 
+    @property
+    def kv_rows(self):
+        """Rows of room a K_j or V_j tile takes: B_c, or in FP8 B_c rounded up to whole 128-key
+        panels of V_j^T (a V^T box is 128 keys wide; with B_c = 192 its second panel also lands
+        the next block's first 64 keys, which no wgmma reads)."""
+        return -(-self.block_n // V_UNIT) * V_UNIT if self.fp8 else self.block_n
+
     def ring_bytes(self):
         """Q_i's room (16-bit-sized in FP8 too: O_i may be staged there) and the stages x (K_j,
         V_j) after it; each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows a panel;
-        FP8's V_j is V_j^T: d rows x 128 keys a panel)."""
-        return (2 * self.block_m + 2 * self.stages * self.block_n * self.operand.bytes) * self.tile_dim
+        FP8's V_j is V_j^T: d rows x 128 keys a panel), `kv_rows` rows a tile."""
+        return (2 * self.block_m + 2 * self.stages * self.kv_rows * self.operand.bytes) * self.tile_dim
 
     def unit_bytes(self):
         """A staging buffer of the producer's transpose: V_UNIT keys of V as TMA lands them (rows
@@ -317,9 +327,10 @@ class Config:
         if self.fp8 and self.head_dim not in FP8_HEAD_DIMS:
             raise ValueError(f"fa3 in FP8 supports head_dim in {FP8_HEAD_DIMS}, got "
                              f"{self.head_dim}")
-        if self.fp8 and self.block_n % 128:
-            raise ValueError(f"fa3 in FP8: block_n={self.block_n} must be 128 or 256 (whole "
-                             "128-key rows of the swizzled V^T tile)")
+        if self.fp8 and (self.block_n % 32 or not 128 <= self.block_n <= 256):
+            raise ValueError(f"fa3 in FP8: block_n={self.block_n} must be a multiple of 32 from 128 "
+                             "to 256 (whole k32 steps of the e4m3 P V wgmma; V^T's tile is whole "
+                             "128-key panels)")
         if self.block_m % WG_ROWS or not 1 <= self.block_m // WG_ROWS <= 3:
             raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows a consumer "
                              "warpgroup, at most 3)")
@@ -340,6 +351,9 @@ class Config:
             raise ValueError("fa3 in FP8 takes no softcap (the cap applies to descaled scores)")
         if self.transpose_v not in TRANSPOSE_V:
             raise ValueError(f"transpose_v must be one of {TRANSPOSE_V}, got {self.transpose_v!r}")
+        if self.v_in_producer and self.block_n % V_UNIT:
+            raise ValueError(f"transpose_v='producer' transposes V in units of {V_UNIT} keys: "
+                             f"block_n={self.block_n} must be 128 or 256")
         if self.transpose_v == "producer" and not self.fp8:
             raise ValueError("transpose_v='producer' is for FP8 (e4m3) inputs: 16-bit V is read "
                              "as it is (the wgmma transposes 16-bit B operands itself)")
@@ -448,7 +462,11 @@ def build(cfg):
     # zero-fill the rest and for O's store, which leaves them out
     LAST_PANEL_COLS = HEAD_DIM - (PANELS - 1) * PANEL if HEAD_DIM < D else 0
     O_COLS = HEAD_DIM if HEAD_DIM < D else 0
-    Q_BYTES, KV_BYTES = BR * D * EB, BC * D * EB
+    # a K_j or V_j tile's room (cfg.kv_rows rows: FP8's V^T in whole 128-key panels), and the bytes
+    # its copies land: K_j's B_c rows, FP8's V_j^T whole panels (K_TX = KV_BYTES but for FP8 with
+    # B_c not a multiple of 128)
+    Q_BYTES, KV_BYTES, K_TX = BR * D * EB, cfg.kv_rows * D * EB, BC * D * EB
+    V_PANELS_T = cfg.kv_rows // V_UNIT if FP8 else 0   # FP8: V_j^T's panels of 128 keys
     WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's room for Q_i (16-bit elements:
                                                 # its O_i is staged there at the end)
     K0 = NWG * WG_Q_ELEMS                       # 16-bit offset of stage 0's K tile (Q is at 0)
@@ -783,9 +801,9 @@ def build(cfg):
                                       panel_cols(p))
             sm90.cp_async_mbarrier_arrive(smem, full)
             return
-        sm90.mbarrier_arrive_expect_tx(smem, full, KV_BYTES)
+        sm90.mbarrier_arrive_expect_tx(smem, full, KV_BYTES if FP8 and m == 2 else K_TX)
         if FP8 and m == 2:
-            for p in range(BC // PANEL):
+            for p in range(V_PANELS_T):
                 sm90.tma_load_4d(smem, dst0 + p * D * ROW, tmaps, 2, first_k + key0 + p * PANEL, 0,
                                  h_kv, b, smem, full)
         else:
