@@ -397,8 +397,8 @@ def test_wgmma_lands_at_its_wait():
 @cuda.jit
 def tma_round_trip_kernel(tmaps, row_a, row_b):
     """Box 0 of map 0 (64 rows x 32 words) into shared memory by a tensor load, then out by a
-    tensor store of map 1 at row_a; a second store of the same room after the wait that lets it
-    be restaged (wait_group.read), with every word + 1, at row_b."""
+    tensor store of map 1 at row_a; the room restaged (every word + 1) after the wait that allows
+    it (wait_group.read: the first store has read its source) and stored again at row_b."""
     tid = int32(cuda.threadIdx.x)
     smem = cuda.shared.array(0, uint16)
     base = sm90.shared_address(smem, 0)
@@ -434,16 +434,17 @@ def tma_round_trip_kernel(tmaps, row_a, row_b):
 def test_tma_store_writes_the_box_and_clips_at_the_end(rng):
     """cp.async.bulk.tensor store (sm90.tma_store_4d, fa3's o_store="tma"): a 64-row box of 32-bit
     words goes back out unswizzled, at any row; rows past the tensor's end are not written (the
-    second box starts 40 rows before it), and the source is read by the wait that covers the
-    store, so restaging after wait_group.read leaves the first store's data alone."""
+    second box starts 28 rows before it); restaging the room after wait_group.read leaves the
+    first store's data alone. (The boxes do not overlap: .read orders the source's reads, not
+    the two stores' writes.)"""
     src = rng.integers(0, 2 ** 31, (64, 32)).astype(np.uint32)
     dst = np.zeros((100, 32), np.uint32)
     views = [device_view(x.reshape(1, 1, *x.shape), None) for x in (src, dst)]
     tmaps = sm90.tensor_maps(((views[0][0], 64, 32), (views[1][0], 64, 32)))
     launch(tma_round_trip_kernel, 1, 128, 1024 + 128 + 64 * 128, 0, tmaps, np.int32(8),
-           np.int32(60))
+           np.int32(72))
     got = views[1][1].copy_to_host().reshape(100, 32)
     want = np.zeros_like(dst)
-    want[8:60] = src[:52]     # the first box's rows that the second does not overwrite
-    want[60:100] = src[:40] + 1
+    want[8:72] = src
+    want[72:100] = src[:28] + 1
     np.testing.assert_array_equal(got, want)
