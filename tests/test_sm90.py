@@ -12,7 +12,7 @@ from numba import cuda, float32, int32, uint16, uint32
 
 from common import lanes as sem
 from common import arrays, fp8, ptx, sm80, sm90, tiles
-from common.target import launch
+from common.target import device_function, launch
 from tests.conftest import ON_GPU
 from tests.test_ptx import random_halves
 
@@ -21,6 +21,22 @@ CASES = [(64, 64, "bfloat16"), (128, 128, "float16"), (128, 128, "e4m3"), (128, 
 if not ON_GPU:
     CASES = CASES[:3]
 PTX_TYPE = {"bfloat16": "bf16", "float16": "f16", "e4m3": "e4m3"}
+
+
+@device_function
+def tma_tiles(smem, tmaps, n_maps, tid):
+    """The tiles' first 16-bit offset (1024-byte aligned, past 1 KB for mbarriers); mbarrier 0
+    made (one arrival) and seen by every thread, thread 0's n_maps tensor maps acquired."""
+    base = sm90.shared_address(smem, 0)
+    t0 = int32(((base + uint32(1024 + 127)) & uint32(0xFFFFFC00)) - base) >> 1
+    if tid == 0:
+        sm90.mbarrier_init(smem, 0, 1)
+        sm90.fence_mbarrier_init()
+    cuda.syncthreads()
+    if tid == 0:
+        for m in range(n_maps):
+            sm90.tensormap_acquire(tmaps, m)
+    return t0
 
 
 def build_gemm_kernel(d, n, dtype):
@@ -43,15 +59,8 @@ def build_gemm_kernel(d, n, dtype):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         smem = cuda.shared.array(0, uint16)
-        base = sm90.shared_address(smem, 0)
-        t0 = int32(((base + uint32(1024 + 127)) & uint32(0xFFFFFC00)) - base) >> 1
+        t0 = tma_tiles(smem, tmaps, 3, tid)
         if tid == 0:
-            sm90.mbarrier_init(smem, 0, 1)
-            sm90.fence_mbarrier_init()
-        cuda.syncthreads()
-        if tid == 0:
-            for m in range(3):
-                sm90.tensormap_acquire(tmaps, m)
             sm90.mbarrier_arrive_expect_tx(smem, 0, total)
             for p in range(d // panel):
                 sm90.tma_load_4d(smem, t0 + p * 64 * 64, tmaps, 0, p * panel, 0, 0, 0, smem, 0)
@@ -401,16 +410,9 @@ def tma_round_trip_kernel(tmaps, row_a, row_b):
     it (wait_group.read: the first store has read its source) and stored again at row_b."""
     tid = int32(cuda.threadIdx.x)
     smem = cuda.shared.array(0, uint16)
-    base = sm90.shared_address(smem, 0)
-    t0 = int32(((base + uint32(1024 + 127)) & uint32(0xFFFFFC00)) - base) >> 1
+    t0 = tma_tiles(smem, tmaps, 2, tid)
     words = cuda.shared.array(0, uint32)
     if tid == 0:
-        sm90.mbarrier_init(smem, 0, 1)
-        sm90.fence_mbarrier_init()
-    cuda.syncthreads()
-    if tid == 0:
-        for m in range(2):
-            sm90.tensormap_acquire(tmaps, m)
         sm90.mbarrier_arrive_expect_tx(smem, 0, 64 * 128)
         sm90.tma_load_4d(smem, t0, tmaps, 0, 0, 0, 0, 0, smem, 0)
     sm90.mbarrier_wait(smem, 0, 0)
