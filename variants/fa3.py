@@ -197,7 +197,8 @@ class Config:
                                  # epilogue: a TMA tensor store a 64-column panel, issued by one
                                  # thread of the warpgroup, O staged as the map's swizzled box;
                                  # o_apart, not varlen; O's tensor map is made per output address,
-                                 # as Q's, K's and V's are per input: the CUDA-graph rule below)
+                                 # as Q's, K's and V's are per input: sm90.tensor_maps' CUDA-graph
+                                 # rule applies to the output too)
 
     @property
     def consumers(self):
