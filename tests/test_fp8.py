@@ -196,20 +196,23 @@ def test_fa3_fp8_with_o_stored_by_the_copy_engine(rng, seqlen, causal, kv_group,
     check_fa3_fp8(rng, seqlen, causal, None, kv_group, 128, o_store=o_store)
 
 
-BLOCK_N_CASES = [(300, True, 1, dict(block_n=192, intra_overlap=True))]
+BLOCK_N_CASES = [(300, True, 1, dict(block_n=192, intra_overlap=True))]   # stage 1 past K's room
 if ON_GPU:
     BLOCK_N_CASES += [(2048, False, 2, dict(block_n=192, intra_overlap=True)),
                       (1000, True, 1, dict(block_n=224, intra_overlap=True)),
                       (700, False, 1, dict(block_n=160)),
                       (2048, True, 1, dict(block_n=192)),
-                      (1000, False, 1, dict(block_n=192, block_m=64, stages=3))]
+                      (1000, False, 1, dict(block_n=192, block_m=64, stages=3)),
+                      # three stages: O staged in Q's room (192), in a room of its own (160)
+                      (2048, True, 2, dict(block_n=192, stages=3)),
+                      (1500, False, 1, dict(block_n=160, stages=3))]
 
 
 @pytest.mark.parametrize("seqlen, causal, kv_group, options", BLOCK_N_CASES)
 def test_fa3_fp8_at_a_block_n_between_panels(rng, seqlen, causal, kv_group, options):
     """FP8 B_c not a multiple of 128 (160, 192, 224: FA3's own FP8 tiles are 224 keys with the
     intra-warpgroup overlap): V_j^T's room is whole 128-key panels, its last one landing keys of
-    the next block (or zeros past the end) that no wgmma reads; K_j's copy lands B_c rows."""
+    the next block (or zeros past the end) that no wgmma reads; K_j's room and copy are B_c rows."""
     check_fa3_fp8(rng, seqlen, causal, None, kv_group, 128, **options)
 
 
@@ -220,9 +223,6 @@ def test_fa3_fp8_block_n_is_whole_k32_steps(rng):
         with pytest.raises(ValueError, match=f"block_n={bn} must be a multiple of 32 from 128"):
             variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s,
                              block_n=bn)
-    with pytest.raises(ValueError, match="transpose_v='producer' .* block_n=192 must be 128 or 256"):
-        variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s,
-                         block_n=192, transpose_v="producer")
 
 
 def check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, **options):
@@ -265,7 +265,8 @@ if ON_GPU:
                         (3000, False, 1, {}), (1000, True, 1, dict(v_staging=3)),
                         (700, False, 1, dict(stages=1, v_staging=1)),
                         (900, True, 1, dict(persistent=False)),
-                        (600, True, 1, dict(block_n=128, intra_overlap=True, v_staging=4))]
+                        (600, True, 1, dict(block_n=128, intra_overlap=True, v_staging=4)),
+                        (1000, True, 2, dict(block_n=256)), (700, False, 1, dict(block_n=160))]
 
 
 @pytest.mark.parametrize("seqlen, causal, kv_group, options", TRANSPOSE_CASES)

@@ -45,7 +45,7 @@ kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 i
 1/l; P~ is computed as
 2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again. B_c is a
 multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole 128-key panels (`kv_rows`), so
-at B_c = 160..224 its last panel also lands keys that no wgmma reads (FA3's FP8 tiles are 224 keys,
+at B_c = 160..224 its last panel also lands keys that no wgmma reads (K_j's room is B_c rows) (FA3's FP8 tiles are 224 keys,
 with the intra-warpgroup overlap, whose registers fit there and not at 256).
 Persistence (`persistent`, FA3's tile scheduler): a block a SM, each looping over its share of the
 (query block, batch, head) tiles, so that the producer loads the next tile's Q and first K/V
@@ -274,16 +274,17 @@ class Config:
 
     @property
     def kv_rows(self):
-        """Rows of room a K_j or V_j tile takes: B_c, or in FP8 B_c rounded up to whole 128-key
-        panels of V_j^T (a V^T box is 128 keys wide; with B_c = 192 its second panel also lands
-        the next block's first 64 keys, which no wgmma reads)."""
+        """Rows of room a V_j tile takes: B_c, or in FP8 B_c rounded up to whole 128-key panels of
+        V_j^T (a V^T box is 128 keys wide; with B_c = 192 its second panel also lands the next
+        block's first 64 keys, which no wgmma reads). K_j's room is B_c rows."""
         return -(-self.block_n // V_UNIT) * V_UNIT if self.fp8 else self.block_n
 
     def ring_bytes(self):
         """Q_i's room (16-bit-sized in FP8 too: O_i may be staged there) and the stages x (K_j,
         V_j) after it; each tile panels of rows x 128 bytes (Q: per warpgroup, 64 rows a panel;
-        FP8's V_j is V_j^T: d rows x 128 keys a panel), `kv_rows` rows a tile."""
-        return (2 * self.block_m + 2 * self.stages * self.kv_rows * self.operand.bytes) * self.tile_dim
+        FP8's V_j is V_j^T: d rows x 128 keys a panel), B_c rows for K_j, `kv_rows` for V_j."""
+        return (2 * self.block_m + self.stages * (self.block_n + self.kv_rows)
+                * self.operand.bytes) * self.tile_dim
 
     def unit_bytes(self):
         """A staging buffer of the producer's transpose: V_UNIT keys of V as TMA lands them (rows
@@ -352,9 +353,6 @@ class Config:
             raise ValueError("fa3 in FP8 takes no softcap (the cap applies to descaled scores)")
         if self.transpose_v not in TRANSPOSE_V:
             raise ValueError(f"transpose_v must be one of {TRANSPOSE_V}, got {self.transpose_v!r}")
-        if self.v_in_producer and self.block_n % V_UNIT:
-            raise ValueError(f"transpose_v='producer' transposes V in units of {V_UNIT} keys: "
-                             f"block_n={self.block_n} must be 128 or 256")
         if self.transpose_v == "producer" and not self.fp8:
             raise ValueError("transpose_v='producer' is for FP8 (e4m3) inputs: 16-bit V is read "
                              "as it is (the wgmma transposes 16-bit B operands itself)")
@@ -420,8 +418,12 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             #   B_c 128: 534 / 749 / 776 | 420 / 621 / 753;  B_c 256: 626 / 830 / 860 | 428 / 721 / 812
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
             # (back_to_back would hold S_j, 128 registers at B_c = 256, O and P~ at once: ptxas
-            # serialises the wgmmas for want of registers, C7512)
-            (128, "fp8"): dict(block_n=256),
+            # serialises the wgmmas for want of registers, C7512). Since V^T's room is whole
+            # panels (B_c any multiple of 32), B_c = 192 is ahead of 256 (H200, 7 interleaved
+            # rounds, docs/results/fp8_block_n_h200.txt, TFLOP/s at 4k / 16k, non-causal |
+            # causal): 192 838 / 896 | 719 / 845; 256 803 / 882 | 700 / 843; 224 + intra_overlap
+            # 793 / 875 | 667 / 815; 192 + intra_overlap 767 / 845 | 658 / 790
+            (128, "fp8"): dict(block_n=192),
             # d=256 (docs/results/fa3_d256_h200.txt, H200, bf16, TFLOP/s at 2k / 8k, non-causal |
             # causal): B_c = 80 (two stages fit beside Q; O staged in Q's room) with both overlaps
             # 690 / 696 | 575 / 713; intra-warpgroup overlap alone (FA3's own choice at d=256)
@@ -463,15 +465,15 @@ def build(cfg):
     # zero-fill the rest and for O's store, which leaves them out
     LAST_PANEL_COLS = HEAD_DIM - (PANELS - 1) * PANEL if HEAD_DIM < D else 0
     O_COLS = HEAD_DIM if HEAD_DIM < D else 0
-    # a K_j or V_j tile's room (cfg.kv_rows rows: FP8's V^T in whole 128-key panels), and the bytes
-    # its copies land: K_j's B_c rows, FP8's V_j^T whole panels (K_TX = KV_BYTES but for FP8 with
-    # B_c not a multiple of 128)
-    Q_BYTES, KV_BYTES, K_TX = BR * D * EB, cfg.kv_rows * D * EB, BC * D * EB
+    # the bytes a K_j tile (B_c rows) and a V_j tile (cfg.kv_rows rows: FP8's V^T in whole 128-key
+    # panels) take and their copies land (equal but for FP8 with B_c not a multiple of 128)
+    Q_BYTES, K_BYTES, V_BYTES = BR * D * EB, BC * D * EB, cfg.kv_rows * D * EB
     V_PANELS_T = cfg.kv_rows // V_UNIT if FP8 else 0   # FP8: V_j^T's panels of 128 keys
     WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's room for Q_i (16-bit elements:
                                                 # its O_i is staged there at the end)
     K0 = NWG * WG_Q_ELEMS                       # 16-bit offset of stage 0's K tile (Q is at 0)
-    K_TILE_ELEMS = KV_BYTES // 2
+    K_ELEMS, V_ELEMS = K_BYTES // 2, V_BYTES // 2   # ... in 16-bit elements
+    STAGE_ELEMS = K_ELEMS + V_ELEMS             # a stage: K_j, then V_j K_ELEMS on
     PRODUCER_WARP = 4 * NWG
     SETMAXNREG = cfg.setmaxnreg
     CP_ASYNC, WINDOW, SOFTCAP = cfg.cp_async, cfg.window, cfg.softcap
@@ -493,7 +495,9 @@ def build(cfg):
     # buffer (its "full" mbarrier: the bytes; "empty": one arrival a transposer warp once it has
     # read it) and transposed by TRANSPOSERS warps into panel u of the stage's V^T tile, whose full
     # mbarrier then takes one arrival a transposer warp (V_FULL_COUNT) instead of TMA's bytes.
-    TRANSPOSE, VS, UNITS = cfg.v_in_producer, max(cfg.staging_units, 1), BC // V_UNIT
+    # Units a block: V_j^T's whole panels (at B_c = 192 the second unit's last 64 keys are the
+    # next block's, transposed and never read).
+    TRANSPOSE, VS, UNITS = cfg.v_in_producer, max(cfg.staging_units, 1), cfg.kv_rows // V_UNIT
     BAR_VS_FULL, BAR_VS_EMPTY = 8 + 16 * STAGES, 8 + 16 * STAGES + 4 * VS
     V_FULL_COUNT = TRANSPOSERS if TRANSPOSE else FULL_COUNT
     STAGING0 = (cfg.ring_bytes() + cfg.o_room_bytes()) // 2   # 16-bit offset of staging buffer 0
@@ -528,8 +532,7 @@ def build(cfg):
     P_SHIFT = float32(P_LOG2_SHIFT if FP8 else 0)
     POLY = cfg.poly_exp2                        # exponentials on the FMA units: softmax.exp2
     INTRA_OVERLAP = cfg.intra_overlap
-    K_TILE_BYTES = 2 * K_TILE_ELEMS
-    STAGE_BYTES = 2 * K_TILE_BYTES              # a stage: K_j then V_j
+    STAGE_BYTES = 2 * STAGE_ELEMS
     # Ping-pong (FA3 section 3.1): named barrier TURN + w (of 2 warpgroups' threads) completes when
     # warpgroup w has asked for its turn (bar.sync) and warpgroup w - 1 has issued its GEMMs
     # (bar.arrive). Barriers 1..NWG are the epilogue's.
@@ -632,7 +635,7 @@ def build(cfg):
     # masked (P~ = 0), but 0 x inf = NaN in P V: the consumers zero those V rows before the P V
     # wgmma. (cp.async zero-fills past n_k itself; FP8 is not taken packed.)
     CLEAR_V_TAIL = VARLEN and not CP_ASYNC and not FP8
-    V0 = K0 + K_TILE_ELEMS                      # 16-bit offset of stage 0's V tile past tiles0
+    V0 = K0 + K_ELEMS                           # 16-bit offset of stage 0's V tile past tiles0
     V_ROW_WORDS = sm90.SWIZZLE_BYTES // 4       # a 128-byte row of a V panel in 32-bit words
     V_PANEL_WORDS = BC * V_ROW_WORDS            # a panel: B_c rows (keys) x 64 columns
 
@@ -651,7 +654,7 @@ def build(cfg):
             first = int32(n_k - key0) * V_ROW_WORDS + 4 * wg_tid
             zero = float32(0)
             for panel in range(PANELS):
-                base = ((tiles0 + V0 + stage * 2 * K_TILE_ELEMS) >> 1) + panel * V_PANEL_WORDS
+                base = ((tiles0 + V0 + stage * STAGE_ELEMS) >> 1) + panel * V_PANEL_WORDS
                 for w in range(first, V_PANEL_WORDS, 4 * WG_THREADS):
                     ptx.st_shared_v4_f32(f32, base + w, zero, zero, zero, zero)
             ptx.fence_proxy_async_shared()
@@ -802,7 +805,7 @@ def build(cfg):
                                       panel_cols(p))
             sm90.cp_async_mbarrier_arrive(smem, full)
             return
-        sm90.mbarrier_arrive_expect_tx(smem, full, KV_BYTES if FP8 and m == 2 else K_TX)
+        sm90.mbarrier_arrive_expect_tx(smem, full, V_BYTES if m == 2 else K_BYTES)
         if FP8 and m == 2:
             for p in range(V_PANELS_T):
                 sm90.tma_load_4d(smem, dst0 + p * D * ROW, tmaps, 2, first_k + key0 + p * PANEL, 0,
@@ -845,7 +848,7 @@ def build(cfg):
             unit, unit_parity = pipeline.phase_slot(step, VS)
             sm90.mbarrier_wait(smem, BAR_VS_FULL + 4 * unit, unit_parity)
             TRANSPOSE_UNIT(smem, tiles0 + STAGING0 + unit * (UNIT_BYTES // 2),
-                           tiles0 + K0 + stage * 2 * K_TILE_ELEMS + K_TILE_ELEMS + u * D * ROW,
+                           tiles0 + V0 + stage * STAGE_ELEMS + u * D * ROW,
                            twarp, lane)
             ptx.fence_proxy_async_shared()
             ptx.syncwarp()
@@ -904,7 +907,7 @@ def build(cfg):
                 stage, parity = slot(it)
                 if it >= STAGES:   # l.7: the consumers released the block STAGES before's K
                     sm90.mbarrier_wait(smem, BAR_EMPTY_K + 4 * stage, parity ^ 1)
-                k0 = tiles0 + K0 + stage * 2 * K_TILE_ELEMS
+                k0 = tiles0 + K0 + stage * STAGE_ELEMS
                 k_h = k[bb, h_kv, first_k:first_k + nk] if VARLEN else k[b, h_kv]
                 load_kv(smem, k0, tmaps, 1, k_h, key0, nk, first_k, bb, h_kv, BAR_K + 4 * stage,
                         ptid)                                                      # l.8
@@ -914,7 +917,7 @@ def build(cfg):
                     if it >= STAGES:   # ... and its V
                         sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
                     v_h = v[bb, h_kv, first_k:first_k + nk] if VARLEN else v[b, h_kv]
-                    load_kv(smem, k0 + K_TILE_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
+                    load_kv(smem, k0 + K_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
                             BAR_V + 4 * stage, ptid)
                 it = int32(it + 1)
             done = int32(done + 1)
@@ -985,7 +988,7 @@ def build(cfg):
         q_desc = sm90.smem_descriptor(
             ptx.broadcast_u32(sm90.shared_address(smem, tiles0 + wg * WG_Q_ELEMS)), 16, SBO)
         k_desc0 = sm90.smem_descriptor(kv_addr, 16, SBO)
-        v_desc0 = sm90.smem_descriptor(kv_addr + K_TILE_BYTES, 16 if FP8 else V_LBO, SBO)
+        v_desc0 = sm90.smem_descriptor(kv_addr + K_BYTES, 16 if FP8 else V_LBO, SBO)
         # O_i's staging room (16-bit pairs): its own after the ring, or this warpgroup's Q room
         o_start = ((tiles0 + O_ROOM) if O_APART else tiles0) + wg * WG_O_ELEMS
         stage32 = cuda.shared.array(0, uint32)[o_start >> 1:(o_start >> 1) + WG_O_ELEMS // 2]
