@@ -1,5 +1,6 @@
 """Timing with CUDA events: warm-up first (compiles and first-touch excluded), then the median of
 repeated runs, each bracketed by its own pair of events on the default stream."""
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -46,15 +47,23 @@ def benchmark(fn, *, warmup=3, min_reps=5, max_reps=100, target_ms=300.0):
     return Timing(statistics.median(times), min(times), max(times), reps)
 
 
-def interleaved(fns, *, rounds=5, target_ms=60.0, warmup=3):
-    """Time every fn(i) in turn, round after round (fns[0], fns[1], ..., then again), each one's
-    `benchmark` of about target_ms a round: a GPU's clocks follow its power and temperature over
-    seconds, and the calls compared within one round ran under the same clocks. Returns, per fn,
+def interleaved(fns, *, rounds=5, target_ms=60.0, warmup=3, settle_ms=30.0):
+    """Time every fn(i) in turn, round after round, each one's `benchmark` of about target_ms a
+    round: a GPU's clocks follow its power and temperature over seconds, and the calls compared
+    within one round ran under the same clocks. Round r starts at fns[r % len(fns)] (the order
+    rotates, so that no fn always runs first after the same other one), and each fn first runs
+    untimed for about settle_ms (fp8.py configs' first option, timed right after fa3 bf16 in every
+    round, ran 5-10% below what the same kernel measured elsewhere: docs/performance.md). Returns, per fn,
     the list of its rounds' Timings (a ratio of two fns is best taken round by round)."""
     out = [[] for _ in fns]
+    last = [None] * len(fns)
     for r in range(rounds):
-        for k, fn in enumerate(fns):
-            out[k].append(benchmark(fn, warmup=warmup if r == 0 else 1, target_ms=target_ms))
+        for j in range(len(fns)):
+            k = (r + j) % len(fns)
+            reps = warmup if last[k] is None else max(1, math.ceil(settle_ms / max(last[k], 1e-3)))
+            t = benchmark(fns[k], warmup=reps, target_ms=target_ms)
+            last[k] = t.median_ms
+            out[k].append(t)
     return out
 
 

@@ -420,7 +420,7 @@ def test_fp8_job_quantises_and_reports_rmse(tmp_path):
     row = read_rows(tmp_path / "run" / "results.csv")[0]
     assert row["dtype"] == "float8_e4m3fn" and row["check"] == "ok" and row["head_dim"] == "128"
     assert "fp8.scaling=tensor" in row["options"] and "fp8.incoherent=True" in row["options"]
-    assert 0 < float(row["rmse"]) < 0.2 and "block_n=192" in row["config"]
+    assert 0 < float(row["rmse"]) < 0.2 and "block_n=256" in row["config"]
 
 
 def test_fp8_job_for_a_variant_without_fp8_is_refused(tmp_path):

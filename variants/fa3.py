@@ -418,12 +418,11 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             #   B_c 128: 534 / 749 / 776 | 420 / 621 / 753;  B_c 256: 626 / 830 / 860 | 428 / 721 / 812
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
             # (back_to_back would hold S_j, 128 registers at B_c = 256, O and P~ at once: ptxas
-            # serialises the wgmmas for want of registers, C7512). Since V^T's room is whole
-            # panels (B_c any multiple of 32), B_c = 192 is ahead of 256 (H200, 7 interleaved
-            # rounds, docs/results/fp8_block_n_h200.txt, TFLOP/s at 4k / 16k, non-causal |
-            # causal): 192 838 / 896 | 719 / 845; 256 803 / 882 | 700 / 843; 224 + intra_overlap
-            # 793 / 875 | 667 / 815; 192 + intra_overlap 767 / 845 | 658 / 790
-            (128, "fp8"): dict(block_n=192),
+            # serialises the wgmmas for want of registers, C7512). B_c between panels (V^T's room
+            # whole panels, K's B_c rows; H100, rounds in rotating order, fp8_block_n_h100.txt,
+            # TFLOP/s at 4k / 16k, non-causal | causal): 256 848 / 903 | 714 / 873; 192 774-795
+            # / 866-889 | 670-698 / 831-840; 192 with 3 stages 783 / 867 | 654 / 802
+            (128, "fp8"): dict(block_n=256),
             # d=256 (docs/results/fa3_d256_h200.txt, H200, bf16, TFLOP/s at 2k / 8k, non-causal |
             # causal): B_c = 80 (two stages fit beside Q; O staged in Q's room) with both overlaps
             # 690 / 696 | 575 / 713; intra-warpgroup overlap alone (FA3's own choice at d=256)
