@@ -2,7 +2,7 @@
 SDPA peers, each one command, on the GPU (the accuracy table also runs in the simulator, small).
 
     python experiments/fp8.py accuracy [--seqlen 4096] [--csv out.csv]
-    python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--head-dim 128|256] [--csv out.csv]
+    python experiments/fp8.py speed [--seqlens 1024,...,16384] [--causal 0,1] [--head-dim 128|256] [--rounds 3] [--csv out.csv]
     python experiments/fp8.py configs '[{}, {"intra_overlap": true}]' [--seqlens ...] [--causal ...] [--rounds 5]
     python experiments/fp8.py figure SPEED.csv ACCURACY.csv OUT.png   (needs matplotlib)
 
@@ -18,7 +18,10 @@ scale per 256 rows of Q and K ("fp8 block"). FP8's forward includes V's K-major 
 which is also timed alone ("v_prep"; "fp8 kernel" = fp8 - v_prep); "fp8 in-kern" is fp8 with V
 transposed by the kernel's producer instead (transpose_v="producer": no pre-pass), and the quantisation of
 q, k, v from bf16 ("quant", per block with incoherent processing); "fp8 e2e" = quant + fp8, the
-figure to compare with bf16 when the inputs start in bf16.
+figure to compare with bf16 when the inputs start in bf16. Every column is timed in `--rounds`
+interleaved rounds whose order rotates (`timing.interleaved`; a fixed order measured the column
+run right after another kernel slow, docs/performance.md); the figures are medians over rounds,
+the ratios to bf16 medians of the rounds' ratios.
 """
 import argparse
 import csv
@@ -94,6 +97,8 @@ def accuracy(args):
 
 
 def speed(args):
+    import statistics
+
     import numpy as np
 
     import variants
@@ -142,7 +147,7 @@ def speed(args):
             fns["fp8"] = fp8_fn(None)
             fns["fp8 in-kern"] = fp8_fn(None, transpose_v="producer")   # V^T by the producer
             fns["fp8 block"] = fp8_fn(BLOCK)
-            ms, status = {}, {}
+            status = {}
             for name, fn in fns.items():
                 out = fn(0)
                 o = out[0] if isinstance(out, tuple) else out
@@ -150,25 +155,31 @@ def speed(args):
                 # FP8's error budget is 16x bf16's: its check is against the e4m3 unit roundoff
                 status[name] = "ok" if (got["ok"] or (name.startswith("fp8") and
                                                       got["rel_err"] <= 2 * fp8.UNIT_ROUNDOFF)) else "FAIL"
-                ms[name] = timing.benchmark(fn, warmup=3, target_ms=200).median_ms
-            ms["v_prep"] = timing.benchmark(
-                lambda i: fp8.v_k_major(quantised[None][i % n_sets][2]), target_ms=100).median_ms
+            fns["v_prep"] = lambda i: fp8.v_k_major(quantised[None][i % n_sets][2])
 
             def quant(i):
                 q, k, v = sets[i % n_sets]
                 fp8.quantize_fp8(q, block=BLOCK, signs=signs)
                 fp8.quantize_fp8(k, block=BLOCK, signs=signs)
                 fp8.quantize_fp8(v, block=None)
-            ms["quant"] = timing.benchmark(quant, target_ms=100).median_ms
-            ms["fp8 kernel"] = ms["fp8"] - ms["v_prep"]
-            ms["fp8 e2e"] = ms["quant"] + ms["fp8 block"]
+            fns["quant"] = quant
+            # every column in interleaved rounds (the order rotating): ms and the two ratios to
+            # bf16 are medians over the rounds, each ratio taken within its round
+            rounds = dict(zip(fns, timing.interleaved(list(fns.values()), rounds=args.rounds)))
+            per = {k: [t.median_ms for t in r] for k, r in rounds.items()}
+            per["fp8 kernel"] = [a - b for a, b in zip(per["fp8"], per["v_prep"])]
+            per["fp8 e2e"] = [a + b for a, b in zip(per["quant"], per["fp8 block"])]
+            ms = {k: statistics.median(v) for k, v in per.items()}
             tf = {k: total / v / 1e9 for k, v in ms.items()}
+
+            def over_bf16(name):
+                return statistics.median(b / a for a, b in zip(per[name], per["fa3 bf16"]))
             cells = [f"{ms[c]:11.3f}" if c in ("quant", "v_prep") else f"{tf[c]:11.1f}"
                      for c in SPEED_COLUMNS]
             bad = [k for k, v in status.items() if v != "ok"]
             print(f"{int(causal):>6} {n:>6} " + " ".join(cells) +
-                  f"   fp8/bf16 {tf['fp8'] / tf['fa3 bf16']:.2f}"
-                  f" in-kern/bf16 {tf['fp8 in-kern'] / tf['fa3 bf16']:.2f}" + (f"  FAIL: {bad}" if bad else ""),
+                  f"   fp8/bf16 {over_bf16('fp8'):.2f}"
+                  f" in-kern/bf16 {over_bf16('fp8 in-kern'):.2f}" + (f"  FAIL: {bad}" if bad else ""),
                   flush=True)
             for k, v in ms.items():
                 rows_out.append(dict(kernel=k, causal=causal, seqlen=n, batch=b, heads=heads,
@@ -295,6 +306,7 @@ def main(argv=None):
     s.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     s.add_argument("--causal", default="0,1")
     s.add_argument("--head-dim", type=int, default=128, choices=(128, 256))
+    s.add_argument("--rounds", type=int, default=3, help="interleaved rounds (timing.interleaved)")
     s.add_argument("--csv")
     c = sub.add_parser("configs")
     c.add_argument("configs", help="JSON list of fa3 option dicts ({} = the defaults)")
