@@ -47,21 +47,39 @@ def benchmark(fn, *, warmup=3, min_reps=5, max_reps=100, target_ms=300.0):
     return Timing(statistics.median(times), min(times), max(times), reps)
 
 
+def williams_order(n, r):
+    """Round r's order of n functions in a Williams design (crossover trials' balanced Latin
+    square): row r of the square whose first row is 0, 1, n-1, 2, n-2, ... and whose row r adds r
+    (mod n); for odd n, rows n..2n-1 are rows 0..n-1 reversed. Over a full period (n rounds, 2n
+    for odd n) every function runs right after every other one equally often; for even n, in
+    fewer rounds, each still follows a different one each round (the first row's steps 1, -2, 3,
+    -4, ... are distinct mod n)."""
+    first = [0]
+    for i in range(1, n):
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    period = n if n % 2 == 0 else 2 * n
+    r %= period
+    row = [(x + r) % n for x in first]
+    return row if r < n else row[::-1]
+
+
 def interleaved(fns, *, rounds=5, target_ms=60.0, warmup=3, settle_ms=30.0):
     """Time every fn(i) in turn, round after round, each one's `benchmark` of about target_ms a
     round: a GPU's clocks follow its power and temperature over seconds, and the calls compared
-    within one round ran under the same clocks. Round r starts at fns[r % len(fns)] (the order
-    rotates, so that no fn always runs first after the same other one), and each fn first runs
-    untimed for about settle_ms (fp8.py configs' first option, timed right after fa3 bf16 in every
-    round, ran 5-10% below what the same kernel measured elsewhere: docs/performance.md). Returns, per fn,
-    the list of its rounds' Timings (a ratio of two fns is best taken round by round)."""
+    within one round ran under the same clocks. What runs just before a function moves its time
+    too (docs/performance.md: the option timed right after fa3 bf16 measured 1-4% low even after a
+    settle, ~9% without one), so each round takes the order `williams_order` gives (no function
+    always after the same other one) and each function first runs untimed for about settle_ms
+    (its duration known from an untimed first pass). Returns, per fn, the list of its rounds'
+    Timings (a ratio of two fns is best taken round by round)."""
+    last = []
+    for fn in fns:   # compiled, warmed, and each one's duration for its settle
+        last.append(benchmark(fn, warmup=warmup, min_reps=1, max_reps=3, target_ms=0).median_ms)
     out = [[] for _ in fns]
-    last = [None] * len(fns)
     for r in range(rounds):
-        for j in range(len(fns)):
-            k = (r + j) % len(fns)
-            reps = warmup if last[k] is None else max(1, math.ceil(settle_ms / max(last[k], 1e-3)))
-            t = benchmark(fns[k], warmup=reps, target_ms=target_ms)
+        for k in williams_order(len(fns), r):
+            t = benchmark(fns[k], warmup=max(1, math.ceil(settle_ms / max(last[k], 1e-3))),
+                          target_ms=target_ms)
             last[k] = t.median_ms
             out[k].append(t)
     return out

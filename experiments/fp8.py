@@ -19,8 +19,8 @@ which is also timed alone ("v_prep"; "fp8 kernel" = fp8 - v_prep); "fp8 in-kern"
 transposed by the kernel's producer instead (transpose_v="producer": no pre-pass), and the quantisation of
 q, k, v from bf16 ("quant", per block with incoherent processing); "fp8 e2e" = quant + fp8, the
 figure to compare with bf16 when the inputs start in bf16. Every column is timed in `--rounds`
-interleaved rounds whose order rotates (`timing.interleaved`; a fixed order measured the column
-run right after another kernel slow, docs/performance.md); the figures are medians over rounds,
+interleaved rounds (`timing.interleaved`: each round's order a Williams design's, since what runs
+just before a kernel moves its time, docs/performance.md); the figures are medians over rounds,
 the ratios to bf16 medians of the rounds' ratios.
 """
 import argparse
@@ -163,7 +163,7 @@ def speed(args):
                 fp8.quantize_fp8(k, block=BLOCK, signs=signs)
                 fp8.quantize_fp8(v, block=None)
             fns["quant"] = quant
-            # every column in interleaved rounds (the order rotating): ms and the two ratios to
+            # every column in interleaved rounds (timing.interleaved): ms and the two ratios to
             # bf16 are medians over the rounds, each ratio taken within its round
             rounds = dict(zip(fns, timing.interleaved(list(fns.values()), rounds=args.rounds)))
             per = {k: [t.median_ms for t in r] for k, r in rounds.items()}
@@ -190,8 +190,8 @@ def speed(args):
 
 def configs(args):
     """fa3 FP8 (one scale a head) forward TFLOP/s for several option sets, beside fa3 bf16, in
-    interleaved rounds (`timing.interleaved`): each round times bf16 then every option set, so a
-    ratio compares calls made under the same clocks; printed: the median over rounds, and the
+    interleaved rounds (`timing.interleaved`): each round times bf16 and every option set, in an
+    order that changes from round to round, so a ratio compares calls made under the same clocks; printed: the median over rounds, and the
     ratio to bf16 as the median of the rounds' ratios with their range."""
     import json
     import statistics

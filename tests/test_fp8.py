@@ -196,7 +196,8 @@ def test_fa3_fp8_with_o_stored_by_the_copy_engine(rng, seqlen, causal, kv_group,
     check_fa3_fp8(rng, seqlen, causal, None, kv_group, 128, o_store=o_store)
 
 
-BLOCK_N_CASES = [(300, True, 1, dict(block_n=192, intra_overlap=True))]   # stage 1 past K's room
+# 300 keys: two blocks, so stage 1's K and V tiles (V past K's B_c rows) are read too
+BLOCK_N_CASES = [(300, True, 1, dict(block_n=192, intra_overlap=True))]
 if ON_GPU:
     BLOCK_N_CASES += [(2048, False, 2, dict(block_n=192, intra_overlap=True)),
                       (1000, True, 1, dict(block_n=224, intra_overlap=True)),
@@ -266,7 +267,9 @@ if ON_GPU:
                         (700, False, 1, dict(stages=1, v_staging=1)),
                         (900, True, 1, dict(persistent=False)),
                         (600, True, 1, dict(block_n=128, intra_overlap=True, v_staging=4)),
-                        (1000, True, 2, dict(block_n=256)), (700, False, 1, dict(block_n=160))]
+                        (1000, True, 2, dict(block_n=256)), (700, False, 1, dict(block_n=160)),
+                        (1000, True, 1, dict(block_n=192)), (700, False, 2, dict(block_n=224)),
+                        (1500, True, 1, dict(block_n=160, stages=3))]
 
 
 @pytest.mark.parametrize("seqlen, causal, kv_group, options", TRANSPOSE_CASES)
@@ -277,7 +280,8 @@ def test_fa3_fp8_v_transposed_by_the_producer_is_the_prepass(rng, seqlen, causal
     same V^T tile in the same order, the same wgmmas. Lengths past one 128-key unit, not a multiple
     of one (TMA's zero rows past the end), many tiles a persistent block (4096, causal pairs), GQA,
     1 to 4 staging buffers, one ring stage, a block a tile, B_c = 128 with the intra-warpgroup
-    overlap."""
+    overlap, B_c between whole 128-key units (160, 192, 224: the last unit's extra keys transposed
+    and never read), three stages."""
     d = 128
     b, h = 2 if seqlen >= 1000 else 1, 2 * kv_group
     q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)

@@ -42,11 +42,11 @@ kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 i
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
 (`common/fp8.py: v_k_major`) or by the producer (below). The descales fold into the softmax scale
 (Q: one a warpgroup; K: one a head, or one a key block, multiplied into S), V's into O's final
-1/l; P~ is computed as
-2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l takes out again. B_c is a
-multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole 128-key panels (`kv_rows`), so
-at B_c = 160..224 its last panel also lands keys that no wgmma reads (K_j's room is B_c rows) (FA3's FP8 tiles are 224 keys,
-with the intra-warpgroup overlap, whose registers fit there and not at 256).
+1/l; P~ is computed as 2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l
+takes out again. B_c is a multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole
+128-key panels (`kv_rows`; K_j's is B_c rows), so at B_c = 160..224 its last panel also lands keys
+that no wgmma reads. FA3's FP8 tile is 224 keys with the intra-warpgroup overlap (its registers
+fit there and not at 256); here 256 without it measured fastest (DEFAULTS).
 Persistence (`persistent`, FA3's tile scheduler): a block a SM, each looping over its share of the
 (query block, batch, head) tiles, so that the producer loads the next tile's Q and first K/V
 blocks while the consumers finish this one and write its O. Causal tiles are dealt in pairs of
@@ -419,9 +419,10 @@ DEFAULTS = {64: dict(block_m=128, block_n=128, stages=2),
             #   B_c 128 + intra_overlap: 602 / 783 / 837 | 422 / 664 / 762;  B_c 256 + it: lower
             # (back_to_back would hold S_j, 128 registers at B_c = 256, O and P~ at once: ptxas
             # serialises the wgmmas for want of registers, C7512). B_c between panels (V^T's room
-            # whole panels, K's B_c rows; H100, rounds in rotating order, fp8_block_n_h100.txt,
-            # TFLOP/s at 4k / 16k, non-causal | causal): 256 848 / 903 | 714 / 873; 192 774-795
-            # / 866-889 | 670-698 / 831-840; 192 with 3 stages 783 / 867 | 654 / 802
+            # whole panels, K's B_c rows; H100, docs/results/fp8_block_n_h100.txt part 3, TFLOP/s
+            # at 4k / 16k, non-causal | causal): 256 848 / 903 | 714 / 873; 192 795 / 889 | 698 /
+            # 840 (a second copy, placed after bf16: 774 / 866 | 670 / 831); 192 with 3 stages
+            # 783 / 867 | 654 / 802
             (128, "fp8"): dict(block_n=256),
             # d=256 (docs/results/fa3_d256_h200.txt, H200, bf16, TFLOP/s at 2k / 8k, non-causal |
             # causal): B_c = 80 (two stages fit beside Q; O staged in Q's room) with both overlaps
