@@ -191,8 +191,9 @@ def speed(args):
 def configs(args):
     """fa3 FP8 (one scale a head) forward TFLOP/s for several option sets, beside fa3 bf16, in
     interleaved rounds (`timing.interleaved`): each round times bf16 and every option set, in an
-    order that changes from round to round, so a ratio compares calls made under the same clocks; printed: the median over rounds, and the
-    ratio to bf16 as the median of the rounds' ratios with their range."""
+    order that changes from round to round, so a ratio compares calls made under the same clocks;
+    printed: the median over rounds, and the ratio to bf16 as the median of the rounds' ratios
+    with their range."""
     import json
     import statistics
 
