@@ -5,9 +5,15 @@ process (quicker than a Hydra sweep when exploring; each result is checked again
         --seqlens 2048,4096 --head-dims 64,128 --causal 0,1
 
 Each configuration is a dict of fa2 options; "hd" / "causal" keys restrict it to that head_dim /
-causal setting. --peers sdpa_flash,sdpa_cudnn times those SDPA backends first (ratios to the first).
-Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 2048), bf16 (--dtype float16 for
-fp16).
+causal setting. --peers sdpa_flash,sdpa_cudnn times those SDPA backends too, listed first (ratios
+to the first). Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 2048), bf16
+(--dtype float16 for fp16).
+
+A shape's peers and configurations are timed together in --rounds interleaved rounds (default 5;
+`timing.interleaved`: each round's order a Williams design's, since what runs just before a kernel
+moves its time, docs/performance.md): TFLOP/s and median_ms are medians over the rounds, the ratio
+in brackets the median of the rounds' ratios to the first row; a comment line after each shape
+gives each row's TFLOP/s round by round and the range of its ratio.
 
 --pass bwd times the backward alone instead (the configurations are the variant's backward
 options; o and lse from fa2's forward, made once), the papers' FLOPs (2.5x the forward's); each
@@ -37,19 +43,22 @@ def main(argv=None):
     ap.add_argument("--variant", default="fa2")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--peers", default="sdpa_flash",
-                    help="torch SDPA backends timed first (the first is the ratios' base)")
+                    help="torch SDPA backends, listed first (the first is the ratios' base)")
     ap.add_argument("--pass", dest="pass_", default="fwd", choices=("fwd", "bwd"))
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (timing.interleaved)")
     args = ap.parse_args(argv)
 
     import numpy as np
 
-    from common import checks, flops, inputs, reference, timing
+    from common import checks, flops, inputs, reference
     from experiments import peers
     import variants
     module = variants.get(args.variant)
 
     configs = json.loads(args.configs)
     rng = np.random.default_rng(0)
+    print(f"# {args.rounds} interleaved rounds; TFLOP/s, median_ms: medians over the rounds; "
+          "(x the first row): median of the rounds' ratios")
     print("hd causal seqlen TFLOP/s median_ms check name")
     for hd in map(int, args.head_dims.split(",")):
         for causal in (c == "1" for c in args.causal.split(",")):
@@ -72,16 +81,13 @@ def main(argv=None):
                         continue
                     candidates.append((json.dumps(options, separators=(",", ":")),
                                        lambda q, k, v, o=options: module.forward(q, k, v, causal=causal, **o)))
-                base = None
+                checked = []
                 for name, fn in candidates:
                     out = fn(*sets[0])
                     o = out[0] if isinstance(out, tuple) else out
                     ok = checks.compare(inputs.to_host(o)[:, rows], ref[1], *ref, args.dtype)["ok"]
-                    t = timing.benchmark(lambda i: fn(*sets[i % len(sets)]), warmup=3, target_ms=200)
-                    tflops = total / t.median_ms / 1e9
-                    base = base or tflops
-                    print(f"{hd} {int(causal)} {n} {tflops:.1f} ({tflops / base:.2f}) {t.median_ms:.4f} "
-                          f"{'ok' if ok else 'FAIL'} {name}", flush=True)
+                    checked.append((name, lambda i, fn=fn: fn(*sets[i % len(sets)]), ok))
+                timed_rows(checked, total, f"{hd} {int(causal)} {n}", args.rounds)
 
 
 def backward_configs(args, module, configs, sets, causal, hd, n, total):
@@ -89,7 +95,6 @@ def backward_configs(args, module, configs, sets, causal, hd, n, total):
     same tensors (o, lse from fa2's forward, dO random), checked against fa2's backward."""
     import torch
 
-    from common import timing
     from experiments import peers
     import variants
     dos = [torch.randn_like(s[0]) for s in sets]
@@ -111,16 +116,36 @@ def backward_configs(args, module, configs, sets, causal, hd, n, total):
                            lambda i, o=options: module.backward(
                                dos[i % len(sets)], *sets[i % len(sets)], *outs[i % len(sets)],
                                causal=causal, **o)))
-    base = None
+    checked = []
     for name, fn in candidates:
         got = [x.float() for x in fn(0)]
         ok = all(float((g - r).abs().max()) <= 2 ** -6 * float(r.abs().max())
                  for g, r in zip(got, ref))
-        t = timing.benchmark(fn, warmup=3, target_ms=200)
-        tflops = total / t.median_ms / 1e9
-        base = base or tflops
-        print(f"{hd} {int(causal)} {n} {tflops:.1f} ({tflops / base:.2f}) {t.median_ms:.4f} "
+        checked.append((name, fn, ok))
+    timed_rows(checked, total, f"{hd} {int(causal)} {n}", args.rounds)
+
+
+def timed_rows(checked, total, shape, rounds):
+    """Time the (name, fn(i), check passed) of one shape together in interleaved rounds
+    (`timing.interleaved`) and print a row each: TFLOP/s and ms the medians over the rounds, the
+    ratio to the first row (in brackets) the median of the rounds' ratios, each taken within its
+    round; then, as comments, each row's TFLOP/s round by round and its ratio's range."""
+    import statistics
+
+    from common import timing
+    if not checked:
+        return
+    per = [[t.median_ms for t in r]
+           for r in timing.interleaved([fn for _, fn, _ in checked], rounds=rounds)]
+    for (name, _, ok), ms in zip(checked, per):
+        ratio = statistics.median(b / a for a, b in zip(ms, per[0]))
+        median_ms = statistics.median(ms)
+        print(f"{shape} {total / median_ms / 1e9:.1f} ({ratio:.2f}) {median_ms:.4f} "
               f"{'ok' if ok else 'FAIL'} {name}", flush=True)
+    for (name, _, _), ms in zip(checked, per):   # every round, for the record
+        ratios = [b / a for a, b in zip(ms, per[0])]
+        print(f"#   {shape} rounds {' '.join(f'{total / x / 1e9:.0f}' for x in ms)}  "
+              f"[{min(ratios):.2f}-{max(ratios):.2f}] {name}", flush=True)
 
 
 if __name__ == "__main__":
