@@ -370,6 +370,10 @@ def _v_k_major_kernel(head_dim):
 
     @kernel
     def v_k_major(v32, vt32, n):
+        # fa3's kernel, launched next as a programmatic dependent (Config.pdl), may start once
+        # every block has begun: its blocks take the SMs as these leave, and wait for this grid's
+        # end before they read V^T
+        sm90.griddep_launch_dependents()
         chunk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         heads = cuda.gridDim.y
         tid = int32(cuda.threadIdx.x)

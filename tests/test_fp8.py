@@ -297,6 +297,41 @@ def test_fa3_fp8_v_transposed_by_the_producer_is_the_prepass(rng, seqlen, causal
     np.testing.assert_array_equal(lse_in, lse_pre)
 
 
+PDL_CASES = [(1, 130, 2, True)]
+if ON_GPU:   # V^T of 16 MB: the pre-pass runs ~15 us, long enough for its dependent to start early
+    PDL_CASES += [(4, 4096, 8, True), (2, 4096, 16, False), (1, 8192, 4, True)]
+
+
+@pytest.mark.parametrize("b, seqlen, h, causal", PDL_CASES)
+def test_fa3_fp8_launched_as_the_prepass_dependent_reads_its_v(rng, b, seqlen, h, causal):
+    """pdl: the kernel launched as a programmatic dependent of V's pre-pass, its producer waiting
+    for the pre-pass's end before the first V^T copy, gives the bits of an ordinary launch. V^T is
+    a new allocation each call, which the pool hands back at the same address: a dependent that
+    read it too early would read the previous call's V^T, here another V's."""
+    from variants import fa3
+    d = 128
+    q, k, v, v_other = ((3 if i == 0 else 1) * rng.standard_normal((b, seqlen, h, d))
+                        .astype(ml_dtypes.bfloat16) for i in range(4))
+    (q8, qd), (k8, kd), (v8, vd), (w8, wd) = (fp8.quantize_fp8(dev(x), block=None)
+                                              for x in (q, k, v, v_other))
+
+    def run(v8, vd, pdl):
+        o, lse = variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
+                                  k_descale=kd, v_descale=vd, pdl=pdl)
+        return arrays_to_host(o), arrays_to_host(lse)
+    o_ref, lse_ref = run(v8, vd, False)
+    run(w8, wd, True)               # the pool's V^T block now holds the other V's
+    o, lse = run(v8, vd, True)
+    assert np.isfinite(o_ref.astype(np.float32)).all()
+    np.testing.assert_array_equal(o.view(np.uint16), o_ref.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse_ref)
+    # only the pre-pass path is a dependent launch
+    assert fa3.default_config(128, "bfloat16", causal, (("fp8", True),)).after_prepass
+    assert not fa3.default_config(128, "bfloat16", causal, (("fp8", True),),
+                                  transpose_v="producer").after_prepass
+    assert not fa3.default_config(128, "bfloat16", causal).after_prepass
+
+
 def test_transpose_v_is_for_fp8_with_a_producer_warpgroup(rng):
     dx = dev(rng.standard_normal((1, 64, 2, 128)).astype(ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="transpose_v='producer' is for FP8"):

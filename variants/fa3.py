@@ -187,6 +187,11 @@ class Config:
                                  # tile: no pre-pass, no V^T in HBM)
     v_staging: int = 2           # transpose_v="producer": staging buffers of V_UNIT keys (TMA
                                  # fills one while the transposers empty another)
+    pdl: bool = True             # transpose_v="prepass": the kernel is launched as a programmatic
+                                 # dependent of V's pre-pass (PDL, `after_prepass`): its blocks
+                                 # start as the pre-pass's last blocks run, load Q_i and K_j, and
+                                 # wait for the pre-pass's end (griddep_wait) only before their
+                                 # first V_j^T; False: an ordinary launch, after the pre-pass ends
     poly_exp2: int = 0           # the exponentials of one 8-key column group of S in every
                                  # poly_exp2 by a polynomial on the FMA units (FA4's software exp2,
                                  # ptx.ex2_poly) instead of the MUFU unit; 0: all on the MUFU
@@ -265,6 +270,12 @@ class Config:
     def v_in_producer(self):
         """FP8 with V transposed by the producer warpgroup (`transpose_v="producer"`)."""
         return self.fp8 and self.transpose_v == "producer"
+
+    @property
+    def after_prepass(self):
+        """FP8 with V's pre-pass, launched as its programmatic dependent (`pdl`): the producer
+        waits for the pre-pass's end before its first copy of V^T."""
+        return self.fp8 and not self.v_in_producer and self.pdl
 
     @property
     def staging_units(self):
@@ -498,6 +509,7 @@ def build(cfg):
     # Units a block: V_j^T's whole panels (at B_c = 192 the second unit's last 64 keys are the
     # next block's, transposed and never read).
     TRANSPOSE, VS, UNITS = cfg.v_in_producer, max(cfg.staging_units, 1), cfg.kv_rows // V_UNIT
+    AFTER_PREPASS = cfg.after_prepass   # V^T is the pre-pass's, which may still run (PDL)
     BAR_VS_FULL, BAR_VS_EMPTY = 8 + 16 * STAGES, 8 + 16 * STAGES + 4 * VS
     V_FULL_COUNT = TRANSPOSERS if TRANSPOSE else FULL_COUNT
     STAGING0 = (cfg.ring_bytes() + cfg.o_room_bytes()) // 2   # 16-bit offset of staging buffer 0
@@ -916,6 +928,8 @@ def build(cfg):
                 else:
                     if it >= STAGES:   # ... and its V
                         sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
+                    if AFTER_PREPASS and it == 0:   # V^T: once the pre-pass has ended (PDL; Q_i
+                        sm90.griddep_wait()         # and K_j are copied while it may still run)
                     v_h = v[bb, h_kv, first_k:first_k + nk] if VARLEN else v[b, h_kv]
                     load_kv(smem, k0 + K_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
                             BAR_V + 4 * stage, ptid)
@@ -1353,7 +1367,7 @@ def _run(prob, qkv, v_view, scales, rows, problem, options):
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
            *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
-           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k)
+           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k, programmatic=cfg.after_prepass)
     return prob.result()
 
 
