@@ -353,18 +353,22 @@ def _v_k_major_kernel(head_dim):
     """V (B, H, N, d/4 words of 4 e4m3) -> V^T (B H d, N_pad/4 words): a block moves V_KEYS keys
     through shared memory; output position p of each 16 keys takes key KEY_ORDER[p].
 
-    A copy kernel, so what counts is bytes in flight: each thread first issues all its LOADS
-    loads (a constant count, unrolled: 16 at d=128, 32 at d=256), then stores them to the tile.
-    Then a thread owns a 4 x 16 block of the output in each of its COLUMN_PASSES (one at d=128,
-    two at d=256; head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16 words
+    A copy kernel, so what counts is bytes in flight and instructions a byte: each thread first
+    issues all its LOADS 16-byte loads (a constant count, unrolled: 4 at d=128, 8 at d=256; a warp
+    reads 512 contiguous bytes, whole rows of V), then stores their words to the tile (at d=128 a
+    warp's 32 stores of one word hit 32 banks: rows 33 words apart, chunks 4 words; at d=256 two
+    ways). Then a thread owns a 4 x 16 block of the output in each of its COLUMN_PASSES (one at
+    d=128, two at d=256; head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16 words
     of column c (conflict-free: half a warp spans 16 columns, the other half the next group, and
-    the padded row stride puts group g + 1's word 16 banks on), transposes the 4 x 4 bytes of
-    each 4 keys that one output word holds, and writes four 16-byte rows."""
+    the padded row stride puts group g + 1's word 16 banks on), transposes the 4 x 4 bytes of each
+    4 keys that one output word holds, and writes four 16-byte rows."""
     WORDS = head_dim // 4       # 32-bit words a key's row
     STRIDE = WORDS + 1          # ... in shared memory, padded
     TILE_WORDS = V_KEYS * STRIDE
-    LOADS = V_KEYS * WORDS // V_THREADS
-    KEY_STEP = V_THREADS // WORDS                   # keys between a thread's loads
+    CHUNKS = WORDS // 4                             # 16-byte chunks a key's row
+    KEY_STEP = V_THREADS // CHUNKS                  # keys between a thread's loads
+    LOADS = V_KEYS // KEY_STEP
+    VALS = 4 * LOADS                                # the words they bring
     GROUPS = V_KEYS // 16
     COLUMN_PASSES = WORDS * GROUPS // V_THREADS     # (group, column) blocks a thread
 
@@ -379,14 +383,19 @@ def _v_k_major_kernel(head_dim):
         tid = int32(cuda.threadIdx.x)
         k0 = chunk * V_KEYS
         tile = cuda.shared.array(TILE_WORDS, uint32)
-        vals = cuda.local.array(LOADS, uint32)
-        first, column = uint32(k0 + tid // WORDS), uint32(tid % WORDS)
+        vals = cuda.local.array(VALS, uint32)
+        first, column = uint32(k0 + tid // CHUNKS), uint32(4 * (tid % CHUNKS))
         last = uint32(n - 1)
         for i in range(LOADS):      # unsigned indices: no negative-index wrap-around to compute
-            vals[i] = v32[uint32(b), uint32(h), min(first + uint32(i * KEY_STEP), last), column]
+            x = ptx.ld_global_v4_u32(v32, uint32(b), uint32(h),
+                                     min(first + uint32(i * KEY_STEP), last), column)
+            for w in range(4):
+                vals[4 * i + w] = x[w]
         for i in range(LOADS):
-            key = i * KEY_STEP + tid // WORDS
-            tile[key * STRIDE + tid % WORDS] = vals[i] if k0 + key < n else uint32(0)
+            key = i * KEY_STEP + tid // CHUNKS
+            for w in range(4):
+                tile[key * STRIDE + 4 * (tid % CHUNKS) + w] = \
+                    vals[4 * i + w] if k0 + key < n else uint32(0)
         cuda.syncthreads()
         warp, lane = tid >> 5, tid & 31
         words = cuda.local.array(16, uint32)
@@ -498,6 +507,10 @@ def v_k_major(v8, like=None):
     V_KEYS, zeros past N), keys in KEY_ORDER within each 16: the B operand of the FP8 P V wgmma."""
     dv = arrays.describe(v8, "v")
     b, n, h, d = dv.shape
+    if dv.strides[-1] != 1 or any(x % 16 for x in (dv.ptr,) + dv.strides[:-1]):
+        raise ValueError(f"V's K-major pre-pass reads V's rows in 16-byte pieces: V must be "
+                         f"16-byte aligned with contiguous rows and 16-byte strides, got address "
+                         f"{dv.ptr:#x}, byte strides {dv.strides}")
     n_pad = -(-n // V_KEYS) * V_KEYS
     vt = arrays.empty(dv.library, (b, h, d, n_pad), "uint8", like=v8)
     v32 = arrays.bits_view(dv, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)

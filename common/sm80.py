@@ -38,6 +38,7 @@ groups, exit checks) and common/_inline_asm.py (the inline-PTX codegen helpers).
 | cp_async_16, cp_async_commit, _wait  | cp.async.cg.shared.global (16 B, zero-fill), groups    |
 | global_address, cp_async_16_from     | the same copy from a 64-bit address computed once      |
 | ld_shared_v4_u32, st_global_v4_u32   | ld.shared.v4.b32, st.global.v4.b32                     |
+| ld_global_v4_u32                     | ld.global.v4.b32 (of a 4-D array's last dimension)     |
 | st_shared_u32                        | st.shared.b32                                          |
 | red_add_v2_f32                       | red.global.add.v2.f32 (sm_90: two fp32 adds at once)   |
 | red_add_v2_f32_at                    | the same at a global_address plus whole rows, + cols   |
@@ -601,6 +602,12 @@ if SIMULATOR:
         c = int(col)
         unwrap(dst)[int(row), c:c + 4] = (x0, x1, x2, x3)
 
+    def ld_global_v4_u32(src, i, j, k, col):
+        c = int(col)
+        if c % 4:
+            raise ValueError(f"a 16-byte load starts at a multiple of 4 words, not {c}")
+        return tuple(np.uint32(x) for x in unwrap(src)[int(i), int(j), int(k), c:c + 4])
+
     def red_add_v2_f32(dst, row, col, x0, x1):
         """dst[row, col] += x0 and dst[row, col + 1] += x1, atomically (other threads add too)."""
         a, r, c = unwrap(dst), int(row), int(col)
@@ -653,6 +660,20 @@ else:
                                      "st.global.v4.b32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r,~{memory}")
 
         return types.void(dst, row, col, x0, x1, x2, x3), codegen
+
+    @intrinsic
+    def ld_global_v4_u32(typingctx, src, i, j, k, col):
+        """src[i, j, k, col:col+4] of a 4-D uint32 array, one 16-byte load (16-byte aligned: col
+        a multiple of 4, the row's address a multiple of 16 bytes)."""
+        sig = types.UniTuple(types.uint32, 4)(src, i, j, k, col)
+
+        def codegen(context, builder, sig, args):
+            addr = _global_address(context, builder, sig.args[0], args[0], args[1:5], sig.args[1:5])
+            out = _asm(builder, [_i32] * 4, [addr], "ld.global.v4.b32 {$0,$1,$2,$3}, [$4];",
+                       "=r,=r,=r,=r,l", side_effect=True)
+            return context.make_tuple(builder, sig.return_type, _unpack(builder, out, 4))
+
+        return sig, codegen
 
     @intrinsic
     def red_add_v2_f32(typingctx, dst, row, col, x0, x1):
