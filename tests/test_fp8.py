@@ -404,3 +404,13 @@ def test_quantize_fp8_refuses_what_it_cannot_do(rng):
     z = dev(rng.standard_normal((1, 8, 1, 128)).astype(ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="signs must be"):
         fp8.quantize_fp8(z, signs=np.full(128, 0.5, np.float32))
+
+
+def test_v_k_major_refuses_v_it_cannot_read_in_16_byte_pieces():
+    """The pre-pass reads V's rows in 16-byte loads: a V whose rows start off a 16-byte boundary
+    (here a view one byte into a wider buffer) is refused, naming why."""
+    wide = dev(np.zeros((1, 64, 2, 144), np.uint8))
+    with pytest.raises(ValueError, match="16-byte aligned with contiguous rows"):
+        fp8.v_k_major(wide[..., 1:129])
+    with pytest.raises(ValueError, match="16-byte aligned with contiguous rows"):
+        fp8.v_k_major(dev(np.zeros((1, 64, 2, 136), np.uint8))[..., :128])   # rows 136 bytes apart
