@@ -35,7 +35,7 @@ from numba import cuda, float32, int32, uint32
 from common import arrays, elements, ptx, sm90, tiles
 from common.checks import UNIT_ROUNDOFF as _UNIT_ROUNDOFF
 from common.problem import _BSHD_TO_BHSD
-from common.target import device_function, kernel, launch
+from common.target import SIMULATOR, device_function, kernel, launch
 
 E4M3_MAX = 448.0
 UNIT_ROUNDOFF = _UNIT_ROUNDOFF["float8_e4m3fn"]   # relative rounding error of a normal e4m3 value
@@ -349,19 +349,25 @@ def _signs_view(signs, d, library, like):
 # --------------------------------------------------------------------------- V, K-major
 
 @lru_cache(maxsize=None)
-def _v_k_major_kernel(head_dim):
+def _v_k_major_kernel(head_dim, trigger):
     """V (B, H, N, d/4 words of 4 e4m3) -> V^T (B H d, N_pad/4 words): a block moves V_KEYS keys
     through shared memory; output position p of each 16 keys takes key KEY_ORDER[p].
 
     A copy kernel, so what counts is bytes in flight and instructions a byte: each thread first
     issues all its LOADS 16-byte loads (a constant count, unrolled: 4 at d=128, 8 at d=256; a warp
-    reads 512 contiguous bytes, whole rows of V), then stores their words to the tile (at d=128 a
+    reads 4 whole rows of V, 2 at d=256), then stores their words to the tile (at d=128 a
     warp's 32 stores of one word hit 32 banks: rows 33 words apart, chunks 4 words; at d=256 two
     ways). Then a thread owns a 4 x 16 block of the output in each of its COLUMN_PASSES (one at
     d=128, two at d=256; head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16 words
     of column c (conflict-free: half a warp spans 16 columns, the other half the next group, and
     the padded row stride puts group g + 1's word 16 banks on), transposes the 4 x 4 bytes of each
-    4 keys that one output word holds, and writes four 16-byte rows."""
+    4 keys that one output word holds, and writes four 16-byte rows.
+
+    trigger: let a programmatic dependent launch start at once (`griddep_launch_dependents`, sm_90
+    on: fa3's kernel, Config.pdl), its blocks taking the SMs as these leave; it waits for this
+    grid's end before it reads V^T."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"V's K-major pre-pass takes head_dim in {HEAD_DIMS}, got {head_dim}")
     WORDS = head_dim // 4       # 32-bit words a key's row
     STRIDE = WORDS + 1          # ... in shared memory, padded
     TILE_WORDS = V_KEYS * STRIDE
@@ -374,10 +380,8 @@ def _v_k_major_kernel(head_dim):
 
     @kernel
     def v_k_major(v32, vt32, n):
-        # fa3's kernel, launched next as a programmatic dependent (Config.pdl), may start once
-        # every block has begun: its blocks take the SMs as these leave, and wait for this grid's
-        # end before they read V^T
-        sm90.griddep_launch_dependents()
+        if trigger:
+            sm90.griddep_launch_dependents()
         chunk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         heads = cuda.gridDim.y
         tid = int32(cuda.threadIdx.x)
@@ -505,8 +509,20 @@ EVEN, ODD = uint32(0x6420), uint32(0x7531)
 def v_k_major(v8, like=None):
     """e4m3 V (B, N, H_kv, d) -> V^T (B, H_kv, d, N_pad) uint8 bits (N_pad = N rounded up to
     V_KEYS, zeros past N), keys in KEY_ORDER within each 16: the B operand of the FP8 P V wgmma."""
+    vt, run = v_k_major_deferred(v8)
+    run()
+    return vt
+
+
+def v_k_major_deferred(v8, stream=None):
+    """(V^T, run): `v_k_major`'s output allocated and `run()` the launch that fills it, on `stream`
+    (a raw handle; None: V's library's current stream), so that a caller can do its host work on
+    V^T (fa3: its tensor map) before the launch, and launch its kernel right after it (a
+    programmatic dependent, Config.pdl: nothing on the stream between)."""
     dv = arrays.describe(v8, "v")
     b, n, h, d = dv.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"V's K-major pre-pass takes head_dim in {HEAD_DIMS}, got {d}")
     if dv.strides[-1] != 1 or any(x % 16 for x in (dv.ptr,) + dv.strides[:-1]):
         raise ValueError(f"V's K-major pre-pass reads V's rows in 16-byte pieces: V must be "
                          f"16-byte aligned with contiguous rows and 16-byte strides, got address "
@@ -516,9 +532,19 @@ def v_k_major(v8, like=None):
     v32 = arrays.bits_view(dv, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
     rows = dataclasses.replace(arrays.describe(vt), shape=(b * h * d, n_pad), strides=(n_pad, 1))
     vt32 = arrays.bits_view(rows, np.uint32, None, last_dim_divisor=4)
-    launch(_v_k_major_kernel(d), (n_pad // V_KEYS, h, b), V_THREADS, 0, arrays.stream_of(dv),
-           v32, vt32, np.int32(n))
-    return vt
+    kern = _v_k_major_kernel(d, _triggers())
+    stream = arrays.stream_of(dv) if stream is None else stream
+
+    def run():
+        launch(kern, (n_pad // V_KEYS, h, b), V_THREADS, 0, stream, v32, vt32, np.int32(n))
+    return vt, run
+
+
+@lru_cache(maxsize=None)
+def _triggers():
+    """Whether the pre-pass lets a programmatic dependent start early: where PDL exists (sm_90
+    on; griddepcontrol does not assemble before), and in the simulator (a no-op there)."""
+    return SIMULATOR or tuple(cuda.get_current_device().compute_capability) >= (9, 0)
 
 
 def compile_targets():
@@ -533,4 +559,4 @@ def compile_targets():
     yield ("quantize_fp8 block one_pass",
            _one_pass_quantizer(128, elements.BFLOAT16, True, one_pass_rows(128, DEFAULT_BLOCK)),
            (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
-    yield "v_k_major", _v_k_major_kernel(128), (u32_4, types.Array(types.uint32, 2, "C"), types.int32)
+    yield "v_k_major", _v_k_major_kernel(128, True), (u32_4, types.Array(types.uint32, 2, "C"), types.int32)

@@ -24,11 +24,12 @@ _PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 # common/ modules that hold no device code (argument checks, array adapters, the float64
-# reference, inputs, timing, configuration lookup, the KV cache's host side): their source cannot
-# change a cubin, so an edit to one keeps the cache. tests/test_compile.py checks that no compile
-# target's code reaches them (functions, modules, or values imported from them).
+# reference, inputs, timing, configuration lookup, the KV cache's host side, TMA tensor maps):
+# their source cannot change a cubin, so an edit to one keeps the cache. tests/test_compile.py
+# checks that no compile target's code reaches them (functions, modules, or values imported from
+# them).
 HOST_MODULES = ("arrays", "checks", "configs", "flops", "inputs", "kvcache", "problem",
-                "reference", "replay", "timing")
+                "reference", "replay", "tensormaps", "timing")
 
 
 @lru_cache(maxsize=None)

@@ -103,9 +103,9 @@ def derived(make, sources, stream):
     from the replay's views and stream (unless it kept one for those addresses: _Derived), so
     `make` must be cheap for views it saw before (it caches). What `make` does is not recorded:
     it must not depend on the sources' contents, and where it cannot work under CUDA-graph capture
-    it must say so (sm90.tensor_maps uploads a new map synchronously: under capture it raises).
-    `sources` may hold KernelViews, tuples of them and plain numbers or strings; anything else
-    makes a recorded call unplannable."""
+    it must say so (tensormaps.tensor_maps uploads a new map synchronously: under capture it
+    raises). `sources` may hold KernelViews, tuples of them and plain numbers or strings; anything
+    else makes a recorded call unplannable."""
     view = make(sources, stream)
     recipes = getattr(_recipes, "of", None)
     if recipes is not None:
@@ -205,7 +205,7 @@ class _Derived:
     a replay over one of those skips make (~10 us for fa3's three tensor maps). Kept here, the view
     stays alive even if make's own cache drops it. (Neither keeps a view alive for as long as a
     CUDA graph that captured a launch reading it: a graph over fa3 must be replayed while its
-    inputs' maps are among the last few hundred made, sm90.tensor_maps' cache.)"""
+    inputs' maps are among the last few hundred made, tensormaps.tensor_maps' cache.)"""
     KEEP = 8
 
     def __init__(self, make, sources):

@@ -603,10 +603,17 @@ if SIMULATOR:
         unwrap(dst)[int(row), c:c + 4] = (x0, x1, x2, x3)
 
     def ld_global_v4_u32(src, i, j, k, col):
-        c = int(col)
-        if c % 4:
-            raise ValueError(f"a 16-byte load starts at a multiple of 4 words, not {c}")
-        return tuple(np.uint32(x) for x in unwrap(src)[int(i), int(j), int(k), c:c + 4])
+        """The GPU's rules too: the four words inside the row, their address 16-byte aligned (a
+        misaligned vector load is a fatal error there)."""
+        a, c = unwrap(src), int(col)
+        index = (int(i), int(j), int(k), c)
+        if not 0 <= c <= a.shape[3] - 4:
+            raise IndexError(f"a 16-byte load of words {c}..{c + 3} runs past a row of {a.shape[3]}")
+        address = a.ctypes.data + sum(x * s for x, s in zip(index, a.strides))
+        if address % 16:
+            raise ValueError(f"a 16-byte load at {index} is not 16-byte aligned (byte strides "
+                             f"{a.strides})")
+        return tuple(np.uint32(x) for x in a[index[0], index[1], index[2], c:c + 4])
 
     def red_add_v2_f32(dst, row, col, x0, x1):
         """dst[row, col] += x0 and dst[row, col + 1] += x1, atomically (other threads add too)."""

@@ -47,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--pass", dest="pass_", default="fwd", choices=("fwd", "bwd"))
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (timing.interleaved)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
 
     import numpy as np
 

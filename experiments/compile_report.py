@@ -33,6 +33,10 @@ def variant_modules():
 
 
 def ptx_counts(ptx):
+    # PDL: griddepcontrol.wait, and the TMA loads before the first one (-1: no wait) and in all, in
+    # the PTX's text order (fa3's producer: straight-line code around its one wait)
+    wait = ptx.find("griddepcontrol.wait")
+    loads = [m.start() for m in re.finditer(TMA_LOAD, ptx)]
     return {
         "mma": len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16", ptx)),
         "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
@@ -40,7 +44,13 @@ def ptx_counts(ptx):
         "cp_async": len(re.findall(r"\bcp\.async\.cg", ptx)),
         "f64_ops": len(re.findall(r"^\s*[a-z][a-z0-9.]*\.f64\b", ptx, flags=re.M)),
         "local_decls": len(re.findall(r"^\s*\.local\b", ptx, flags=re.M)),
+        "griddep_wait": ptx.count("griddepcontrol.wait"),
+        "tma_loads": len(loads),
+        "tma_loads_before_wait": sum(x < wait for x in loads) if wait >= 0 else -1,
     }
+
+
+TMA_LOAD = r"\bcp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global"
 
 
 def find_tool(name):

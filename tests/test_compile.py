@@ -133,6 +133,19 @@ def test_tensor_core_instructions(report):
             assert r["ldmatrix"] > 0 and r["cp_async"] > 0, r
 
 
+def test_fp8_kernel_waits_for_the_prepass_only_before_its_v(report):
+    """fa3 FP8 with V^T from the pre-pass (a programmatic dependent of it, Config.pdl) runs
+    griddepcontrol.wait once: after its copies of Q and K, which the pre-pass does not write, and
+    before its copies of V^T, which it does; no other forward kernel of fa3 waits."""
+    fa3 = [r for r in report if r["kernel"].startswith("fa3 d=")]
+    assert any("e4m3" in r["kernel"] and "transpose_v" not in r["kernel"] for r in fa3)
+    for r in fa3:
+        if "e4m3" in r["kernel"] and "transpose_v" not in r["kernel"]:
+            assert r["griddep_wait"] == 1 and 0 < r["tma_loads_before_wait"] < r["tma_loads"], r
+        else:
+            assert r["griddep_wait"] == 0, r
+
+
 def test_no_float64_and_no_local_arrays(report):
     for r in report:
         assert r["f64_ops"] == 0, r

@@ -306,8 +306,10 @@ if ON_GPU:   # V^T of 16 MB: the pre-pass runs ~15 us, long enough for its depen
 def test_fa3_fp8_launched_as_the_prepass_dependent_reads_its_v(rng, b, seqlen, h, causal):
     """pdl: the kernel launched as a programmatic dependent of V's pre-pass, its producer waiting
     for the pre-pass's end before the first V^T copy, gives the bits of an ordinary launch. V^T is
-    a new allocation each call, which the pool hands back at the same address: a dependent that
-    read it too early would read the previous call's V^T, here another V's."""
+    a new allocation each call: a dependent that read it too early would read what the memory
+    held before (another V's V^T, where an allocator hands the block back). Whether such a read
+    happens depends on timing; what makes it impossible is checked without a GPU: the wait's
+    place in the kernel (test_compile.py) and the launch order (below)."""
     from variants import fa3
     d = 128
     q, k, v, v_other = ((3 if i == 0 else 1) * rng.standard_normal((b, seqlen, h, d))
@@ -330,6 +332,58 @@ def test_fa3_fp8_launched_as_the_prepass_dependent_reads_its_v(rng, b, seqlen, h
     assert not fa3.default_config(128, "bfloat16", causal, (("fp8", True),),
                                   transpose_v="producer").after_prepass
     assert not fa3.default_config(128, "bfloat16", causal).after_prepass
+
+
+@pytest.mark.parametrize("options, order", [
+    ({}, [("maps", False), ("prepass", False), ("fa3", True)]),
+    (dict(pdl=False), [("maps", False), ("prepass", False), ("fa3", False)]),
+    (dict(transpose_v="producer"), [("maps", False), ("fa3", False)])])
+def test_fa3_fp8_launches_right_after_its_prepass(rng, monkeypatch, options, order):
+    """With V^T from the pre-pass, fa3's tensor maps (whose first upload is a synchronous copy) are
+    made before the pre-pass is launched, and the kernel is launched right after it, a programmatic
+    dependent with pdl (the default) and an ordinary launch without; with the producer's transpose
+    there is no pre-pass and no dependent launch."""
+    from common import tensormaps
+    from variants import fa3
+    _, x8, s = _fp8_inputs(rng)   # (the quantiser launches through fp8.launch too)
+    calls = []
+
+    def recorded(name, real):
+        def call(*args, programmatic=False, **kwargs):
+            calls.append((name, programmatic))
+            return real(*args, programmatic=programmatic, **kwargs) if name != "maps" else \
+                real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(tensormaps, "tensor_maps", recorded("maps", tensormaps.tensor_maps))
+    monkeypatch.setattr(fp8, "launch", recorded("prepass", fp8.launch))
+    monkeypatch.setattr(fa3, "launch", recorded("fa3", fa3.launch))
+    variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s, **options)
+    assert calls == order
+
+
+def test_v_prepass_lets_its_dependent_start_first_thing():
+    """V's pre-pass built to trigger (sm_90 on) runs griddepcontrol.launch_dependents before its
+    first load; built not to (before sm_90, where griddepcontrol does not assemble) it has no
+    griddepcontrol at all (PTX for sm_90, compiled without a GPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = (
+        "from numba import cuda, types\n"
+        "from common import fp8\n"
+        "sig = (types.Array(types.uint32, 4, 'A'), types.Array(types.uint32, 2, 'C'), types.int32)\n"
+        "for trigger in (True, False):\n"
+        "    ptx, _ = cuda.compile_ptx(fp8._v_k_major_kernel(128, trigger).py_func, sig, cc=(9, 0))\n"
+        "    body = ptx[ptx.index('.entry'):]\n"
+        "    print(trigger, body.find('griddepcontrol'), body.find('ld.global.v4'))\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(__import__("os").environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in out.stdout.splitlines()}
+    (trigger, load), (none, load_) = rows["True"], rows["False"]
+    assert 0 <= trigger < load and none == -1 and load_ >= 0
 
 
 def test_transpose_v_is_for_fp8_with_a_producer_warpgroup(rng):

@@ -291,6 +291,27 @@ def test_async_copy_and_vector_access(rng):
 
 
 @cuda.jit
+def vector_load_kernel(src, dst):
+    """Thread t loads words 4 (t % 4) .. + 3 of key t // 4 of every (b, h) of a (B, N, H, words)
+    view with ld.global.v4 and stores them as they came."""
+    tid = int32(cuda.threadIdx.x)
+    b, h = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y)
+    key, col = tid // 4, 4 * (tid % 4)
+    x = ptx.ld_global_v4_u32(src, b, key, h, col)
+    for w in range(4):
+        dst[b, h, key, col + w] = x[w]
+
+
+def test_global_vector_load_of_a_strided_view(rng):
+    """ld_global_v4_u32 on a 4-D view that is not contiguous: rows of 16 words 80 bytes apart (a
+    padded pitch), as fp8.v_k_major reads V (B, N, H, d) by (b, key, h)."""
+    buf = rng.integers(0, 2**32, (2, 8, 3, 20), dtype=np.uint32)   # (B, N, H, words + pad)
+    dst = np.zeros((2, 3, 8, 16), np.uint32)
+    vector_load_kernel[(2, 3), 32](cuda.to_device(buf)[:, :, :, :16], dst)
+    np.testing.assert_array_equal(dst, buf[..., :16].transpose(0, 2, 1, 3))
+
+
+@cuda.jit
 def store_shared_kernel(out):
     """Each thread stores a word into the mirrored slot with st.shared; the block reads them back."""
     tid = int32(cuda.threadIdx.x)

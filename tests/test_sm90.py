@@ -11,7 +11,7 @@ import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
 from common import lanes as sem
-from common import arrays, fp8, ptx, sm80, sm90, tiles
+from common import arrays, fp8, ptx, sm80, sm90, tensormaps, tiles
 from common.target import device_function, launch
 from tests.conftest import ON_GPU
 from tests.test_ptx import random_halves
@@ -138,7 +138,8 @@ def test_wgmma_on_tma_tiles_matches_numpy(rng, d, n, dtype):
     else:
         v_op, v_box, box = v, (n, 64), 64
     views = [device_view(x.reshape(1, 1, *x.shape), None) for x in (a, b, v_op)]
-    tmaps = sm90.tensor_maps(((views[0][0], 64, box), (views[1][0], n, box), (views[2][0], *v_box)))
+    tmaps = tensormaps.tensor_maps(((views[0][0], 64, box), (views[1][0], n, box),
+                                    (views[2][0], *v_box)))
     s_view, s_dev = device_view(np.full((64, n), np.nan, np.float32), None)
     o_view, o_dev = device_view(np.full((64, d), np.nan, np.float32), None)
     kern, smem = build_gemm_kernel(d, n, dtype)
@@ -442,7 +443,7 @@ def test_tma_store_writes_the_box_and_clips_at_the_end(rng):
     src = rng.integers(0, 2 ** 31, (64, 32)).astype(np.uint32)
     dst = np.zeros((100, 32), np.uint32)
     views = [device_view(x.reshape(1, 1, *x.shape), None) for x in (src, dst)]
-    tmaps = sm90.tensor_maps(((views[0][0], 64, 32), (views[1][0], 64, 32)))
+    tmaps = tensormaps.tensor_maps(((views[0][0], 64, 32), (views[1][0], 64, 32)))
     launch(tma_round_trip_kernel, 1, 128, 1024 + 128 + 64 * 128, 0, tmaps, np.int32(8),
            np.int32(72))
     got = views[1][1].copy_to_host().reshape(100, 32)

@@ -91,7 +91,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
 from common import (arrays, configs, fp8, masks, pipeline, ptx, replay, sm90, softmax, target,
-                    tiles)
+                    tensormaps, tiles)
 from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.problem import (FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYPE, SEQS_TYPE,
                             prepare, prepare_varlen)
@@ -202,8 +202,8 @@ class Config:
                                  # epilogue: a TMA tensor store a 64-column panel, issued by one
                                  # thread of the warpgroup, O staged as the map's swizzled box;
                                  # o_apart, not varlen; O's tensor map is made per output address,
-                                 # as Q's, K's and V's are per input: sm90.tensor_maps' CUDA-graph
-                                 # rule applies to the output too)
+                                 # as Q's, K's and V's are per input: tensormaps.tensor_maps'
+                                 # CUDA-graph rule applies to the output too)
 
     @property
     def consumers(self):
@@ -1298,10 +1298,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
 
-        def v_view(cfg):   # what the V tensor map reads: V itself, or V^T from the pre-pass
-            if cfg.v_in_producer:
-                return prob.v
-            return arrays.bits_view(arrays.describe(fp8.v_k_major(v)), np.uint8)
+        def v_view(cfg):   # what the V tensor map reads: V itself, or V^T from the pre-pass,
+            if cfg.v_in_producer:   # with the pre-pass's launch, made after the maps
+                return prob.v, None
+            vt, prepass = fp8.v_k_major_deferred(v, stream=prob.stream)
+            return arrays.bits_view(arrays.describe(vt), np.uint8), prepass
         problem = (("fp8", True), ("k_block_scales", k_block_scales))
         qkv = tuple(arrays.bits_view(arrays.describe(x), np.uint16, (0, 2, 1, 3),
                                      last_dim_divisor=2)
@@ -1343,25 +1344,30 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def _run(prob, qkv, v_view, scales, rows, problem, options):
     """Launch the problem's configuration: a block a tile, or (persistent) one a SM. FP8:
-    v_view(cfg) gives the view the V tensor map reads (it runs V's pre-pass when there is one)."""
+    v_view(cfg) gives the view the V tensor map reads and the launch of V's pre-pass that fills it
+    (or None), run after the maps are made (a new map's upload is a synchronous copy) and right
+    before the kernel, its programmatic dependent (Config.pdl)."""
     problem += configs.mask_fields(prob)   # ("window", True) for a sliding window; varlen's fields
     cfg = default_config(prob.head_dim, prob.element, prob.band.banded, problem, **options)
     seqs = prob.varlen
     box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
+    prepass = None
     if cfg.fp8:   # V^T (head_dim rows of 128 keys a box), or V for the producer's transpose
-        v_view, v_rows = v_view(cfg), (V_UNIT if cfg.v_in_producer else prob.head_dim)
+        (v_view, prepass), v_rows = v_view(cfg), (V_UNIT if cfg.v_in_producer else prob.head_dim)
     else:
         v_rows = cfg.block_n
     # the maps depend on the inputs' addresses: a replayed call makes them for its own
     boxes = ((prob.q, WG_ROWS, box), (prob.k, cfg.block_n, box), (v_view, v_rows, box))
     if cfg.o_store == "tma":   # o32's words: a box of 64 rows x 128 bytes, as the room stages it
         boxes += ((prob.o32, WG_ROWS, sm90.SWIZZLE_BYTES // 4),)
-    tmaps = replay.derived(sm90.tensor_maps, boxes, prob.stream)
+    tmaps = replay.derived(tensormaps.tensor_maps, boxes, prob.stream)
     n_q, n_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
     cu_q, cu_k = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
         (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
     n_items = cfg.work_items((n_q + cfg.block_m - 1) // cfg.block_m, prob.batch * prob.heads)
     grid = min(n_items, target.multiprocessor_count()) if cfg.persistent else n_items
+    if prepass is not None:
+        prepass()
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, *qkv, prob.o32, prob.lse, np.int32(n_q), np.int32(n_k),
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),

@@ -54,7 +54,7 @@ import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
 from common import backward as bwd
-from common import configs, masks, pipeline, ptx, replay, sm90, softmax, tiles
+from common import configs, masks, pipeline, ptx, replay, sm90, softmax, tensormaps, tiles
 from common.elements import BFLOAT16, Element
 from common.problem import LSE_TYPE, OUT_TYPE
 from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
@@ -517,7 +517,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
     box = PANEL_COLS
     boxes = ((prob.q, cfg.block_m, box), (prob.k, cfg.block_n, box), (prob.v, cfg.block_n, box),
              (g.do, cfg.block_m, box))
-    tmaps = replay.derived(sm90.tensor_maps, boxes, prob.stream)   # made anew in a replay
+    tmaps = replay.derived(tensormaps.tensor_maps, boxes, prob.stream)   # made anew in a replay
     grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            tmaps, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, np.int32(prob.n_q),
