@@ -465,6 +465,6 @@ def test_v_k_major_refuses_v_it_cannot_read_in_16_byte_pieces():
     (here a view one byte into a wider buffer) is refused, naming why."""
     wide = dev(np.zeros((1, 64, 2, 144), np.uint8))
     with pytest.raises(ValueError, match="16-byte aligned with contiguous rows"):
-        fp8.v_k_major(wide[..., 1:129])
+        fp8.v_k_major(wide[:, :, :, 1:129])
     with pytest.raises(ValueError, match="16-byte aligned with contiguous rows"):
-        fp8.v_k_major(dev(np.zeros((1, 64, 2, 136), np.uint8))[..., :128])   # rows 136 bytes apart
+        fp8.v_k_major(dev(np.zeros((1, 64, 2, 136), np.uint8))[:, :, :, :128])   # rows 136 bytes apart
