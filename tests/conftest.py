@@ -68,3 +68,17 @@ def pytest_runtest_makereport(item, call):
         for key, value in item.user_properties:
             if key == "seed":
                 report.sections.append(("random seed", f"FA_TEST_SEED={value} replays this test"))
+
+
+def compiled_in_a_subprocess(code):
+    """The stdout lines of Python `code` run in a fresh process with the simulator off, from the
+    repository root: numba-cuda compiles PTX there without a GPU (`cuda.compile_ptx`), which the
+    simulator, chosen for this process, cannot. Fails the test with the process's stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.splitlines()

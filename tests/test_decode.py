@@ -13,7 +13,7 @@ import pytest
 
 import variants
 from common import checks, inputs, reference
-from tests.conftest import ON_GPU
+from tests.conftest import ON_GPU, compiled_in_a_subprocess
 
 SMALL = {} if ON_GPU else dict(block_n=32, warps=2, stages=2)
 LENGTHS = [1, 17, 4097, 16384, 300] if ON_GPU else [1, 17, 70]
@@ -177,9 +177,6 @@ def test_decode_combine_waits_before_it_reads():
     """The dependent combine kernels (pdl=True; the block-merge and the warp-parts form) run
     griddepcontrol.wait before their first load from global memory (Numba's are generic ld), and
     the ordinary ones have no wait (PTX for sm_90, compiled without a GPU)."""
-    import subprocess
-    import sys
-    from pathlib import Path
     code = (
         "import re\n"
         "from numba import cuda, types\n"
@@ -195,12 +192,7 @@ def test_decode_combine_waits_before_it_reads():
         "        m = re.search(r'\\bld\\.(?!param|shared)', body)\n"   # a global (or generic) load
         "        wait, load = body.find('griddepcontrol.wait'), m.start() if m else -1\n"
         "        print(dependent, wait, load)\n")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(__import__("os").environ, NUMBA_ENABLE_CUDASIM="0")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [r.split() for r in out.stdout.splitlines()]
+    rows = [r.split() for r in compiled_in_a_subprocess(code)]
     assert len(rows) == 4   # the combine kernel and its warp-parts form, each both ways
     for dependent, wait, load in rows:
         wait, load = int(wait), int(load)

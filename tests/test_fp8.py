@@ -11,7 +11,7 @@ from numba import cuda, int32
 import variants
 from common import lanes as sem
 from common import fp8, inputs, ptx
-from tests.conftest import ON_GPU
+from tests.conftest import ON_GPU, compiled_in_a_subprocess
 
 U = fp8.UNIT_ROUNDOFF
 SUBNORMAL_HALF_STEP = 2.0 ** -10     # the largest rounding error below e4m3's smallest normal
@@ -365,9 +365,6 @@ def test_v_prepass_lets_its_dependent_start_first_thing():
     """V's pre-pass built to trigger (sm_90 on) runs griddepcontrol.launch_dependents before its
     first load; built not to (before sm_90, where griddepcontrol does not assemble) it has no
     griddepcontrol at all (PTX for sm_90, compiled without a GPU)."""
-    import subprocess
-    import sys
-    from pathlib import Path
     code = (
         "from numba import cuda, types\n"
         "from common import fp8\n"
@@ -376,12 +373,7 @@ def test_v_prepass_lets_its_dependent_start_first_thing():
         "    ptx, _ = cuda.compile_ptx(fp8._v_k_major_kernel(128, trigger).py_func, sig, cc=(9, 0))\n"
         "    body = ptx[ptx.index('.entry'):]\n"
         "    print(trigger, body.find('griddepcontrol'), body.find('ld.global.v4'))\n")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(__import__("os").environ, NUMBA_ENABLE_CUDASIM="0")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in out.stdout.splitlines()}
+    rows = {r.split()[0]: [int(x) for x in r.split()[1:]] for r in compiled_in_a_subprocess(code)}
     (trigger, load), (none, load_) = rows["True"], rows["False"]
     assert 0 <= trigger < load and none == -1 and load_ >= 0
 
