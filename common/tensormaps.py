@@ -72,8 +72,8 @@ else:
     def encode_tensor_map(view, box_rows, box_cols):
         """cuTensorMapEncodeTiled over a (B, H, N, d) view of 32-bit (16-bit pairs), 16-bit or 8-bit
         (e4m3, as UINT8: the copy engine moves bits) elements (any strides, the last axis
-        contiguous): dimensions innermost first (d, N, H, B), a box of box_cols x box_rows x 1 x 1, SWIZZLE_128B, zeros
-        past the ends. Returns its 16 words (128 bytes)."""
+        contiguous): dimensions innermost first (d, N, H, B), a box of box_cols x box_rows x 1 x 1,
+        SWIZZLE_128B, zeros past the ends. Returns its 16 words (128 bytes)."""
         from cuda.bindings import driver as cu
         kind = {4: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT32,
                 2: cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
