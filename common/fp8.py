@@ -521,8 +521,7 @@ def v_k_major_deferred(v8, stream=None):
     programmatic dependent, Config.pdl: nothing on the stream between)."""
     dv = arrays.describe(v8, "v")
     b, n, h, d = dv.shape
-    if d not in HEAD_DIMS:
-        raise ValueError(f"V's K-major pre-pass takes head_dim in {HEAD_DIMS}, got {d}")
+    kern = _v_k_major_kernel(d, _triggers())   # (refuses a head_dim it does not take)
     if dv.strides[-1] != 1 or any(x % 16 for x in (dv.ptr,) + dv.strides[:-1]):
         raise ValueError(f"V's K-major pre-pass reads V's rows in 16-byte pieces: V must be "
                          f"16-byte aligned with contiguous rows and 16-byte strides, got address "
@@ -532,7 +531,6 @@ def v_k_major_deferred(v8, stream=None):
     v32 = arrays.bits_view(dv, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
     rows = dataclasses.replace(arrays.describe(vt), shape=(b * h * d, n_pad), strides=(n_pad, 1))
     vt32 = arrays.bits_view(rows, np.uint32, None, last_dim_divisor=4)
-    kern = _v_k_major_kernel(d, _triggers())
     stream = arrays.stream_of(dv) if stream is None else stream
 
     def run():
