@@ -322,7 +322,7 @@ def test_fa3_fp8_launched_as_the_prepass_dependent_reads_its_v(rng, b, seqlen, h
                                   k_descale=kd, v_descale=vd, pdl=pdl)
         return arrays_to_host(o), arrays_to_host(lse)
     o_ref, lse_ref = run(v8, vd, False)
-    run(w8, wd, True)               # the pool's V^T block now holds the other V's
+    run(w8, wd, True)               # memory a later V^T may reuse now holds the other V's
     o, lse = run(v8, vd, True)
     assert np.isfinite(o_ref.astype(np.float32)).all()
     np.testing.assert_array_equal(o.view(np.uint16), o_ref.view(np.uint16))
