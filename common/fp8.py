@@ -46,6 +46,7 @@ DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multipl
 HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
 THREADS = 128
 V_KEYS = 128                     # keys of V a block of the K-major pre-pass moves (8 groups of 16)
+assert DEFAULT_BLOCK % V_KEYS == 0   # the per-tensor K-major quantiser's blocks: whole V_KEYS chunks
 V_UNIT_KEYS = 128                # keys of V fa3's producer transposes at a time (a V^T panel)
 V_THREADS = 256                  # ... with this many threads
 
@@ -121,6 +122,13 @@ def _block_max(warps):
     return top
 
 
+@device_function
+def _e4m3_word(vals, first, scale):
+    """vals[first .. first + 3] times scale, as four e4m3 bytes of a 32-bit word (low byte first)."""
+    return ptx.pack_e4m3x4(vals[first] * scale, vals[first + 1] * scale,
+                           vals[first + 2] * scale, vals[first + 3] * scale)
+
+
 @lru_cache(maxsize=None)
 def _row_storer(head_dim):
     """store(out32, b, h, row, lane, vals, first, scale): the lane's E = d / 32 values vals[first:]
@@ -130,9 +138,7 @@ def _row_storer(head_dim):
     @device_function
     def store(out32, b, h, row, lane, vals, first, scale):
         for w in range(OUT_WORDS):
-            out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
-                vals[first + 4 * w] * scale, vals[first + 4 * w + 1] * scale,
-                vals[first + 4 * w + 2] * scale, vals[first + 4 * w + 3] * scale)
+            out32[b, h, row, lane * OUT_WORDS + w] = _e4m3_word(vals, first + 4 * w, scale)
 
     return store
 
@@ -178,24 +184,32 @@ def _row_loader(head_dim, element, hadamard):
 
 
 @lru_cache(maxsize=None)
-def _quantizer(head_dim, element, hadamard, scope):
+def _quantizer(head_dim, element, hadamard, scope, k_major=False):
     """The quantiser kernel: one thread block a (block of rows, head, batch), a warp a row at a
     time, lane l holding columns l E .. l E + E - 1 (E = d / 32). scope:
       "block"  amax over the block's rows, then quantise with it (one pass over the input each),
       "amax"   only the block's amax, folded into amax[0] by an atomic max (per-tensor, step 1),
-      "tensor" quantise with amax[0] (per-tensor, step 2)."""
+      "tensor" quantise with amax[0] (per-tensor, step 2).
+    k_major (V for fa3): the quantised rows go V_KEYS at a time into a shared tile, and from it
+    to V^T (out32: (B H d, N_pad / 4) words) as `v_k_major` writes it (`_k_major_writer`), zeros
+    past N; the block's rows must be whole V_KEYS chunks except at N (quantize_fp8 sees to it)."""
     E = head_dim // 32
     WARPS = THREADS // 32
     FIND_AMAX, QUANTISE = scope in ("block", "amax"), scope in ("block", "tensor")
     BLOCK_SCOPE, ATOMIC = scope == "block", scope == "amax"
+    K_MAJOR = k_major
+    OUT_WORDS, STRIDE = head_dim // 128, head_dim // 4 + 1
+    TILE_WORDS = V_KEYS * STRIDE if K_MAJOR else 1
     load_row, store_row = _row_loader(head_dim, element, hadamard), _row_storer(head_dim)
     block_max = _block_max(WARPS)
+    write_k_major = _k_major_writer(head_dim, THREADS)
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
         blk, h, b, tid, warp, lane, row0, row1 = block_rows(n, rows)
         vals = cuda.local.array(E, float32)
         peak = cuda.shared.array(WARPS, float32)
+        tile = cuda.shared.array(TILE_WORDS, uint32)
         top = float32(0)
         # Every warp makes the same number of passes (rows past the block's end re-read its last
         # row and are not used): the transform's shuffles are warp-collective.
@@ -216,7 +230,18 @@ def _quantizer(head_dim, element, hadamard, scope):
         scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
         if tid == 0:
             descale[b, h, 0 if not BLOCK_SCOPE else blk] = float32(1) / scale
-        if QUANTISE:
+        if QUANTISE and K_MAJOR:
+            for c0 in range(row0, row1, V_KEYS):   # V_KEYS keys into the tile, then to V^T
+                for i in range(V_KEYS // WARPS):
+                    row = c0 + i * WARPS + warp
+                    load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
+                    for w in range(OUT_WORDS):
+                        tile[(row - c0) * STRIDE + lane * OUT_WORDS + w] = \
+                            _e4m3_word(vals, 4 * w, scale) if row < row1 else uint32(0)
+                cuda.syncthreads()
+                write_k_major(tile, out32, b, h, cuda.gridDim.y, c0 // V_KEYS, tid)
+                cuda.syncthreads()
+        elif QUANTISE:
             for i in range(passes):
                 row = row0 + i * WARPS + warp
                 load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
@@ -281,7 +306,7 @@ def _fp8_empty(library, shape, like):
                         like=like)
 
 
-def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
+def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None, k_major=False):
     """x (B, N, H, d) fp16/bf16 on the GPU -> (x8, descale): x8 e4m3 of the same shape (torch
     float8_e4m3fn for torch input, uint8 bits for CuPy/Numba) and descale float32 (B, H, nb) with
     x ~= descale[b, h, row // block] * x8 (block quantisation; block=None: one scale for the
@@ -289,7 +314,11 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
     host): quantise x diag(signs) H / sqrt(d) instead (incoherent processing; give Q and K the
     same signs, V none). Two launches per-tensor (amax, then quantise), one per block: in one
     pass where the block's rows fit the registers of 16 warps (`one_pass_rows`: d=128 up to 256
-    rows, d=256 up to 128), else reading each row twice (amax, then quantise)."""
+    rows, d=256 up to 128), else reading each row twice (amax, then quantise).
+
+    k_major=True (for V): x8 is a KMajorV, the same e4m3 values written as V^T in fa3's layout
+    by the quantising pass itself (through shared memory, V_KEYS keys at a time), so that fa3
+    runs no pre-pass on it. fa3 takes one V scale a head: block=None, or block >= N."""
     dx = arrays.describe(x, "x")
     if len(dx.shape) != 4 or dx.dtype not in ("float16", "bfloat16"):
         raise TypeError(f"quantize_fp8 takes a (batch, seqlen, heads, head_dim) float16 or "
@@ -301,12 +330,20 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
         raise ValueError("quantize_fp8: x must be contiguous along head_dim with 16-byte aligned rows")
     if block is not None and (int(block) != block or block < 1):
         raise ValueError(f"block must be a positive number of rows or None, got {block!r}")
+    if k_major and block is not None and block < n:
+        raise ValueError(f"k_major: fa3 takes one V scale a head, so V is quantised with "
+                         f"block=None (one scale a tensor) or block >= seqlen ({n}), got {block}")
     stream = arrays.stream_of(dx)
-    x8 = _fp8_empty(dx.library, (b, n, h, d), x)
     nb = 1 if block is None else -(-n // block)
     descale = arrays.empty(dx.library, (b, h, nb), "float32", like=x)
     x32 = arrays.bits_view(dx, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2)
-    out32 = arrays.bits_view(arrays.describe(x8), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
+    if k_major:
+        n_pad = -(-n // V_KEYS) * V_KEYS
+        x8 = KMajorV(arrays.empty(dx.library, (b, h, d, n_pad), "uint8", like=x), n)
+        out32 = _k_major_words(x8.data)
+    else:
+        x8 = _fp8_empty(dx.library, (b, n, h, d), x)
+        out32 = arrays.bits_view(arrays.describe(x8), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
     dd = arrays.bits_view(arrays.describe(descale), np.float32)
     if signs is None:
         sign_view, hadamard = arrays.placeholder(dx.library, 1, x), False
@@ -314,24 +351,31 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None):
         sign_view, hadamard = _signs_view(signs, d, dx.library, x), True
     element = elements.element(dx.dtype)
     if block is not None:
-        rows_a_warp = one_pass_rows(d, block)
+        rows_a_warp = 0 if k_major else one_pass_rows(d, block)
         if rows_a_warp:
             kern, threads = _one_pass_quantizer(d, element, hadamard, rows_a_warp), \
                 32 * ONE_PASS_WARPS
         else:
-            kern, threads = _quantizer(d, element, hadamard, "block"), THREADS
+            kern, threads = _quantizer(d, element, hadamard, "block", k_major), THREADS
         launch(kern, (nb, h, b), threads, 0, stream, x32, sign_view, out32, dd,
                arrays.placeholder(dx.library, 1, x), np.int32(n), np.int32(block))
         return x8, descale
     amax = arrays.zeros(dx.library, (1,), "float32", like=x)
     av = arrays.bits_view(arrays.describe(amax), np.float32)
-    rows = DEFAULT_BLOCK
+    rows = DEFAULT_BLOCK   # whole V_KEYS chunks a block, as the K-major quantiser needs
     grid = (-(-n // rows), h, b)
     launch(_quantizer(d, element, hadamard, "amax"), grid, THREADS, 0, stream,
            x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
-    launch(_quantizer(d, element, hadamard, "tensor"), grid, THREADS, 0, stream,
-           x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
+    launch(_quantizer(d, element, hadamard, "tensor", k_major), grid, THREADS, 0, stream,
+           x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))   # rows: whole V_KEYS
     return x8, descale
+
+
+def _k_major_words(vt):
+    """V^T (B, H, d, N_pad) uint8 as the K-major writers store it: (B H d, N_pad / 4) words."""
+    b, h, d, n_pad = arrays.describe(vt).shape
+    rows = dataclasses.replace(arrays.describe(vt), shape=(b * h * d, n_pad), strides=(n_pad, 1))
+    return arrays.bits_view(rows, np.uint32, None, last_dim_divisor=4)
 
 
 def _signs_view(signs, d, library, like):
@@ -357,11 +401,8 @@ def _v_k_major_kernel(head_dim, trigger):
     issues all its LOADS 16-byte loads (a constant count, unrolled: 4 at d=128, 8 at d=256; a warp
     reads 4 whole rows of V, 2 at d=256), then stores their words to the tile (at d=128 a
     warp's 32 stores of one word hit 32 banks: rows 33 words apart, chunks 4 words; at d=256 two
-    ways). Then a thread owns a 4 x 16 block of the output in each of its COLUMN_PASSES (one at
-    d=128, two at d=256; head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16 words
-    of column c (conflict-free: half a warp spans 16 columns, the other half the next group, and
-    the padded row stride puts group g + 1's word 16 banks on), transposes the 4 x 4 bytes of each
-    4 keys that one output word holds, and writes four 16-byte rows.
+    ways). Then `_k_major_writer` moves the tile to V^T (one column pass a thread at d=128, two
+    at d=256).
 
     trigger: let a programmatic dependent launch start at once (`griddep_launch_dependents`, sm_90
     on: fa3's kernel, Config.pdl), its blocks taking the SMs as these leave; it waits for this
@@ -375,8 +416,7 @@ def _v_k_major_kernel(head_dim, trigger):
     KEY_STEP = V_THREADS // CHUNKS                  # keys between a thread's loads
     LOADS = V_KEYS // KEY_STEP
     VALS = 4 * LOADS                                # the words they bring
-    GROUPS = V_KEYS // 16
-    COLUMN_PASSES = WORDS * GROUPS // V_THREADS     # (group, column) blocks a thread
+    write_k_major = _k_major_writer(head_dim, V_THREADS)
 
     @kernel
     def v_k_major(v32, vt32, n):
@@ -401,10 +441,35 @@ def _v_k_major_kernel(head_dim, trigger):
                 tile[key * STRIDE + 4 * (tid % CHUNKS) + w] = \
                     vals[4 * i + w] if k0 + key < n else uint32(0)
         cuda.syncthreads()
+        write_k_major(tile, vt32, b, h, heads, chunk, tid)
+
+    return v_k_major
+
+
+@lru_cache(maxsize=None)
+def _k_major_writer(head_dim, threads):
+    """write(tile, vt32, b, h, heads, chunk, tid): V_KEYS keys of V in shared memory (`tile`: a
+    key's row of head_dim / 4 words, rows head_dim / 4 + 1 words apart) to V^T's keys
+    chunk V_KEYS .. (chunk + 1) V_KEYS - 1 of head (b, h) (vt32: (B H d, N_pad / 4) words), in
+    KEY_ORDER within each 16, by `threads` threads. A thread owns a 4 x 16 block of the output in
+    each of its column passes (head_dim rows 4 c .. 4 c + 3, key group g): it reads the group's 16
+    words of column c (conflict-free: half a warp spans 16 columns, the other half the next group,
+    and the padded row stride puts group g + 1's word 16 banks on), transposes the 4 x 4 bytes of
+    each 4 keys that one output word holds, and writes four 16-byte rows. `v_k_major` (V^T from e4m3
+    V) and the K-major quantiser (V^T from 16-bit V) share it."""
+    WORDS = head_dim // 4
+    STRIDE = WORDS + 1
+    GROUPS = V_KEYS // 16
+    WARPS = threads // 32
+    COLUMN_PASSES = WORDS * GROUPS // threads       # (group, column) blocks a thread
+    assert COLUMN_PASSES * threads == WORDS * GROUPS
+
+    @device_function
+    def write(tile, vt32, b, h, heads, chunk, tid):
         warp, lane = tid >> 5, tid & 31
         words = cuda.local.array(16, uint32)
         for cp in range(COLUMN_PASSES):
-            unit = cp * (V_THREADS // 32) + warp       # (two groups, 16 columns) a warp
+            unit = cp * WARPS + warp                    # (two groups, 16 columns) a warp
             g = 2 * (unit % (GROUPS // 2)) + (lane >> 4)
             c = 16 * (unit // (GROUPS // 2)) + (lane & 15)
             for k in range(16):
@@ -419,7 +484,7 @@ def _v_k_major_kernel(head_dim, trigger):
                 out3 = _gather_bytes(words[6], words[7], words[14], words[15], shift)
                 ptx.st_global_v4_u32(vt32, row + i, col, out0, out1, out2, out3)
 
-    return v_k_major
+    return write
 
 
 @device_function
@@ -506,12 +571,42 @@ def unit_transposer(head_dim, warps):
 EVEN, ODD = uint32(0x6420), uint32(0x7531)
 
 
+@dataclasses.dataclass(frozen=True)
+class KMajorV:
+    """V as fa3's FP8 P V wgmma reads it, made once, taken by `fa3.forward` in place of V (no
+    pre-pass in the call: FA3's V_colmajor): `data` (B, H_kv, d, N_pad) uint8 bits, V^T with keys
+    contiguous, N_pad = `seqlen` rounded up to V_KEYS, zeros past seqlen, each 16 keys in
+    KEY_ORDER. `v_k_major` makes it from e4m3 V; `quantize_fp8(v, k_major=True)` from 16-bit V in
+    the quantiser's own pass (what a model quantising V for attention would do)."""
+    data: object
+    seqlen: int
+
+    def check(self, like, name="v"):
+        """The error that names what is wrong with this V^T beside `like` (a KernelView of K:
+        (B, N_k, H_kv, d)), or nothing."""
+        b, n, h, d = like.shape
+        n_pad = -(-n // V_KEYS) * V_KEYS
+        dv = arrays.describe(self.data, f"{name} (K-major)")
+        want = (b, h, d, n_pad)
+        if self.seqlen != n or dv.shape != want or dv.dtype != "uint8":
+            raise ValueError(f"a K-major {name} (fp8.KMajorV) beside k of shape {like.shape} must "
+                             f"hold uint8 {want} for seqlen {n}, got {dv.dtype} {dv.shape} for "
+                             f"seqlen {self.seqlen}")
+        if dv.strides != (h * d * n_pad, d * n_pad, n_pad, 1) or dv.ptr % 16:
+            raise ValueError(f"a K-major {name} (fp8.KMajorV) must be contiguous and 16-byte "
+                             f"aligned, got strides {dv.strides}, address {dv.ptr:#x}")
+        if dv.library != like.library:
+            raise ValueError(f"a K-major {name} (fp8.KMajorV) must be a {like.library} array like "
+                             f"k, got {dv.library}")
+
+
 def v_k_major(v8, like=None):
-    """e4m3 V (B, N, H_kv, d) -> V^T (B, H_kv, d, N_pad) uint8 bits (N_pad = N rounded up to
-    V_KEYS, zeros past N), keys in KEY_ORDER within each 16: the B operand of the FP8 P V wgmma."""
+    """e4m3 V (B, N, H_kv, d) -> KMajorV: V^T (B, H_kv, d, N_pad) uint8 bits (N_pad = N rounded up
+    to V_KEYS, zeros past N), keys in KEY_ORDER within each 16: the B operand of the FP8 P V
+    wgmma."""
     vt, run = v_k_major_deferred(v8)
     run()
-    return vt
+    return KMajorV(vt, arrays.describe(v8, "v").shape[1])
 
 
 def v_k_major_deferred(v8, stream=None):
@@ -529,8 +624,7 @@ def v_k_major_deferred(v8, stream=None):
     n_pad = -(-n // V_KEYS) * V_KEYS
     vt = arrays.empty(dv.library, (b, h, d, n_pad), "uint8", like=v8)
     v32 = arrays.bits_view(dv, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
-    rows = dataclasses.replace(arrays.describe(vt), shape=(b * h * d, n_pad), strides=(n_pad, 1))
-    vt32 = arrays.bits_view(rows, np.uint32, None, last_dim_divisor=4)
+    vt32 = _k_major_words(vt)
     stream = arrays.stream_of(dv) if stream is None else stream
 
     def run():
@@ -557,4 +651,7 @@ def compile_targets():
     yield ("quantize_fp8 block one_pass",
            _one_pass_quantizer(128, elements.BFLOAT16, True, one_pass_rows(128, DEFAULT_BLOCK)),
            (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
-    yield "v_k_major", _v_k_major_kernel(128, True), (u32_4, types.Array(types.uint32, 2, "C"), types.int32)
+    u32_2 = types.Array(types.uint32, 2, "C")
+    yield ("quantize_fp8 tensor k_major", _quantizer(128, elements.BFLOAT16, False, "tensor", True),
+           (u32_4, f32_1, u32_2, f32_3, f32_1, types.int32, types.int32))
+    yield "v_k_major", _v_k_major_kernel(128, True), (u32_4, u32_2, types.int32)

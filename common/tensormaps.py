@@ -9,10 +9,15 @@ Host-only: kernels get the maps as an argument and no kernel or device function 
 module, so it is one of common/kernel_cache.py's HOST_MODULES and an edit to it keeps every
 compiled kernel (tests/test_compile.py checks that none reaches it).
 
-CUDA graphs: a new map's upload is a synchronous copy, which a graph cannot hold. Under stream
-capture only maps already made are usable, i.e. of inputs the kernel saw once before the capture;
-a new one is an error that says so (`tensor_maps`). common/replay.py makes a replayed call's maps
-for its own addresses through `replay.derived`.
+A new map is uploaded on the stream of the launch that reads it (a copy from pageable memory,
+staged by the driver before the call returns), so that the kernel is stream-ordered after the
+copy on any stream, a non-blocking one included; a map used later from another stream makes
+that stream wait for the upload's event first (on the GPU: the host does not wait).
+
+CUDA graphs: a graph cannot hold a copy from pageable memory. Under stream capture only maps
+already made are usable, i.e. of inputs the kernel saw once before the capture; a new one is an
+error that says so (`tensor_maps`). common/replay.py makes a replayed call's maps for its own
+addresses through `replay.derived`.
 """
 import numpy as np
 from numba import cuda
@@ -30,13 +35,15 @@ def tensor_maps(boxes, stream=0):
     elements, a box 128 bytes wide. A map depends only on (address, shape, strides, element, box),
     so maps are encoded and uploaded once per such key.
 
-    The upload is a synchronous copy, which a CUDA graph cannot hold: under stream capture (on
-    `stream`) only maps already made are usable, i.e. inputs the kernel saw once before the
-    capture, and a new one is an error that says so. (Graph-safe maps need them passed by value as
-    __grid_constant__ kernel parameters, which Numba kernels cannot declare.)"""
+    The upload is a copy on `stream` (a raw handle, that of the launch that reads the maps) from
+    pageable memory, which a CUDA graph cannot hold: under stream capture (on `stream`) only maps
+    already made are usable, i.e. inputs the kernel saw once before the capture, and a new one is
+    an error that says so. (Graph-safe maps need them passed by value as __grid_constant__ kernel
+    parameters, which Numba kernels cannot declare.) Maps made on one stream and used from another:
+    that stream first waits for the upload (`_Upload.order`)."""
     key = tuple((v.ptr, v.shape, v.strides, v.dtype.itemsize, r, c) for v, r, c in boxes)
-    hit = _MAP_CACHE.get(key)
-    if hit is None:
+    entry = _MAP_CACHE.get(key)
+    if entry is None:
         if not SIMULATOR and stream_is_capturing(stream):
             raise RuntimeError(
                 "fa3 under CUDA-graph capture: its TMA tensor maps are made once per input "
@@ -44,13 +51,48 @@ def tensor_maps(boxes, stream=0):
                 "capture. Run the same call once before capturing, with the tensors the graph "
                 "will use (static inputs), or capture a variant without TMA (fa2).")
         words = np.stack([encode_tensor_map(v, r, c) for v, r, c in boxes])
-        dev = cuda.to_device(words)
+        entry = _upload(words, stream)
         if len(_MAP_CACHE) >= _MAP_CACHE_SIZE:
             _MAP_CACHE.pop(next(iter(_MAP_CACHE)))
-        hit = _MAP_CACHE[key] = KernelView(
-            dev.__cuda_array_interface__["data"][0] if not SIMULATOR else 0, words.shape,
-            (16 * 8, 8), np.dtype(np.uint64), owner=dev, array=dev)
-    return hit
+        _MAP_CACHE[key] = entry
+    else:
+        entry.order(stream)
+    return entry.view
+
+
+class _Upload:
+    """A map array uploaded on one stream (`view`, for launches) and what orders it on others."""
+
+    def __init__(self, view, event, stream):
+        self.view, self._event, self._streams = view, event, {stream}
+
+    def order(self, stream):
+        """Make `stream` wait (on the GPU) for the upload, the first time it uses these maps."""
+        if stream not in self._streams and self._event is not None:   # (None: the simulator,
+            self._event.wait(_numba_stream(stream))                    # whose launches are in order)
+            self._streams.add(stream)
+
+
+def _numba_stream(stream):
+    return cuda.default_stream() if stream == 0 else cuda.external_stream(stream)
+
+
+if SIMULATOR:
+    def _upload(words, stream):
+        dev = cuda.to_device(words)
+        return _Upload(KernelView(0, words.shape, (16 * 8, 8), np.dtype(np.uint64), owner=dev,
+                                  array=dev), None, stream)
+
+else:
+    def _upload(words, stream):
+        """`words` into a new device array by a copy on `stream`, and the event after it."""
+        numba_stream = _numba_stream(stream)
+        dev = cuda.to_device(words, stream=numba_stream)
+        event = cuda.event(timing=False)
+        event.record(numba_stream)
+        return _Upload(KernelView(dev.__cuda_array_interface__["data"][0], words.shape,
+                                  (16 * 8, 8), np.dtype(np.uint64), owner=dev, array=dev),
+                       event, stream)
 
 
 def stream_is_capturing(stream):

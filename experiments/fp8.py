@@ -13,15 +13,21 @@ rows of Q and K, fp8.DEFAULT_BLOCK; per head for V), FP8 + incoherent processing
 K), FP8 + both — next to the paper's numbers.
 
 speed: the FA2 paper's grid (batch x seqlen = 16k, 16 heads of 128, bf16 inputs), forward
-TFLOP/s of sdpa_flash, sdpa_cudnn, fa3 bf16, and fa3 FP8 with one scale a head ("fp8") and a
-scale per 256 rows of Q and K ("fp8 block"). FP8's forward includes V's K-major pre-pass (`v_k_major`),
-which is also timed alone ("v_prep"; "fp8 kernel" = fp8 - v_prep); "fp8 in-kern" is fp8 with V
-transposed by the kernel's producer instead (transpose_v="producer": no pre-pass), and the quantisation of
-q, k, v from bf16 ("quant", per block with incoherent processing); "fp8 e2e" = quant + fp8, the
-figure to compare with bf16 when the inputs start in bf16. Every column is timed in `--rounds`
-interleaved rounds (`timing.interleaved`: each round's order a Williams design's, since what runs
-just before a kernel moves its time, docs/performance.md); the figures are medians over rounds,
-the ratios to bf16 medians of the rounds' ratios.
+TFLOP/s of sdpa_flash, sdpa_cudnn, fa3 bf16, and fa3 FP8 with one scale a head:
+  "fp8"          V in flash_attn's layout, so the call includes V's K-major pre-pass (`v_k_major`);
+  "fp8 V^T"      V handed over K-major (`fp8.KMajorV`, as `quantize_fp8(v, k_major=True)` writes
+                 it): no pre-pass, the kernel alone;
+  "fp8 in-kern"  V transposed by the kernel's producer instead (transpose_v="producer");
+  "fp8 block"    a scale per 256 rows of Q and K, V K-major;
+and, in ms, the pre-passes alone, each timed as a CUDA graph of 10 (GPU time, no host launch time
+in it): "v_prep" V's K-major pre-pass, "quant" the quantisation of q, k, v from bf16 as a model
+would (Q and K per 256 rows with incoherent processing, V per tensor and K-major); "fp8 e2e" =
+quant + fp8 block, the figure to compare with bf16 when the inputs start in bf16. (Before
+2026-11-27, evening: "fp8 block" and "fp8 e2e" included V's pre-pass, and "fp8 kernel" was fp8 less
+an event-timed v_prep, which counted host time.) Every column is timed in `--rounds` interleaved
+rounds (`timing.interleaved`: each round's order a Williams design's, since what runs just before a
+kernel moves its time, docs/performance.md); the figures are medians over rounds, the ratios to
+bf16 medians of the rounds' ratios.
 """
 import argparse
 import csv
@@ -118,23 +124,23 @@ def speed(args):
             n_sets = max(1, math.ceil(128e6 / (3 * b * n * heads * d * 2)))
             hosts = [inputs.random_qkv(rng, b, n, heads, d, "bfloat16") for _ in range(n_sets)]
             sets = [tuple(inputs.to_device(x, "torch") for x in host) for host in hosts]
-            signs = fp8.random_signs(d, 0)
-            quantised = {}
-            for block in (None, BLOCK):
+            signs = inputs.to_device(fp8.random_signs(d, 0), "torch")   # (no copy in a graph)
+            quantised = {}   # per (Q and K's block, V K-major): each set's q8, k8, v8 and descales
+            for block, k_major in ((None, False), (None, True), (BLOCK, True)):
                 qs = []
                 for q, k, v in sets:
                     q8, qd = fp8.quantize_fp8(q, block=block)
                     k8, kd = fp8.quantize_fp8(k, block=block)
-                    v8, vd = fp8.quantize_fp8(v, block=None)
+                    v8, vd = fp8.quantize_fp8(v, block=None, k_major=k_major)
                     qs.append((q8, k8, v8, qd, kd, vd))
-                quantised[block] = qs
+                quantised[block, k_major] = qs
             total = flops.attention_flops(b, heads, n, n, d, causal)
             check_rows = np.unique(rng.choice(n, 32))
             ref = reference.attention(*hosts[0], causal=causal, rows=check_rows)
 
-            def fp8_fn(block, **options):
+            def fp8_fn(block, k_major, **options):
                 def fn(i):
-                    q8, k8, v8, qd, kd, vd = quantised[block][i % n_sets]
+                    q8, k8, v8, qd, kd, vd = quantised[block, k_major][i % n_sets]
                     return variants.forward(q8, k8, v8, variant="fa3", causal=causal, q_descale=qd,
                                             k_descale=kd, v_descale=vd, **options)
                 return fn
@@ -144,9 +150,10 @@ def speed(args):
                 f = peers.forward_fn(p, causal, None, gqa=False)
                 fns[p] = lambda i, f=f: f(*sets[i % n_sets])
             fns["fa3 bf16"] = lambda i: variants.forward(*sets[i % n_sets], variant="fa3", causal=causal)
-            fns["fp8"] = fp8_fn(None)
-            fns["fp8 in-kern"] = fp8_fn(None, transpose_v="producer")   # V^T by the producer
-            fns["fp8 block"] = fp8_fn(BLOCK)
+            fns["fp8"] = fp8_fn(None, False)
+            fns["fp8 V^T"] = fp8_fn(None, True)
+            fns["fp8 in-kern"] = fp8_fn(None, False, transpose_v="producer")   # V^T by the producer
+            fns["fp8 block"] = fp8_fn(BLOCK, True)
             status = {}
             for name, fn in fns.items():
                 out = fn(0)
@@ -155,19 +162,19 @@ def speed(args):
                 # FP8's error budget is 16x bf16's: its check is against the e4m3 unit roundoff
                 status[name] = "ok" if (got["ok"] or (name.startswith("fp8") and
                                                       got["rel_err"] <= 2 * fp8.UNIT_ROUNDOFF)) else "FAIL"
-            fns["v_prep"] = lambda i: fp8.v_k_major(quantised[None][i % n_sets][2])
-
-            def quant(i):
-                q, k, v = sets[i % n_sets]
-                fp8.quantize_fp8(q, block=BLOCK, signs=signs)
-                fp8.quantize_fp8(k, block=BLOCK, signs=signs)
-                fp8.quantize_fp8(v, block=None)
-            fns["quant"] = quant
+            q, k, v = sets[0]
+            v8 = quantised[None, False][0][2]
+            graphs = {"v_prep": _graphed(lambda: fp8.v_k_major(v8)),
+                      "quant": _graphed(lambda: (fp8.quantize_fp8(q, block=BLOCK, signs=signs),
+                                                 fp8.quantize_fp8(k, block=BLOCK, signs=signs),
+                                                 fp8.quantize_fp8(v, block=None, k_major=True)))}
+            for name, (g, _) in graphs.items():
+                fns[name] = lambda i, g=g: g.replay()
             # every column in interleaved rounds (timing.interleaved): ms and the two ratios to
             # bf16 are medians over the rounds, each ratio taken within its round
             rounds = dict(zip(fns, timing.interleaved(list(fns.values()), rounds=args.rounds)))
-            per = {k: [t.median_ms for t in r] for k, r in rounds.items()}
-            per["fp8 kernel"] = [a - b for a, b in zip(per["fp8"], per["v_prep"])]
+            per = {k: [t.median_ms / (GRAPH_REPS if k in graphs else 1) for t in r]
+                   for k, r in rounds.items()}
             per["fp8 e2e"] = [a + b for a, b in zip(per["quant"], per["fp8 block"])]
             ms = {k: statistics.median(v) for k, v in per.items()}
             tf = {k: total / v / 1e9 for k, v in ms.items()}
@@ -178,7 +185,7 @@ def speed(args):
                      for c in SPEED_COLUMNS]
             bad = [k for k, v in status.items() if v != "ok"]
             print(f"{int(causal):>6} {n:>6} " + " ".join(cells) +
-                  f"   fp8/bf16 {over_bf16('fp8'):.2f}"
+                  f"   fp8/bf16 {over_bf16('fp8'):.2f} V^T/bf16 {over_bf16('fp8 V^T'):.2f}"
                   f" in-kern/bf16 {over_bf16('fp8 in-kern'):.2f}" + (f"  FAIL: {bad}" if bad else ""),
                   flush=True)
             for k, v in ms.items():
@@ -250,7 +257,8 @@ def figure(args):
     speed = list(csv.DictReader(open(args.speed)))
     accuracy = list(csv.DictReader(open(args.accuracy)))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    kernels = ("fa3 bf16", "fp8", "fp8 kernel", "fp8 block", "fp8 e2e", "sdpa_cudnn")
+    kernels = [k for k in ("fa3 bf16", "fp8", "fp8 V^T", "fp8 kernel", "fp8 block", "fp8 e2e",
+                           "sdpa_cudnn") if any(r["kernel"] == k for r in speed)]   # older CSVs: fp8 kernel
     for ax, causal in zip(axes[:2], ("False", "True")):
         for name in kernels:
             pts = sorted((int(r["seqlen"]), float(r["tflops"])) for r in speed
@@ -280,8 +288,17 @@ def figure(args):
     print(f"wrote {args.out}")
 
 
-SPEED_COLUMNS = ("sdpa_flash", "sdpa_cudnn", "fa3 bf16", "fp8", "fp8 in-kern", "fp8 block", "fp8 kernel",
+SPEED_COLUMNS = ("sdpa_flash", "sdpa_cudnn", "fa3 bf16", "fp8", "fp8 V^T", "fp8 in-kern", "fp8 block",
                  "fp8 e2e", "quant", "v_prep")
+GRAPH_REPS = 10   # calls of a pre-pass in its timed CUDA graph
+
+
+def _graphed(fn):
+    """(graph, outputs) of GRAPH_REPS calls of fn captured in one CUDA graph: a replay's time over
+    GRAPH_REPS is a call's GPU time, without the host's launch time (which exceeds a short
+    pre-pass's own)."""
+    from common import timing
+    return timing.capture_cuda_graph(lambda: [fn() for _ in range(GRAPH_REPS)])
 
 
 def _write(path, rows):

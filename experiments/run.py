@@ -313,7 +313,7 @@ def _quantise_fp8(set_, fp8_cfg, head_dim):
     q, k, v = set_[:3]
     q8, qd = fp8.quantize_fp8(q, block=block, signs=signs)
     k8, kd = fp8.quantize_fp8(k, block=block, signs=signs)
-    v8, vd = fp8.quantize_fp8(v, block=None)
+    v8, vd = fp8.quantize_fp8(v, block=None, k_major=bool(fp8_cfg.get("v_k_major", False)))
     return q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd, out_dtype="float16",
                             scale_block=block or fp8.DEFAULT_BLOCK)
 

@@ -206,6 +206,32 @@ def test_fa3_replays_keep_and_remake_their_tensor_maps(rng):
     assert set(derived.kept) == {tuple(x.data_ptr() for x in qkv) for qkv in want}
 
 
+def test_fa3_tensor_maps_are_ordered_on_the_calls_stream(rng):
+    """fa3's tensor maps are uploaded on the call's stream, so that the kernel follows the copy on
+    a non-blocking stream too (torch's side streams), and a later call from another stream first
+    waits for that upload's event: calls on two side streams, the maps new on the first and reused
+    on the second, return the default stream's result."""
+    torch = pytest.importorskip("torch")
+    if "fa3" not in _variants():
+        pytest.skip("fa3 needs sm_90")
+    from common import tensormaps
+    from variants import fa3
+    qkv = _torch_qkv(rng)[1]
+    o_want, lse_want = fa3.forward.__wrapped__(*qkv, causal=True)
+    fresh = [x.clone() for x in qkv]   # new addresses: new maps
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    outs = []
+    for stream in (first, second):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outs.append(fa3.forward.__wrapped__(*fresh, causal=True))
+    torch.cuda.synchronize()
+    for o, lse in outs:
+        assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
+    assert any({first.cuda_stream, second.cuda_stream} <= entry._streams
+               for entry in tensormaps._MAP_CACHE.values())
+
+
 @pytest.mark.parametrize("variant", ["standard", "fa1", "fa2", "fa3"])
 def test_replayed_calls_match_the_ordinary_path(rng, variant):
     """From the third call of a geometry on, forward and backward are replayed (common/replay.py):

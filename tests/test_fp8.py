@@ -139,7 +139,9 @@ def test_incoherent_processing_leaves_qk_unchanged(rng):
 def test_v_k_major_orders_keys_for_the_p_operand(rng, n, d):
     """V^T (B, H, d, N_pad): position p of each 16 keys holds key KEY_ORDER[p], zeros past N."""
     v = rng.integers(0, 255, (2, n, 2, d), dtype=np.uint8)
-    vt = arrays_to_host(fp8.v_k_major(dev(v)))
+    made = fp8.v_k_major(dev(v))
+    assert isinstance(made, fp8.KMajorV) and made.seqlen == n
+    vt = arrays_to_host(made.data)
     n_pad = -(-n // fp8.V_KEYS) * fp8.V_KEYS
     assert vt.shape == (2, 2, d, n_pad)
     keys = np.concatenate([16 * g + fp8.KEY_ORDER for g in range(n_pad // 16)])
@@ -148,6 +150,27 @@ def test_v_k_major_orders_keys_for_the_p_operand(rng, n, d):
     want[..., ok] = v.transpose(0, 2, 3, 1)[..., keys[ok]]
     np.testing.assert_array_equal(vt, want)
     assert sorted(fp8.KEY_ORDER) == list(range(16))
+
+
+K_MAJOR_QUANT_CASES = [(100, 128, None), (100, 128, 256),
+                       pytest.param(300, 256, 512, marks=pytest.mark.slow)]
+if ON_GPU:
+    K_MAJOR_QUANT_CASES += [(1000, 128, None), (4096, 128, 4096), (700, 256, None), (256, 128, 256)]
+
+
+@pytest.mark.parametrize("n, d, block", K_MAJOR_QUANT_CASES)
+def test_quantize_fp8_k_major_is_v_k_major_of_the_quantised_v(rng, n, d, block):
+    """quantize_fp8(v, k_major=True) writes, in its own pass, what v_k_major makes of the row-major
+    quantiser's output: the same scales and e4m3 values, as V^T with each 16 keys in KEY_ORDER and
+    zeros past N. One scale a tensor (block=None: 256-row blocks, two 128-key chunks each) and one
+    a head (block >= N: a block of the whole sequence; at N <= 256, d=128 the row-major quantiser
+    is the one-pass kernel, the K-major one the two-pass: the same bits)."""
+    v = dev(rng.standard_normal((2, n, 2, d)).astype(ml_dtypes.bfloat16))
+    v8, vd = fp8.quantize_fp8(v, block=block)
+    vt, vtd = fp8.quantize_fp8(v, block=block, k_major=True)
+    assert isinstance(vt, fp8.KMajorV) and vt.seqlen == n
+    np.testing.assert_array_equal(arrays_to_host(vtd), arrays_to_host(vd))
+    np.testing.assert_array_equal(arrays_to_host(vt.data), arrays_to_host(fp8.v_k_major(v8).data))
 
 
 # --------------------------------------------------------------------------- fa3 in FP8
@@ -297,6 +320,31 @@ def test_fa3_fp8_v_transposed_by_the_producer_is_the_prepass(rng, seqlen, causal
     np.testing.assert_array_equal(lse_in, lse_pre)
 
 
+K_MAJOR_V_CASES = [(130, True, 1)]
+if ON_GPU:
+    K_MAJOR_V_CASES += [(64, False, 1), (700, False, 2), (4096, True, 2), (1000, True, 4),
+                        (3000, False, 1)]
+
+
+@pytest.mark.parametrize("seqlen, causal, kv_group", K_MAJOR_V_CASES)
+def test_fa3_fp8_with_v_given_k_major_is_the_prepass(rng, seqlen, causal, kv_group):
+    """V handed over K-major (fp8.KMajorV from the quantiser's own pass: no pre-pass in the call)
+    gives the bits of the pre-pass path, which is checked against float64 above."""
+    d = 128
+    b, h = 2 if seqlen >= 1000 else 1, 2 * kv_group
+    q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)
+    k, v = (dev(rng.standard_normal((b, seqlen, h // kv_group, d)).astype(ml_dtypes.bfloat16))
+            for _ in range(2))
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize_fp8(x, block=None) for x in (dev(q), k, v))
+    vt, vtd = fp8.quantize_fp8(v, block=None, k_major=True)
+    outs = [variants.forward(q8, k8, x, variant="fa3", causal=causal, q_descale=qd, k_descale=kd,
+                             v_descale=s) for x, s in ((v8, vd), (vt, vtd))]
+    (o_pre, lse_pre), (o_vt, lse_vt) = ((arrays_to_host(o), arrays_to_host(lse)) for o, lse in outs)
+    assert np.isfinite(o_pre.astype(np.float32)).all()
+    np.testing.assert_array_equal(o_vt.view(np.uint16), o_pre.view(np.uint16))
+    np.testing.assert_array_equal(lse_vt, lse_pre)
+
+
 PDL_CASES = [(1, 130, 2, True)]
 if ON_GPU:   # V^T of 16 MB: the pre-pass runs ~15 us, long enough for its dependent to start early
     PDL_CASES += [(4, 4096, 8, True), (2, 4096, 16, False), (1, 8192, 4, True)]
@@ -337,15 +385,17 @@ def test_fa3_fp8_launched_as_the_prepass_dependent_reads_its_v(rng, b, seqlen, h
 @pytest.mark.parametrize("options, order", [
     ({}, [("maps", False), ("prepass", False), ("fa3", True)]),
     (dict(pdl=False), [("maps", False), ("prepass", False), ("fa3", False)]),
-    (dict(transpose_v="producer"), [("maps", False), ("fa3", False)])])
+    (dict(transpose_v="producer"), [("maps", False), ("fa3", False)]),
+    (dict(k_major_v=True), [("maps", False), ("fa3", False)])])
 def test_fa3_fp8_launches_right_after_its_prepass(rng, monkeypatch, options, order):
     """With V^T from the pre-pass, fa3's tensor maps (whose first upload is a synchronous copy) are
     made before the pre-pass is launched, and the kernel is launched right after it, a programmatic
-    dependent with pdl (the default) and an ordinary launch without; with the producer's transpose
-    there is no pre-pass and no dependent launch."""
+    dependent with pdl (the default) and an ordinary launch without; with the producer's transpose,
+    or V given K-major, there is no pre-pass and no dependent launch."""
     from common import tensormaps
     from variants import fa3
     _, x8, s = _fp8_inputs(rng)   # (the quantiser launches through fp8.launch too)
+    v = fp8.v_k_major(x8) if options.pop("k_major_v", False) else x8
     calls = []
 
     def recorded(name, real):
@@ -357,7 +407,7 @@ def test_fa3_fp8_launches_right_after_its_prepass(rng, monkeypatch, options, ord
     monkeypatch.setattr(tensormaps, "tensor_maps", recorded("maps", tensormaps.tensor_maps))
     monkeypatch.setattr(fp8, "launch", recorded("prepass", fp8.launch))
     monkeypatch.setattr(fa3, "launch", recorded("fa3", fa3.launch))
-    variants.forward(x8, x8, x8, variant="fa3", q_descale=s, k_descale=s, v_descale=s, **options)
+    variants.forward(x8, x8, v, variant="fa3", q_descale=s, k_descale=s, v_descale=s, **options)
     assert calls == order
 
 
@@ -450,6 +500,25 @@ def test_quantize_fp8_refuses_what_it_cannot_do(rng):
     z = dev(rng.standard_normal((1, 8, 1, 128)).astype(ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="signs must be"):
         fp8.quantize_fp8(z, signs=np.full(128, 0.5, np.float32))
+
+
+def test_k_major_v_bad_input_is_named(rng):
+    """A K-major V (fp8.KMajorV) that does not fit K, beside 16-bit inputs, or with the producer's
+    transpose, and a K-major quantisation with more than one scale a head: each refused, named."""
+    dx, x8, s = _fp8_inputs(rng, n=128)
+    call = dict(variant="fa3", q_descale=s, k_descale=s, v_descale=s)
+    short = fp8.v_k_major(_fp8_inputs(rng, n=64)[1])
+    with pytest.raises(ValueError, match=r"must hold uint8 \(1, 2, 128, 128\) for seqlen 128"):
+        variants.forward(x8, x8, short, **call)
+    with pytest.raises(ValueError, match="must hold uint8"):
+        variants.forward(x8, x8, fp8.KMajorV(short.data[:, :1], 128), **call)   # one head of two
+    vt = fp8.v_k_major(x8)
+    with pytest.raises(ValueError, match="is for e4m3"):
+        variants.forward(dx, dx, vt, variant="fa3")
+    with pytest.raises(ValueError, match="transposes V in the kernel, but V came K-major"):
+        variants.forward(x8, x8, vt, transpose_v="producer", **call)
+    with pytest.raises(ValueError, match="one V scale a head"):
+        fp8.quantize_fp8(dx, block=32, k_major=True)
 
 
 def test_v_k_major_refuses_v_it_cannot_read_in_16_byte_pieces():

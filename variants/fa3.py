@@ -1284,29 +1284,44 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     layout, on the GPU (CuPy, Numba or torch), fp16 or bf16 — or e4m3 (torch float8_e4m3fn, or
     uint8 bits) with float32 descales (`common.fp8.quantize_fp8` makes both): q_descale
     (B, H, nb_q), k_descale and v_descale (B, H_kv, nb), x ~= descale[b, h, row // scale_block] x8,
-    nb = 1 for one scale a head (V: always one a head); the output is then `out_dtype`. Returns
+    nb = 1 for one scale a head (V: always one a head); the output is then `out_dtype`. FP8's V may
+    come K-major, as the P V wgmma reads it (`fp8.KMajorV`, from `fp8.v_k_major` or
+    `fp8.quantize_fp8(v, block=None, k_major=True)`; FA3's V_colmajor): the call then runs no
+    pre-pass. Returns
     (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
     OPTIONS. Masks (common/masks.py, flash_attn's conventions): causal (bottom-right, or
     align="top_left"), sliding windows, softcap (16-bit inputs)."""
     descales = (q_descale, k_descale, v_descale)
     fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
-    prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
+    vt_given = isinstance(v, fp8.KMajorV)   # V^T made before the call: no pre-pass in it
+    if vt_given and not fp8_in:
+        raise ValueError("a K-major V (fp8.KMajorV) is for e4m3 (FP8) inputs: 16-bit V is read as "
+                         "it is")
+    # K stands for a K-major V's geometry in the checks (V's head_dim is K's), V^T checked after
+    prob = prepare(q, k, k if vt_given else v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=FP8_HEAD_DIMS if fp8_in else HEAD_DIMS, variant="fa3",
                    dtypes=FP8_DTYPES if fp8_in else HALF_DTYPES,
                    out_dtype=out_dtype if fp8_in else None, window_size=window_size,
                    softcap=softcap, align=align)
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
+        if vt_given:
+            v.check(arrays.describe(k, "k"))
 
-        def v_view(cfg):   # what the V tensor map reads: V itself, or V^T from the pre-pass,
-            if cfg.v_in_producer:   # with the pre-pass's launch, made after the maps
+        def v_view(cfg):   # what the V tensor map reads: V itself, V^T given, or V^T from the
+            if cfg.v_in_producer:   # pre-pass, with its launch, made after the maps
+                if vt_given:
+                    raise ValueError("transpose_v='producer' transposes V in the kernel, but V came "
+                                     "K-major (fp8.KMajorV): pass V itself, or drop transpose_v")
                 return prob.v, None
+            if vt_given:
+                return arrays.bits_view(arrays.describe(v.data), np.uint8), None
             vt, prepass = fp8.v_k_major_deferred(v, stream=prob.stream)
             return arrays.bits_view(arrays.describe(vt), np.uint8), prepass
         problem = (("fp8", True), ("k_block_scales", k_block_scales))
         qkv = tuple(arrays.bits_view(arrays.describe(x), np.uint16, (0, 2, 1, 3),
                                      last_dim_divisor=2)
-                    for x in (q, k, v))   # unread: FP8 copies by TMA
+                    for x in (q, k, k))   # unread: FP8 copies by TMA
     else:
         if any(x is not None for x in descales):
             raise ValueError("q_descale, k_descale, v_descale are for e4m3 (FP8) inputs; q, k, v "
@@ -1373,7 +1388,8 @@ def _run(prob, qkv, v_view, scales, rows, problem, options):
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
            *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
-           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k, programmatic=cfg.after_prepass)
+           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k,
+           programmatic=cfg.after_prepass and prepass is not None)
     return prob.result()
 
 

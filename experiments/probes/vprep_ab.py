@@ -28,7 +28,8 @@ print("shape (b, n, h, d)   old us   new us   new/old  old TB/s new TB/s   [per-
 for b, n, h, d in [(4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 8, 256), (2, 1000, 4, 128)]:
     v = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
     v8, _ = fp8.quantize_fp8(v, block=None)
-    a, c = old.v_k_major(v8), fp8.v_k_major(v8)
+    # (since v_k_major returns an fp8.KMajorV, its V^T is .data; older revisions returned V^T)
+    a, c = (getattr(x, "data", x) for x in (old.v_k_major(v8), fp8.v_k_major(v8)))
     same = torch.equal(a.view(torch.uint8), c.view(torch.uint8))
     graphs = []
     for mod in (old, fp8):
