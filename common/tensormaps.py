@@ -87,7 +87,8 @@ else:
     def _upload(words, stream):
         """`words` into a new device array by a copy on `stream`, and the event after it."""
         numba_stream = _numba_stream(stream)
-        dev = cuda.to_device(words, stream=numba_stream)
+        dev = cuda.device_array(words.shape, words.dtype)   # (an array made with a stream names
+        dev.copy_to_device(words, stream=numba_stream)      # it in its array interface: not this)
         event = cuda.event(timing=False)
         event.record(numba_stream)
         return _Upload(KernelView(dev.__cuda_array_interface__["data"][0], words.shape,
