@@ -46,7 +46,6 @@ DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multipl
 HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
 THREADS = 128
 V_KEYS = 128                     # keys of V a block of the K-major pre-pass moves (8 groups of 16)
-assert DEFAULT_BLOCK % V_KEYS == 0   # the per-tensor K-major quantiser's blocks: whole V_KEYS chunks
 V_UNIT_KEYS = 128                # keys of V fa3's producer transposes at a time (a V^T panel)
 V_THREADS = 256                  # ... with this many threads
 
@@ -122,13 +121,6 @@ def _block_max(warps):
     return top
 
 
-@device_function
-def _e4m3_word(vals, first, scale):
-    """vals[first .. first + 3] times scale, as four e4m3 bytes of a 32-bit word (low byte first)."""
-    return ptx.pack_e4m3x4(vals[first] * scale, vals[first + 1] * scale,
-                           vals[first + 2] * scale, vals[first + 3] * scale)
-
-
 @lru_cache(maxsize=None)
 def _row_storer(head_dim):
     """store(out32, b, h, row, lane, vals, first, scale): the lane's E = d / 32 values vals[first:]
@@ -138,7 +130,9 @@ def _row_storer(head_dim):
     @device_function
     def store(out32, b, h, row, lane, vals, first, scale):
         for w in range(OUT_WORDS):
-            out32[b, h, row, lane * OUT_WORDS + w] = _e4m3_word(vals, first + 4 * w, scale)
+            out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
+                vals[first + 4 * w] * scale, vals[first + 4 * w + 1] * scale,
+                vals[first + 4 * w + 2] * scale, vals[first + 4 * w + 3] * scale)
 
     return store
 
@@ -184,32 +178,27 @@ def _row_loader(head_dim, element, hadamard):
 
 
 @lru_cache(maxsize=None)
-def _quantizer(head_dim, element, hadamard, scope, k_major=False):
+def _quantizer(head_dim, element, hadamard, scope):
     """The quantiser kernel: one thread block a (block of rows, head, batch), a warp a row at a
     time, lane l holding columns l E .. l E + E - 1 (E = d / 32). scope:
-      "block"  amax over the block's rows, then quantise with it (one pass over the input each),
-      "amax"   only the block's amax, folded into amax[0] by an atomic max (per-tensor, step 1),
-      "tensor" quantise with amax[0] (per-tensor, step 2).
-    k_major (V for fa3): the quantised rows go V_KEYS at a time into a shared tile, and from it
-    to V^T (out32: (B H d, N_pad / 4) words) as `v_k_major` writes it (`_k_major_writer`), zeros
-    past N; the block's rows must be whole V_KEYS chunks except at N (quantize_fp8 sees to it)."""
+      "block"     amax over the block's rows, then quantise with it (one pass over the input each),
+      "amax"      only the block's amax, folded into amax[0] by an atomic max (per-tensor, step 1),
+      "head_amax" the same into amax[b H + h] (a scale a head: the K-major quantiser's step 1),
+      "tensor"    quantise with amax[0] (per-tensor, step 2)."""
     E = head_dim // 32
     WARPS = THREADS // 32
-    FIND_AMAX, QUANTISE = scope in ("block", "amax"), scope in ("block", "tensor")
-    BLOCK_SCOPE, ATOMIC = scope == "block", scope == "amax"
-    K_MAJOR = k_major
-    OUT_WORDS, STRIDE = head_dim // 128, head_dim // 4 + 1
-    TILE_WORDS = V_KEYS * STRIDE if K_MAJOR else 1
+    FIND_AMAX = scope in ("block", "amax", "head_amax")
+    QUANTISE = scope in ("block", "tensor")
+    BLOCK_SCOPE, ATOMIC, PER_HEAD = scope == "block", scope in ("amax", "head_amax"), \
+        scope == "head_amax"
     load_row, store_row = _row_loader(head_dim, element, hadamard), _row_storer(head_dim)
     block_max = _block_max(WARPS)
-    write_k_major = _k_major_writer(head_dim, THREADS)
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
         blk, h, b, tid, warp, lane, row0, row1 = block_rows(n, rows)
         vals = cuda.local.array(E, float32)
         peak = cuda.shared.array(WARPS, float32)
-        tile = cuda.shared.array(TILE_WORDS, uint32)
         top = float32(0)
         # Every warp makes the same number of passes (rows past the block's end re-read its last
         # row and are not used): the transform's shuffles are warp-collective.
@@ -223,25 +212,14 @@ def _quantizer(head_dim, element, hadamard, scope, k_major=False):
             top = block_max(top, peak, warp, lane)
             if ATOMIC:
                 if tid == 0:
-                    cuda.atomic.max(amax, 0, top)
+                    cuda.atomic.max(amax, b * cuda.gridDim.y + h if PER_HEAD else 0, top)
                 return
         if not BLOCK_SCOPE:
             top = amax[0]
         scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
         if tid == 0:
             descale[b, h, 0 if not BLOCK_SCOPE else blk] = float32(1) / scale
-        if QUANTISE and K_MAJOR:
-            for c0 in range(row0, row1, V_KEYS):   # V_KEYS keys into the tile, then to V^T
-                for i in range(V_KEYS // WARPS):
-                    row = c0 + i * WARPS + warp
-                    load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
-                    for w in range(OUT_WORDS):
-                        tile[(row - c0) * STRIDE + lane * OUT_WORDS + w] = \
-                            _e4m3_word(vals, 4 * w, scale) if row < row1 else uint32(0)
-                cuda.syncthreads()
-                write_k_major(tile, out32, b, h, cuda.gridDim.y, c0 // V_KEYS, tid)
-                cuda.syncthreads()
-        elif QUANTISE:
+        if QUANTISE:
             for i in range(passes):
                 row = row0 + i * WARPS + warp
                 load_row(x32, signs, b, h, min(row, row1 - 1), lane, vals)
@@ -317,8 +295,9 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None, k_major=False):
     rows, d=256 up to 128), else reading each row twice (amax, then quantise).
 
     k_major=True (for V): x8 is a KMajorV, the same e4m3 values written as V^T in fa3's layout
-    by the quantising pass itself (through shared memory, V_KEYS keys at a time), so that fa3
-    runs no pre-pass on it. fa3 takes one V scale a head: block=None, or block >= N."""
+    by the quantising pass itself (`_k_major_quantizer`), so that fa3 runs no pre-pass on it.
+    fa3 takes one V scale a head: block=None (one a tensor) or block >= N (one a head); two
+    launches either way (amax, then quantise)."""
     dx = arrays.describe(x, "x")
     if len(dx.shape) != 4 or dx.dtype not in ("float16", "bfloat16"):
         raise TypeError(f"quantize_fp8 takes a (batch, seqlen, heads, head_dim) float16 or "
@@ -330,45 +309,113 @@ def quantize_fp8(x, *, block=DEFAULT_BLOCK, signs=None, k_major=False):
         raise ValueError("quantize_fp8: x must be contiguous along head_dim with 16-byte aligned rows")
     if block is not None and (int(block) != block or block < 1):
         raise ValueError(f"block must be a positive number of rows or None, got {block!r}")
-    if k_major and block is not None and block < n:
-        raise ValueError(f"k_major: fa3 takes one V scale a head, so V is quantised with "
-                         f"block=None (one scale a tensor) or block >= seqlen ({n}), got {block}")
     stream = arrays.stream_of(dx)
+    x32 = arrays.bits_view(dx, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2)
+    element = elements.element(dx.dtype)
+    if k_major:
+        if block is not None and block < n:
+            raise ValueError(f"k_major: fa3 takes one V scale a head, so V is quantised with "
+                             f"block=None (one scale a tensor) or block >= seqlen ({n}), got {block}")
+        if signs is not None:
+            raise ValueError("k_major is for V, which takes no incoherent processing (signs: Q "
+                             "and K only)")
+        return _quantize_k_major(dx, x, x32, element, block is not None, stream)
     nb = 1 if block is None else -(-n // block)
     descale = arrays.empty(dx.library, (b, h, nb), "float32", like=x)
-    x32 = arrays.bits_view(dx, np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2)
-    if k_major:
-        n_pad = -(-n // V_KEYS) * V_KEYS
-        x8 = KMajorV(arrays.empty(dx.library, (b, h, d, n_pad), "uint8", like=x), n)
-        out32 = _k_major_words(x8.data)
-    else:
-        x8 = _fp8_empty(dx.library, (b, n, h, d), x)
-        out32 = arrays.bits_view(arrays.describe(x8), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
+    x8 = _fp8_empty(dx.library, (b, n, h, d), x)
+    out32 = arrays.bits_view(arrays.describe(x8), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=4)
     dd = arrays.bits_view(arrays.describe(descale), np.float32)
     if signs is None:
         sign_view, hadamard = arrays.placeholder(dx.library, 1, x), False
     else:
         sign_view, hadamard = _signs_view(signs, d, dx.library, x), True
-    element = elements.element(dx.dtype)
     if block is not None:
-        rows_a_warp = 0 if k_major else one_pass_rows(d, block)
+        rows_a_warp = one_pass_rows(d, block)
         if rows_a_warp:
             kern, threads = _one_pass_quantizer(d, element, hadamard, rows_a_warp), \
                 32 * ONE_PASS_WARPS
         else:
-            kern, threads = _quantizer(d, element, hadamard, "block", k_major), THREADS
+            kern, threads = _quantizer(d, element, hadamard, "block"), THREADS
         launch(kern, (nb, h, b), threads, 0, stream, x32, sign_view, out32, dd,
                arrays.placeholder(dx.library, 1, x), np.int32(n), np.int32(block))
         return x8, descale
     amax = arrays.zeros(dx.library, (1,), "float32", like=x)
     av = arrays.bits_view(arrays.describe(amax), np.float32)
-    rows = DEFAULT_BLOCK   # whole V_KEYS chunks a block, as the K-major quantiser needs
+    rows = DEFAULT_BLOCK
     grid = (-(-n // rows), h, b)
     launch(_quantizer(d, element, hadamard, "amax"), grid, THREADS, 0, stream,
            x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
-    launch(_quantizer(d, element, hadamard, "tensor", k_major), grid, THREADS, 0, stream,
-           x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))   # rows: whole V_KEYS
+    launch(_quantizer(d, element, hadamard, "tensor"), grid, THREADS, 0, stream,
+           x32, sign_view, out32, dd, av, np.int32(n), np.int32(rows))
     return x8, descale
+
+
+def _quantize_k_major(dx, x, x32, element, per_head, stream):
+    """quantize_fp8(x, k_major=True): the amax (of the tensor, or of each head: per_head), then
+    `_k_major_quantizer`. Returns (KMajorV, descale (B, H, 1))."""
+    b, n, h, d = dx.shape
+    n_pad = -(-n // V_KEYS) * V_KEYS
+    vt = KMajorV(arrays.empty(dx.library, (b, h, d, n_pad), "uint8", like=x), n)
+    descale = arrays.empty(dx.library, (b, h, 1), "float32", like=x)
+    amax = arrays.zeros(dx.library, (b * h if per_head else 1,), "float32", like=x)
+    av, dd = (arrays.bits_view(arrays.describe(a), np.float32) for a in (amax, descale))
+    rows = DEFAULT_BLOCK
+    launch(_quantizer(d, element, False, "head_amax" if per_head else "amax"), (-(-n // rows), h, b),
+           THREADS, 0, stream, x32, arrays.placeholder(dx.library, 1, x), x32, dd, av, np.int32(n),
+           np.int32(rows))   # (out32: unwritten by the amax scopes)
+    launch(_k_major_quantizer(d, element, per_head), (n_pad // V_KEYS, h, b), V_THREADS, 0, stream,
+           x32, _k_major_words(vt.data), dd, av, np.int32(n))
+    return vt, descale
+
+
+@lru_cache(maxsize=None)
+def _k_major_quantizer(head_dim, element, per_head):
+    """16-bit V (B, H, N, d / 2 words) -> e4m3 V^T (B H d, N_pad / 4 words) in fa3's layout, in
+    the pass that quantises it: `_v_k_major_kernel`'s blocks of V_KEYS keys and V_THREADS threads,
+    each thread's 16-byte loads issued first, then each 8 values times the scale made two e4m3 words
+    of the tile, which `_k_major_writer` moves to V^T. The scale is 448 / amax, amax[0] or (per_head)
+    amax[b H + h] as the amax kernel left it: the same arithmetic per value as the row-major
+    quantiser, so V^T holds the bytes `v_k_major` makes of its output."""
+    WORDS_IN = head_dim // 2                        # 32-bit words (16-bit pairs) a key's row
+    CHUNKS = WORDS_IN // 4                          # 16-byte chunks a key's row
+    KEY_STEP = V_THREADS // CHUNKS                  # keys between a thread's loads
+    LOADS = V_KEYS // KEY_STEP
+    STRIDE = head_dim // 4 + 1                      # the tile's rows of e4m3 words, padded
+    TILE_WORDS = V_KEYS * STRIDE
+    VALS = 4 * LOADS                                # the words a thread's loads bring
+    ELEM, PER_HEAD = element.code, per_head
+    write_k_major = _k_major_writer(head_dim, V_THREADS)
+
+    @kernel
+    def quantize(x32, vt32, descale, amax, n):
+        chunk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        heads = cuda.gridDim.y
+        tid = int32(cuda.threadIdx.x)
+        k0 = chunk * V_KEYS
+        tile = cuda.shared.array(TILE_WORDS, uint32)
+        vals = cuda.local.array(VALS, uint32)
+        first, column = uint32(k0 + tid // CHUNKS), uint32(4 * (tid % CHUNKS))
+        last = uint32(n - 1)
+        for i in range(LOADS):      # unsigned indices: no negative-index wrap-around to compute
+            x = ptx.ld_global_v4_u32(x32, uint32(b), uint32(h),
+                                     min(first + uint32(i * KEY_STEP), last), column)
+            for w in range(4):
+                vals[4 * i + w] = x[w]
+        top = amax[b * heads + h if PER_HEAD else 0]
+        scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
+        if chunk == 0 and tid == 0:
+            descale[b, h, 0] = float32(1) / scale
+        for i in range(LOADS):
+            key = i * KEY_STEP + tid // CHUNKS
+            for w in range(2):      # columns 8 c + 4 w .. 8 c + 4 w + 3 of chunk c: a word
+                lo0, hi0 = tiles.unpack_pair(vals[4 * i + 2 * w], ELEM)
+                lo1, hi1 = tiles.unpack_pair(vals[4 * i + 2 * w + 1], ELEM)
+                word = ptx.pack_e4m3x4(lo0 * scale, hi0 * scale, lo1 * scale, hi1 * scale)
+                tile[key * STRIDE + 2 * (tid % CHUNKS) + w] = word if k0 + key < n else uint32(0)
+        cuda.syncthreads()
+        write_k_major(tile, vt32, b, h, heads, chunk, tid)
+
+    return quantize
 
 
 def _k_major_words(vt):
@@ -652,6 +699,6 @@ def compile_targets():
            _one_pass_quantizer(128, elements.BFLOAT16, True, one_pass_rows(128, DEFAULT_BLOCK)),
            (u32_4, f32_1, u32_4, f32_3, f32_1, types.int32, types.int32))
     u32_2 = types.Array(types.uint32, 2, "C")
-    yield ("quantize_fp8 tensor k_major", _quantizer(128, elements.BFLOAT16, False, "tensor", True),
-           (u32_4, f32_1, u32_2, f32_3, f32_1, types.int32, types.int32))
+    yield ("quantize_fp8 k_major", _k_major_quantizer(128, elements.BFLOAT16, False),
+           (u32_4, u32_2, f32_3, f32_1, types.int32))
     yield "v_k_major", _v_k_major_kernel(128, True), (u32_4, u32_2, types.int32)

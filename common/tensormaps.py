@@ -11,8 +11,9 @@ compiled kernel (tests/test_compile.py checks that none reaches it).
 
 A new map is uploaded on the stream of the launch that reads it (a copy from pageable memory,
 staged by the driver before the call returns), so that the kernel is stream-ordered after the
-copy on any stream, a non-blocking one included; a map used later from another stream makes
-that stream wait for the upload's event first (on the GPU: the host does not wait).
+copy on any stream, a non-blocking one included; before a map's first use from another stream
+the host waits for the upload's event (once a stream: a wait on the GPU would be illegal under
+CUDA-graph capture, where a wait on the host is not).
 
 CUDA graphs: a graph cannot hold a copy from pageable memory. Under stream capture only maps
 already made are usable, i.e. of inputs the kernel saw once before the capture; a new one is an
@@ -40,7 +41,7 @@ def tensor_maps(boxes, stream=0):
     already made are usable, i.e. inputs the kernel saw once before the capture, and a new one is
     an error that says so. (Graph-safe maps need them passed by value as __grid_constant__ kernel
     parameters, which Numba kernels cannot declare.) Maps made on one stream and used from another:
-    that stream first waits for the upload (`_Upload.order`)."""
+    the upload is waited for first (`_Upload.order`)."""
     key = tuple((v.ptr, v.shape, v.strides, v.dtype.itemsize, r, c) for v, r, c in boxes)
     entry = _MAP_CACHE.get(key)
     if entry is None:
@@ -67,14 +68,11 @@ class _Upload:
         self.view, self._event, self._streams = view, event, {stream}
 
     def order(self, stream):
-        """Make `stream` wait (on the GPU) for the upload, the first time it uses these maps."""
+        """The first time `stream` uses these maps: the host waits for the upload to land (a wait
+        on the GPU, the event's on `stream`, is illegal while `stream` is being captured)."""
         if stream not in self._streams and self._event is not None:   # (None: the simulator,
-            self._event.wait(_numba_stream(stream))                    # whose launches are in order)
+            self._event.synchronize()                                  # whose launches are in order)
             self._streams.add(stream)
-
-
-def _numba_stream(stream):
-    return cuda.default_stream() if stream == 0 else cuda.external_stream(stream)
 
 
 if SIMULATOR:
@@ -86,7 +84,7 @@ if SIMULATOR:
 else:
     def _upload(words, stream):
         """`words` into a new device array by a copy on `stream`, and the event after it."""
-        numba_stream = _numba_stream(stream)
+        numba_stream = cuda.default_stream() if stream == 0 else cuda.external_stream(stream)
         dev = cuda.device_array(words.shape, words.dtype)   # (an array made with a stream names
         dev.copy_to_device(words, stream=numba_stream)      # it in its array interface: not this)
         event = cuda.event(timing=False)

@@ -208,9 +208,9 @@ def test_fa3_replays_keep_and_remake_their_tensor_maps(rng):
 
 def test_fa3_tensor_maps_are_ordered_on_the_calls_stream(rng):
     """fa3's tensor maps are uploaded on the call's stream, so that the kernel follows the copy on
-    a non-blocking stream too (torch's side streams), and a later call from another stream first
-    waits for that upload's event: calls on two side streams, the maps new on the first and reused
-    on the second, return the default stream's result."""
+    a non-blocking stream too (torch's side streams), and before a later call from another stream
+    the host waits for that upload's event: calls on two side streams, the maps new on the first
+    and reused on the second, return the default stream's result."""
     torch = pytest.importorskip("torch")
     if "fa3" not in _variants():
         pytest.skip("fa3 needs sm_90")

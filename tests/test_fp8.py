@@ -519,6 +519,8 @@ def test_k_major_v_bad_input_is_named(rng):
         variants.forward(x8, x8, vt, transpose_v="producer", **call)
     with pytest.raises(ValueError, match="one V scale a head"):
         fp8.quantize_fp8(dx, block=32, k_major=True)
+    with pytest.raises(ValueError, match="takes no incoherent processing"):
+        fp8.quantize_fp8(dx, block=None, k_major=True, signs=fp8.random_signs(128))
 
 
 def test_v_k_major_refuses_v_it_cannot_read_in_16_byte_pieces():

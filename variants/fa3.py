@@ -585,25 +585,37 @@ def build(cfg):
             tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lo, hi, lane, WINDOW)
 
     @device_function
-    def key_scale(s, k_descale, b, h_kv, j, k_scale_rows):
-        """FP8 with descales per block of keys: S_j's columns times their keys' descale_k (one
-        factor when block j lies in one scale block, else one per 8-key n-tile)."""
-        if K_BLOCK_SCALES:
+    def key_factor(k_descale, b, h_kv, j, k_scale_rows):
+        """FP8 with descales per block of keys: block j's one descale_k where the block lies in one
+        scale block (0 where it straddles two, or without block scales). Loaded as S_j's wgmmas
+        are issued, so that its latency passes under the GEMM rather than before the softmax."""
+        if K_BLOCK_SCALES:   # (a select, no branch: the wgmmas are in flight)
             first = (j * BC) // k_scale_rows
-            if first == (j * BC + BC - 1) // k_scale_rows:
-                tiles.scale_all(s, k_descale[b, h_kv, first])
+            f = k_descale[b, h_kv, first]
+            return f if first == (j * BC + BC - 1) // k_scale_rows else float32(0)
+        return float32(0)
+
+    @device_function
+    def key_scale(s, f, k_descale, b, h_kv, j, k_scale_rows):
+        """FP8 with descales per block of keys: S_j's columns times their keys' descale_k: f
+        (`key_factor`) for all, or where the block straddles two scale blocks one per 8-key
+        n-tile."""
+        if K_BLOCK_SCALES:
+            if f > float32(0):
+                tiles.scale_all(s, f)
             else:
                 last = k_descale.shape[2] - 1
                 for n in range(BC // 8):
-                    f = k_descale[b, h_kv, min((j * BC + 8 * n) // k_scale_rows, last)]
+                    g = k_descale[b, h_kv, min((j * BC + 8 * n) // k_scale_rows, last)]
                     for e in range(4):
-                        s[0, n, e] *= f
+                        s[0, n, e] *= g
 
     @device_function
-    def logits(s, j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
-        """S_j as the softmax takes it: FP8's per-block K descales, Gemma 2's soft cap on raw
-        scores, then -inf outside the mask."""
-        key_scale(s, k_descale, b, h_kv, j, k_scale_rows)
+    def logits(s, f, j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
+               lane):
+        """S_j as the softmax takes it: FP8's per-block K descales (f: `key_factor`), Gemma 2's
+        soft cap on raw scores, then -inf outside the mask."""
+        key_scale(s, f, k_descale, b, h_kv, j, k_scale_rows)
         if SOFTCAP:
             softmax.softcap_scores(s, cap)
         mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
@@ -673,8 +685,8 @@ def build(cfg):
             ptx.bar_sync(1 + wg, WG_THREADS)
 
     @device_function
-    def softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap, k_descale,
-                     k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
+    def softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap,
+                     k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
         """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
         V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
         and P~ into the A registers of the P V wgmma."""
@@ -683,8 +695,8 @@ def build(cfg):
             release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)                  # l.19
         if O_APART and j == t_c - 1:   # Q_i read for the last time
             release(smem, BAR_EMPTY_Q, 0, lane)
-        logits(s, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
-               lane)
+        logits(s, f, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
+               warp_row, lane)
         softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
         to_a(p, s)
 
@@ -1093,10 +1105,12 @@ def build(cfg):
                 wait_full(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)                              # l.15: S_0
+                f = key_factor(k_descale, b, h_kv, j0, k_scale_rows)
                 pass_turn(wg)
                 WAIT_S(s)
-                softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, nk, lo_b, hi_b, cap,
-                             k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane)  # l.16-17
+                softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, nk, lo_b, hi_b,
+                             cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
+                             lane)                                                 # l.16-17
                 for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
@@ -1106,10 +1120,11 @@ def build(cfg):
                     sm90.wgmma_fence()
                     values(o_acc, p, v_desc0, prev)                            # l.18, block j-1
                     scores(s, q_desc, k_desc0, stage)                          # l.15, block j
+                    f = key_factor(k_descale, b, h_kv, j0 + j, k_scale_rows)
                     pass_turn(wg)
                     WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
-                    softmax_step(smem, s, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, nk, lo_b, hi_b,
-                                 cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
+                    softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, nk, lo_b,
+                                 hi_b, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
                                  lane)                                             # l.16-17
                 stage, parity = slot(it + t_c - 1)
                 wait_full(smem, BAR_V + 4 * stage, parity)
@@ -1129,12 +1144,13 @@ def build(cfg):
                     wait_full(smem, BAR_K + 4 * stage, parity)
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # l.15
+                    f = key_factor(k_descale, b, h_kv, j0 + j, k_scale_rows)
                     pass_turn(wg)
                     WAIT_S(s)
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
+                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
                            wg_row0, warp_row, lane)
                     softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
                     to_a(p, s)
@@ -1156,12 +1172,13 @@ def build(cfg):
                 wait_full(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)
+                f = key_factor(k_descale, b, h_kv, j0, k_scale_rows)
                 pass_turn(wg)
                 WAIT_S(s)
                 release(smem, BAR_EMPTY_K, stage, lane)
                 if O_APART and t_c == 1:
                     release(smem, BAR_EMPTY_Q, 0, lane)
-                logits(s, j0, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
+                logits(s, f, j0, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
                        warp_row, lane)
                 # O = 0: nothing to defer
                 softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
@@ -1175,12 +1192,13 @@ def build(cfg):
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # S_j
                     values(o_acc, p, v_desc0, prev)                        # O += P~_{j-1} V_{j-1}
+                    f = key_factor(k_descale, b, h_kv, j0 + j, k_scale_rows)
                     pass_turn(wg)
                     WAIT1_S(s)                # S_j has landed; the P V product may still run
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
+                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
                            wg_row0, warp_row, lane)
                     softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free

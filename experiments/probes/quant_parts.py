@@ -13,14 +13,30 @@ import common  # noqa: E402
 common.select_backend()
 import torch  # noqa: E402
 
-from common import fp8, inputs, timing  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import arrays, elements, fp8, inputs, timing  # noqa: E402
+from common.problem import _BSHD_TO_BHSD  # noqa: E402
 
 REPS = 10
 b, n, h, d = 4, 4096, 16, 128
 x = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
 signs = inputs.to_device(fp8.random_signs(d, 0), "torch")
+x32 = arrays.bits_view(arrays.describe(x), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2)
+amax = torch.zeros(1, device="cuda")
+descale = torch.empty(b, h, 1, device="cuda")
+
+
+def amax_pass():   # the per-tensor quantisers' first launch alone
+    fp8.launch(fp8._quantizer(d, elements.BFLOAT16, False, "amax"), (n // 256, h, b), fp8.THREADS,
+               0, arrays.stream_of(arrays.describe(x)), x32, arrays.placeholder("torch", 1, x), x32,
+               arrays.bits_view(arrays.describe(descale), np.float32),
+               arrays.bits_view(arrays.describe(amax), np.float32), np.int32(n), np.int32(256))
+
+
 parts = {
     "copy (x.clone())": (lambda: x.clone(), 4),
+    "amax pass (per tensor, step 1)": (amax_pass, 2),
     "block 256 + Hadamard (Q, K)": (lambda: fp8.quantize_fp8(x, block=256, signs=signs), 3),
     "block 256": (lambda: fp8.quantize_fp8(x, block=256), 3),
     "tensor (V)": (lambda: fp8.quantize_fp8(x, block=None), 5),
