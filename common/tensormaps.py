@@ -9,11 +9,12 @@ Host-only: kernels get the maps as an argument and no kernel or device function 
 module, so it is one of common/kernel_cache.py's HOST_MODULES and an edit to it keeps every
 compiled kernel (tests/test_compile.py checks that none reaches it).
 
-A new map is uploaded on the stream of the launch that reads it (a copy from pageable memory,
-staged by the driver before the call returns), so that the kernel is stream-ordered after the
-copy on any stream, a non-blocking one included; before a map's first use from another stream
-the host waits for the upload's event (once a stream: a wait on the GPU would be illegal under
-CUDA-graph capture, where a wait on the host is not).
+A new map is uploaded by a copy on the stream of the launch that reads it, and the host waits for
+that copy to land: a launch on any stream then reads the whole map, a non-blocking stream's
+included (a synchronous copy on the legacy stream, as before, returns once the bytes are staged,
+not landed, and orders nothing on a non-blocking stream). The wait costs what the synchronous
+copy cost: the stream's earlier work, once per new map. (A wait on the GPU instead would need an
+event wait by every later stream, which CUDA-graph capture refuses.)
 
 CUDA graphs: a graph cannot hold a copy from pageable memory. Under stream capture only maps
 already made are usable, i.e. of inputs the kernel saw once before the capture; a new one is an
@@ -40,11 +41,10 @@ def tensor_maps(boxes, stream=0):
     pageable memory, which a CUDA graph cannot hold: under stream capture (on `stream`) only maps
     already made are usable, i.e. inputs the kernel saw once before the capture, and a new one is
     an error that says so. (Graph-safe maps need them passed by value as __grid_constant__ kernel
-    parameters, which Numba kernels cannot declare.) Maps made on one stream and used from another:
-    the upload is waited for first (`_Upload.order`)."""
+    parameters, which Numba kernels cannot declare.)"""
     key = tuple((v.ptr, v.shape, v.strides, v.dtype.itemsize, r, c) for v, r, c in boxes)
-    entry = _MAP_CACHE.get(key)
-    if entry is None:
+    hit = _MAP_CACHE.get(key)
+    if hit is None:
         if not SIMULATOR and stream_is_capturing(stream):
             raise RuntimeError(
                 "fa3 under CUDA-graph capture: its TMA tensor maps are made once per input "
@@ -52,46 +52,24 @@ def tensor_maps(boxes, stream=0):
                 "capture. Run the same call once before capturing, with the tensors the graph "
                 "will use (static inputs), or capture a variant without TMA (fa2).")
         words = np.stack([encode_tensor_map(v, r, c) for v, r, c in boxes])
-        entry = _upload(words, stream)
+        dev = _upload(words, stream)
         if len(_MAP_CACHE) >= _MAP_CACHE_SIZE:
             _MAP_CACHE.pop(next(iter(_MAP_CACHE)))
-        _MAP_CACHE[key] = entry
-    else:
-        entry.order(stream)
-    return entry.view
+        hit = _MAP_CACHE[key] = KernelView(
+            dev.__cuda_array_interface__["data"][0] if not SIMULATOR else 0, words.shape,
+            (16 * 8, 8), np.dtype(np.uint64), owner=dev, array=dev)
+    return hit
 
 
-class _Upload:
-    """A map array uploaded on one stream (`view`, for launches) and what orders it on others."""
-
-    def __init__(self, view, event, stream):
-        self.view, self._event, self._streams = view, event, {stream}
-
-    def order(self, stream):
-        """The first time `stream` uses these maps: the host waits for the upload to land (a wait
-        on the GPU, the event's on `stream`, is illegal while `stream` is being captured)."""
-        if stream not in self._streams and self._event is not None:   # (None: the simulator,
-            self._event.synchronize()                                  # whose launches are in order)
-            self._streams.add(stream)
-
-
-if SIMULATOR:
-    def _upload(words, stream):
-        dev = cuda.to_device(words)
-        return _Upload(KernelView(0, words.shape, (16 * 8, 8), np.dtype(np.uint64), owner=dev,
-                                  array=dev), None, stream)
-
-else:
-    def _upload(words, stream):
-        """`words` into a new device array by a copy on `stream`, and the event after it."""
-        numba_stream = cuda.default_stream() if stream == 0 else cuda.external_stream(stream)
-        dev = cuda.device_array(words.shape, words.dtype)   # (an array made with a stream names
-        dev.copy_to_device(words, stream=numba_stream)      # it in its array interface: not this)
-        event = cuda.event(timing=False)
-        event.record(numba_stream)
-        return _Upload(KernelView(dev.__cuda_array_interface__["data"][0], words.shape,
-                                  (16 * 8, 8), np.dtype(np.uint64), owner=dev, array=dev),
-                       event, stream)
+def _upload(words, stream):
+    """`words` in a new device array, landed: copied on `stream`, then waited for."""
+    if SIMULATOR:
+        return cuda.to_device(words)
+    numba_stream = cuda.default_stream() if stream == 0 else cuda.external_stream(stream)
+    dev = cuda.device_array(words.shape, words.dtype)   # (an array made with a stream names it
+    dev.copy_to_device(words, stream=numba_stream)      # in its array interface: not this one)
+    numba_stream.synchronize()
+    return dev
 
 
 def stream_is_capturing(stream):

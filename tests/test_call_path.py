@@ -207,14 +207,14 @@ def test_fa3_replays_keep_and_remake_their_tensor_maps(rng):
 
 
 def test_fa3_tensor_maps_are_ordered_on_the_calls_stream(rng):
-    """fa3's tensor maps are uploaded on the call's stream, so that the kernel follows the copy on
-    a non-blocking stream too (torch's side streams), and before a later call from another stream
-    the host waits for that upload's event: calls on two side streams, the maps new on the first
-    and reused on the second, return the default stream's result."""
+    """fa3's tensor maps are uploaded on the call's stream and waited for, so that a kernel on a
+    non-blocking stream (torch's side streams) reads them whole, from whichever stream: calls on
+    two side streams, the maps new on the first and reused on the second, return the default
+    stream's result. (Whether an early read happens depends on timing; the wait is what makes it
+    impossible.)"""
     torch = pytest.importorskip("torch")
     if "fa3" not in _variants():
         pytest.skip("fa3 needs sm_90")
-    from common import tensormaps
     from variants import fa3
     qkv = _torch_qkv(rng)[1]
     o_want, lse_want = fa3.forward.__wrapped__(*qkv, causal=True)
@@ -228,8 +228,6 @@ def test_fa3_tensor_maps_are_ordered_on_the_calls_stream(rng):
     torch.cuda.synchronize()
     for o, lse in outs:
         assert torch.equal(o, o_want) and torch.equal(lse, lse_want)
-    assert any({first.cuda_stream, second.cuda_stream} <= entry._streams
-               for entry in tensormaps._MAP_CACHE.values())
 
 
 @pytest.mark.parametrize("variant", ["standard", "fa1", "fa2", "fa3"])

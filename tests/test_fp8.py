@@ -188,8 +188,23 @@ def test_fa3_fp8_matches_float64(rng, seqlen, causal, block, kv_group, d):
     """O against float64 attention over the dequantised inputs: what the kernel adds is P~'s
     rounding to e4m3 (relative U a probability, at most U sum_j p_j |v_j| an element of O;
     below the normals 2^-10 absolute) and O's to bf16 (2^-8 relative). The inputs' scores are
-    spread (q x 3) so that P is peaked and a wrong key order in V^T is far outside that bound."""
-    check_fa3_fp8(rng, seqlen, causal, block, kv_group, d)
+    spread (q x 3) so that P is peaked and a wrong key order in V^T is far outside that bound.
+    K's scales per 128 keys at d=128 take key blocks of 128 (block_n: one K factor a block)."""
+    options = dict(block_n=128) if block == 128 and d == 128 else {}
+    check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, **options)
+
+
+def test_fa3_fp8_k_scales_cover_whole_key_blocks(rng):
+    """K's descales per block of scale_block keys: one factor a key block, so a scale_block that
+    splits fa3's FP8 key blocks (B_c = 256 at d=128) is refused, naming the remedy; block_n=128
+    takes it."""
+    _, x8, s = _fp8_inputs(rng, n=256)
+    x = dev(rng.standard_normal((1, 256, 2, 128)).astype(ml_dtypes.bfloat16))
+    k8, kd = fp8.quantize_fp8(x, block=128)
+    call = dict(variant="fa3", q_descale=s, k_descale=kd, v_descale=s, scale_block=128)
+    with pytest.raises(ValueError, match=r"scale_block=128: K's descales must cover whole key "
+                                         r"blocks .* \(block_n = B_c = 256"):
+        variants.forward(x8, k8, x8, **call)
 
 
 POLY_CASES = [(130, True, 4)]

@@ -585,37 +585,20 @@ def build(cfg):
             tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lo, hi, lane, WINDOW)
 
     @device_function
-    def key_factor(k_descale, b, h_kv, j, k_scale_rows):
-        """FP8 with descales per block of keys: block j's one descale_k where the block lies in one
-        scale block (0 where it straddles two, or without block scales). Loaded as S_j's wgmmas
-        are issued, so that its latency passes under the GEMM rather than before the softmax."""
-        if K_BLOCK_SCALES:   # (a select, no branch: the wgmmas are in flight)
-            first = (j * BC) // k_scale_rows
-            f = k_descale[b, h_kv, first]
-            return f if first == (j * BC + BC - 1) // k_scale_rows else float32(0)
+    def key_factor(k_descale, b, h_kv, j, by_k_blocks):
+        """FP8 with descales per block of keys: block j's descale_k (a scale block holds whole key
+        blocks, by_k_blocks = divider(k_scale_rows / B_c): forward checks it). Loaded as S_j's
+        wgmmas are issued, so that its latency passes under the GEMM, not before the softmax."""
+        if K_BLOCK_SCALES:
+            return k_descale[b, h_kv, divmod_by(j, by_k_blocks)[0]]
         return float32(0)
 
     @device_function
-    def key_scale(s, f, k_descale, b, h_kv, j, k_scale_rows):
-        """FP8 with descales per block of keys: S_j's columns times their keys' descale_k: f
-        (`key_factor`) for all, or where the block straddles two scale blocks one per 8-key
-        n-tile."""
-        if K_BLOCK_SCALES:
-            if f > float32(0):
-                tiles.scale_all(s, f)
-            else:
-                last = k_descale.shape[2] - 1
-                for n in range(BC // 8):
-                    g = k_descale[b, h_kv, min((j * BC + 8 * n) // k_scale_rows, last)]
-                    for e in range(4):
-                        s[0, n, e] *= g
-
-    @device_function
-    def logits(s, f, j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
-               lane):
-        """S_j as the softmax takes it: FP8's per-block K descales (f: `key_factor`), Gemma 2's
+    def logits(s, f, j, n_k, lo, hi, cap, wg_row0, warp_row, lane):
+        """S_j as the softmax takes it: FP8's per-block K descale (f: `key_factor`), Gemma 2's
         soft cap on raw scores, then -inf outside the mask."""
-        key_scale(s, f, k_descale, b, h_kv, j, k_scale_rows)
+        if K_BLOCK_SCALES:
+            tiles.scale_all(s, f)
         if SOFTCAP:
             softmax.softcap_scores(s, cap)
         mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
@@ -686,7 +669,7 @@ def build(cfg):
 
     @device_function
     def softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap,
-                     k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row, lane):
+                     wg_row0, warp_row, lane):
         """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
         V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
         and P~ into the A registers of the P V wgmma."""
@@ -695,8 +678,7 @@ def build(cfg):
             release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)                  # l.19
         if O_APART and j == t_c - 1:   # Q_i read for the last time
             release(smem, BAR_EMPTY_Q, 0, lane)
-        logits(s, f, j0 + j, n_k, lo, hi, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
-               warp_row, lane)
+        logits(s, f, j0 + j, n_k, lo, hi, cap, wg_row0, warp_row, lane)
         softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
         to_a(p, s)
 
@@ -1030,6 +1012,7 @@ def build(cfg):
 
         plan = tile_plan(n_q, heads, batch_heads, kv_group)
         by_q_rows = divider(q_scale_rows) if FP8 else divider(int32(1))   # FP8: Q's scale blocks
+        by_k_blocks = divider(k_scale_rows // BC if K_BLOCK_SCALES else int32(1))   # ... K's
         it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
         done = int32(0)     # tiles so far (Q's phases)
         turned = False      # VARLEN: warpgroup 0 has given itself the first turn
@@ -1105,12 +1088,11 @@ def build(cfg):
                 wait_full(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)                              # l.15: S_0
-                f = key_factor(k_descale, b, h_kv, j0, k_scale_rows)
+                f = key_factor(k_descale, b, h_kv, j0, by_k_blocks)
                 pass_turn(wg)
                 WAIT_S(s)
                 softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, nk, lo_b, hi_b,
-                             cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
-                             lane)                                                 # l.16-17
+                             cap, wg_row0, warp_row, lane)                         # l.16-17
                 for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
@@ -1120,12 +1102,11 @@ def build(cfg):
                     sm90.wgmma_fence()
                     values(o_acc, p, v_desc0, prev)                            # l.18, block j-1
                     scores(s, q_desc, k_desc0, stage)                          # l.15, block j
-                    f = key_factor(k_descale, b, h_kv, j0 + j, k_scale_rows)
+                    f = key_factor(k_descale, b, h_kv, j0 + j, by_k_blocks)
                     pass_turn(wg)
                     WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
                     softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, nk, lo_b,
-                                 hi_b, cap, k_descale, k_scale_rows, b, h_kv, wg_row0, warp_row,
-                                 lane)                                             # l.16-17
+                                 hi_b, cap, wg_row0, warp_row, lane)               # l.16-17
                 stage, parity = slot(it + t_c - 1)
                 wait_full(smem, BAR_V + 4 * stage, parity)
                 if CLEAR_V_TAIL:   # the last block (the loop's never runs past n_k)
@@ -1144,14 +1125,13 @@ def build(cfg):
                     wait_full(smem, BAR_K + 4 * stage, parity)
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # l.15
-                    f = key_factor(k_descale, b, h_kv, j0 + j, k_scale_rows)
+                    f = key_factor(k_descale, b, h_kv, j0 + j, by_k_blocks)
                     pass_turn(wg)
                     WAIT_S(s)
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
-                           wg_row0, warp_row, lane)
+                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
                     softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
                     to_a(p, s)
                     wait_full(smem, BAR_V + 4 * stage, parity)
@@ -1172,14 +1152,13 @@ def build(cfg):
                 wait_full(smem, BAR_K + 4 * stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)
-                f = key_factor(k_descale, b, h_kv, j0, k_scale_rows)
+                f = key_factor(k_descale, b, h_kv, j0, by_k_blocks)
                 pass_turn(wg)
                 WAIT_S(s)
                 release(smem, BAR_EMPTY_K, stage, lane)
                 if O_APART and t_c == 1:
                     release(smem, BAR_EMPTY_Q, 0, lane)
-                logits(s, f, j0, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv, wg_row0,
-                       warp_row, lane)
+                logits(s, f, j0, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
                 # O = 0: nothing to defer
                 softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
                 to_a(p, s)
@@ -1192,14 +1171,13 @@ def build(cfg):
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # S_j
                     values(o_acc, p, v_desc0, prev)                        # O += P~_{j-1} V_{j-1}
-                    f = key_factor(k_descale, b, h_kv, j0 + j, k_scale_rows)
+                    f = key_factor(k_descale, b, h_kv, j0 + j, by_k_blocks)
                     pass_turn(wg)
                     WAIT1_S(s)                # S_j has landed; the P V product may still run
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, k_descale, k_scale_rows, b, h_kv,
-                           wg_row0, warp_row, lane)
+                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
                     softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
                     release(smem, BAR_EMPTY_V, prev, lane)
@@ -1382,6 +1360,10 @@ def _run(prob, qkv, v_view, scales, rows, problem, options):
     before the kernel, its programmatic dependent (Config.pdl)."""
     problem += configs.mask_fields(prob)   # ("window", True) for a sliding window; varlen's fields
     cfg = default_config(prob.head_dim, prob.element, prob.band.banded, problem, **options)
+    if cfg.k_block_scales and rows[1] % cfg.block_n:
+        raise ValueError(f"scale_block={rows[1]}: K's descales must cover whole key blocks of fa3's "
+                         f"FP8 kernel (block_n = B_c = {cfg.block_n}, one factor a block): use a "
+                         f"multiple of {cfg.block_n}, or a block_n that divides {rows[1]}")
     seqs = prob.varlen
     box = sm90.SWIZZLE_BYTES // cfg.operand.bytes
     prepass = None
@@ -1438,9 +1420,6 @@ def _fp8_scales(prob, descales, block):
         raise ValueError("v_descale must have one scale a head (shape (B, H_kv, 1)): V's scale "
                          "multiplies the whole P V sum, so quantise V with block=None or "
                          "block=seqlen")
-    if counts[1] > 1 and block % 8:
-        raise ValueError(f"scale_block={block}: K's scales must cover whole 8-key column groups "
-                         "of S (a multiple of 8)")
     if counts[0] > 1 and block % WG_ROWS:
         raise ValueError(f"scale_block={block}: Q's scales must cover whole 64-row warpgroup "
                          "tiles (a multiple of 64)")
