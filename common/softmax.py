@@ -117,6 +117,32 @@ def exponentiate_row(s, m, h, base, scale_log2, poly_every):
 
 
 @device_function
+def advance_row(s, m, h, r, row_max, m_i, l_i, scale_log2, exp_scale, log2_shift, poly_every):
+    """Row r (row half h of m-tile m) once its new running max row_max is known: S <- P~ =
+    2^(S exp_scale - base) with base = row_max scale_log2, m_i[r] <- row_max, l_i[r] <-
+    exp(m_old - m_new) l_i[r] + the lane's rowsum(P~); returns exp(m_old - m_new)."""
+    base = exp2_base(row_max, scale_log2)
+    alpha = ptx.ex2_approx(m_i[r] * scale_log2 - base)
+    m_i[r] = row_max
+    l_i[r] = l_i[r] * alpha + exponentiate_row(s, m, h, base - log2_shift, exp_scale, poly_every)
+    return alpha
+
+
+@device_function
+def scaled_row_max(s, m, h, m_old, s_scale):
+    """max(m_old, rowmax(s_scale S)) for s_scale > 0: the row's max of S taken, then scaled once."""
+    return max(m_old, s_scale * quad_max(lane_row_max(s, m, h, float32(-math.inf))))
+
+
+@device_function
+def rescale_row(o, m, h, alpha):
+    """Row half h of m-tile m of the O accumulator times alpha."""
+    for d in range(o.shape[1]):
+        o[m, d, 2 * h] *= alpha
+        o[m, d, 2 * h + 1] *= alpha
+
+
+@device_function
 def online_softmax(s, m_i, l_i, o, scale_log2, log2_shift, poly_every):
     """Alg.1 l.9 and the rescale of l.10 for one K/V block, in place:
     m_new = max(m_old, rowmax(S)); S <- P~ = exp(S - m_new); l = exp(m_old - m_new) l + rowsum(P~);
@@ -127,15 +153,23 @@ def online_softmax(s, m_i, l_i, o, scale_log2, log2_shift, poly_every):
     for m in range(s.shape[0]):
         for h in range(2):
             r = 2 * m + h
-            row_max = quad_max(lane_row_max(s, m, h, m_i[r]))
-            base = exp2_base(row_max, scale_log2)
-            alpha = ptx.ex2_approx(m_i[r] * scale_log2 - base)
-            m_i[r] = row_max
-            l_i[r] = l_i[r] * alpha + exponentiate_row(s, m, h, base - log2_shift, scale_log2,
-                                                       poly_every)
-            for d in range(o.shape[1]):
-                o[m, d, 2 * h] *= alpha
-                o[m, d, 2 * h + 1] *= alpha
+            alpha = advance_row(s, m, h, r, quad_max(lane_row_max(s, m, h, m_i[r])), m_i, l_i,
+                                scale_log2, scale_log2, log2_shift, poly_every)
+            rescale_row(o, m, h, alpha)
+
+
+@device_function
+def online_softmax_scaled(s, s_scale, m_i, l_i, o, scale_log2, log2_shift, poly_every):
+    """online_softmax of s_scale S (s_scale > 0, one factor for the whole block: FP8's per-block K
+    descale) without multiplying S: max is monotone, so each row's max is scaled once, and the
+    factor joins the exponent's scale, (s_scale S) scale_log2 = S (s_scale scale_log2), in the
+    FFMA each score takes anyway. m_i stays in the units of s_scale S."""
+    for m in range(s.shape[0]):
+        for h in range(2):
+            r = 2 * m + h
+            alpha = advance_row(s, m, h, r, scaled_row_max(s, m, h, m_i[r], s_scale), m_i, l_i,
+                                scale_log2, scale_log2 * s_scale, log2_shift, poly_every)
+            rescale_row(o, m, h, alpha)
 
 
 @device_function
@@ -146,12 +180,19 @@ def online_softmax_deferred(s, m_i, l_i, alpha, scale_log2, log2_shift, poly_eve
     for m in range(s.shape[0]):
         for h in range(2):
             r = 2 * m + h
-            row_max = quad_max(lane_row_max(s, m, h, m_i[r]))
-            base = exp2_base(row_max, scale_log2)
-            alpha[r] = ptx.ex2_approx(m_i[r] * scale_log2 - base)
-            m_i[r] = row_max
-            l_i[r] = l_i[r] * alpha[r] + exponentiate_row(s, m, h, base - log2_shift,
-                                                          scale_log2, poly_every)
+            alpha[r] = advance_row(s, m, h, r, quad_max(lane_row_max(s, m, h, m_i[r])), m_i, l_i,
+                                   scale_log2, scale_log2, log2_shift, poly_every)
+
+
+@device_function
+def online_softmax_deferred_scaled(s, s_scale, m_i, l_i, alpha, scale_log2, log2_shift,
+                                   poly_every):
+    """online_softmax_deferred of s_scale S, as online_softmax_scaled."""
+    for m in range(s.shape[0]):
+        for h in range(2):
+            r = 2 * m + h
+            alpha[r] = advance_row(s, m, h, r, scaled_row_max(s, m, h, m_i[r], s_scale), m_i,
+                                   l_i, scale_log2, scale_log2 * s_scale, log2_shift, poly_every)
 
 
 @device_function

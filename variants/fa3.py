@@ -594,14 +594,29 @@ def build(cfg):
         return float32(0)
 
     @device_function
-    def logits(s, f, j, n_k, lo, hi, cap, wg_row0, warp_row, lane):
-        """S_j as the softmax takes it: FP8's per-block K descale (f: `key_factor`), Gemma 2's
-        soft cap on raw scores, then -inf outside the mask."""
-        if K_BLOCK_SCALES:
-            tiles.scale_all(s, f)
+    def logits(s, j, n_k, lo, hi, cap, wg_row0, warp_row, lane):
+        """S_j as the softmax takes it: Gemma 2's soft cap on raw scores, then -inf outside the
+        mask. (FP8's per-block K descale joins the softmax's scale: `exponentiate`.)"""
         if SOFTCAP:
             softmax.softcap_scores(s, cap)
         mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
+
+    @device_function
+    def exponentiate(s, f, m_i, l_i, o_acc, sl2):
+        """l.16-17 on S_j: m_i, P~_j = exp(S_j - m_i), l_i, O_i rescaled; with FP8's per-block K
+        descales S_j = f (the wgmmas' S), f folded into the max and the exponent's scale."""
+        if K_BLOCK_SCALES:
+            softmax.online_softmax_scaled(s, f, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
+        else:
+            softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
+
+    @device_function
+    def exponentiate_deferred(s, f, m_i, l_i, alpha, sl2):
+        """`exponentiate` with O's rescale left in alpha (the intra-warpgroup overlap)."""
+        if K_BLOCK_SCALES:
+            softmax.online_softmax_deferred_scaled(s, f, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
+        else:
+            softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
 
     @device_function
     def to_a(p, s):
@@ -678,8 +693,8 @@ def build(cfg):
             release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)                  # l.19
         if O_APART and j == t_c - 1:   # Q_i read for the last time
             release(smem, BAR_EMPTY_Q, 0, lane)
-        logits(s, f, j0 + j, n_k, lo, hi, cap, wg_row0, warp_row, lane)
-        softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
+        logits(s, j0 + j, n_k, lo, hi, cap, wg_row0, warp_row, lane)
+        exponentiate(s, f, m_i, l_i, o_acc, sl2)
         to_a(p, s)
 
     @device_function
@@ -1131,8 +1146,8 @@ def build(cfg):
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
-                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
+                    logits(s, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
+                    exponentiate(s, f, m_i, l_i, o_acc, sl2)                            # l.16-17
                     to_a(p, s)
                     wait_full(smem, BAR_V + 4 * stage, parity)
                     if CLEAR_V_TAIL:
@@ -1158,9 +1173,9 @@ def build(cfg):
                 release(smem, BAR_EMPTY_K, stage, lane)
                 if O_APART and t_c == 1:
                     release(smem, BAR_EMPTY_Q, 0, lane)
-                logits(s, f, j0, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
+                logits(s, j0, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
                 # O = 0: nothing to defer
-                softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
+                exponentiate(s, f, m_i, l_i, o_acc, sl2)
                 to_a(p, s)
                 for j in range(1, t_c):
                     stage, parity = slot(it + j)
@@ -1177,8 +1192,8 @@ def build(cfg):
                     release(smem, BAR_EMPTY_K, stage, lane)
                     if O_APART and j == t_c - 1:
                         release(smem, BAR_EMPTY_Q, 0, lane)
-                    logits(s, f, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
-                    softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
+                    logits(s, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
+                    exponentiate_deferred(s, f, m_i, l_i, alpha, sl2)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
                     release(smem, BAR_EMPTY_V, prev, lane)
                     tiles.scale_rows(o_acc, alpha)
