@@ -384,23 +384,14 @@ def _k_major_quantizer(head_dim, element, per_head):
     TILE_WORDS = V_KEYS * STRIDE
     VALS = 4 * LOADS                                # the words a thread's loads bring
     ELEM, PER_HEAD = element.code, per_head
-    write_k_major = _k_major_writer(head_dim, V_THREADS)
+    load, write_k_major = _key_chunk_loader(WORDS_IN), _k_major_writer(head_dim, V_THREADS)
 
     @kernel
     def quantize(x32, vt32, descale, amax, n):
-        chunk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        heads = cuda.gridDim.y
-        tid = int32(cuda.threadIdx.x)
-        k0 = chunk * V_KEYS
+        chunk, h, b, heads, tid, k0 = key_chunk()
         tile = cuda.shared.array(TILE_WORDS, uint32)
         vals = cuda.local.array(VALS, uint32)
-        first, column = uint32(k0 + tid // CHUNKS), uint32(4 * (tid % CHUNKS))
-        last = uint32(n - 1)
-        for i in range(LOADS):      # unsigned indices: no negative-index wrap-around to compute
-            x = ptx.ld_global_v4_u32(x32, uint32(b), uint32(h),
-                                     min(first + uint32(i * KEY_STEP), last), column)
-            for w in range(4):
-                vals[4 * i + w] = x[w]
+        load(x32, b, h, k0, tid, n, vals)
         top = amax[b * heads + h if PER_HEAD else 0]
         scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
         if chunk == 0 and tid == 0:
@@ -463,25 +454,16 @@ def _v_k_major_kernel(head_dim, trigger):
     KEY_STEP = V_THREADS // CHUNKS                  # keys between a thread's loads
     LOADS = V_KEYS // KEY_STEP
     VALS = 4 * LOADS                                # the words they bring
-    write_k_major = _k_major_writer(head_dim, V_THREADS)
+    load, write_k_major = _key_chunk_loader(WORDS), _k_major_writer(head_dim, V_THREADS)
 
     @kernel
     def v_k_major(v32, vt32, n):
         if trigger:
             sm90.griddep_launch_dependents()
-        chunk, h, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-        heads = cuda.gridDim.y
-        tid = int32(cuda.threadIdx.x)
-        k0 = chunk * V_KEYS
+        chunk, h, b, heads, tid, k0 = key_chunk()
         tile = cuda.shared.array(TILE_WORDS, uint32)
         vals = cuda.local.array(VALS, uint32)
-        first, column = uint32(k0 + tid // CHUNKS), uint32(4 * (tid % CHUNKS))
-        last = uint32(n - 1)
-        for i in range(LOADS):      # unsigned indices: no negative-index wrap-around to compute
-            x = ptx.ld_global_v4_u32(v32, uint32(b), uint32(h),
-                                     min(first + uint32(i * KEY_STEP), last), column)
-            for w in range(4):
-                vals[4 * i + w] = x[w]
+        load(v32, b, h, k0, tid, n, vals)
         for i in range(LOADS):
             key = i * KEY_STEP + tid // CHUNKS
             for w in range(4):
@@ -491,6 +473,39 @@ def _v_k_major_kernel(head_dim, trigger):
         write_k_major(tile, vt32, b, h, heads, chunk, tid)
 
     return v_k_major
+
+
+@device_function
+def key_chunk():
+    """A K-major kernel's block: (chunk, h, b, heads, tid, k0), its V_KEYS keys k0 .. of head
+    (b, h), as the grid (N_pad / V_KEYS, H, B) places it."""
+    chunk = cuda.blockIdx.x
+    return chunk, cuda.blockIdx.y, cuda.blockIdx.z, cuda.gridDim.y, int32(cuda.threadIdx.x), \
+        chunk * V_KEYS
+
+
+@lru_cache(maxsize=None)
+def _key_chunk_loader(words):
+    """load(src32, b, h, k0, tid, n, vals): V_KEYS keys from k0 of head (b, h) of src32 (B, H, N,
+    `words` 32-bit words a key) by V_THREADS threads, each thread's 16-byte loads issued first
+    (a constant count, unrolled), into vals[4 i .. 4 i + 3]: thread tid reads 16-byte chunk
+    tid % CHUNKS of keys k0 + tid // CHUNKS + i KEY_STEP. Keys past N re-read the last one (the
+    caller zeroes them)."""
+    CHUNKS = words // 4
+    KEY_STEP = V_THREADS // CHUNKS
+    LOADS = V_KEYS // KEY_STEP
+
+    @device_function
+    def load(src32, b, h, k0, tid, n, vals):
+        first, column = uint32(k0 + tid // CHUNKS), uint32(4 * (tid % CHUNKS))
+        last = uint32(n - 1)
+        for i in range(LOADS):      # unsigned indices: no negative-index wrap-around to compute
+            x = ptx.ld_global_v4_u32(src32, uint32(b), uint32(h),
+                                     min(first + uint32(i * KEY_STEP), last), column)
+            for w in range(4):
+                vals[4 * i + w] = x[w]
+
+    return load
 
 
 @lru_cache(maxsize=None)
