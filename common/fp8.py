@@ -121,93 +121,72 @@ def _block_max(warps):
     return top
 
 
-def _row_layout(head_dim, lanes):
-    """How a row's d values lie on its `lanes` lanes (the lanes of a warp xor-apart by less than
-    `lanes`), E = d / lanes each: in chunks of CH = min(E, 8) consecutive columns (16 bytes of
-    16-bit input when CH = 8), the lanes taking turns, so that a warp's loads and stores of chunk
-    c cover whole stretches of each row: value v = c CH + j of lane p is column (c lanes + p) CH
-    + j. Returns (E, CH, C = E / CH chunks, log2 CH, log2 lanes)."""
-    e = head_dim // lanes
-    ch = min(e, 8)
-    return e, ch, e // ch, ch.bit_length() - 1, lanes.bit_length() - 1
-
-
 @lru_cache(maxsize=None)
 def _row_storer(head_dim, lanes=32):
-    """store(out32, b, h, row, lane, vals, first, scale): lane `lane`'s E values vals[first:] of
-    row `row` (`_row_layout`) times scale, as e4m3, into their words (chunk by chunk: one 8-byte
-    store a chunk of 8)."""
-    E, CH, C, _, _ = _row_layout(head_dim, lanes)
-    WORDS = CH // 4                 # output words a chunk
-    L = lanes
+    """store(out32, b, h, row, lane, vals, first, scale): the E = d / lanes values vals[first:] of
+    lane `lane` of the row's `lanes` times scale, as e4m3, into its words of row `row`."""
+    OUT_WORDS = head_dim // lanes // 4
 
     @device_function
     def store(out32, b, h, row, lane, vals, first, scale):
-        for c in range(C):
-            v, col = first + c * CH, (c * L + lane) * WORDS
-            if WORDS == 2:
-                ptx.st_global_v2_u32_4d(
-                    out32, uint32(b), uint32(h), uint32(row), uint32(col),
-                    ptx.pack_e4m3x4(vals[v] * scale, vals[v + 1] * scale, vals[v + 2] * scale,
-                                    vals[v + 3] * scale),
-                    ptx.pack_e4m3x4(vals[v + 4] * scale, vals[v + 5] * scale,
-                                    vals[v + 6] * scale, vals[v + 7] * scale))
-            else:
-                out32[b, h, row, col] = ptx.pack_e4m3x4(
-                    vals[v] * scale, vals[v + 1] * scale, vals[v + 2] * scale, vals[v + 3] * scale)
+        for w in range(OUT_WORDS):
+            out32[b, h, row, lane * OUT_WORDS + w] = ptx.pack_e4m3x4(
+                vals[first + 4 * w] * scale, vals[first + 4 * w + 1] * scale,
+                vals[first + 4 * w + 2] * scale, vals[first + 4 * w + 3] * scale)
 
     return store
 
 
 @lru_cache(maxsize=None)
 def _row_loader(head_dim, element, hadamard, lanes=32):
-    """load_row(x32, signs, b, h, row, lane, vals): the E = d / lanes values of row `row` that lane
-    `lane` (0 .. lanes - 1) holds (`_row_layout`: one 16-byte load a chunk of 8), as the quantisers
-    read them: transformed when `hadamard`, by the Walsh-Hadamard butterflies on the column's bits
-    in turn, lowest first (a bit inside the lane's chunk or above the lanes: in the lane; a lane
-    bit: across lanes by shuffles). The order of the bits, and so every value's rounding, is the
-    same whatever `lanes` is."""
-    E, CH, C, LOG_CH, LOG_L = _row_layout(head_dim, lanes)
-    IN_WORDS = CH // 2              # input words a chunk
-    LOG_D = head_dim.bit_length() - 1
-    L, HADAMARD, ELEM = lanes, hadamard, element.code
+    """load_row(x32, signs, b, h, row, lane, vals): the E = d / lanes values of a row that lane
+    `lane` (0 .. lanes - 1, the lanes sharing the row: a warp's lanes xor-apart by less than
+    `lanes`) holds, columns lane E .. lane E + E - 1, as the quantisers read them: in 16-byte
+    loads where they come to whole ones (E a multiple of 8), and transformed when `hadamard` (the
+    butterflies on the column bits inside the lane, then across the row's lanes by shuffles: the
+    bits of the column in the same order whatever `lanes` is, so the same values)."""
+    E = head_dim // lanes
+    IN_WORDS = E // 2
+    VECTOR = IN_WORDS % 4 == 0
+    LOG_E, LOG_LANES = E.bit_length() - 1, lanes.bit_length() - 1
+    HADAMARD, ELEM = hadamard, element.code
     INV_SQRT_D = float32(1 / math.sqrt(head_dim))
 
     @device_function
     def load_row(x32, signs, b, h, row, lane, vals):
         """vals <- the lane's E values of row `row`, transformed by diag(signs) H / sqrt(d)."""
-        for c in range(C):
-            col = (c * L + lane) * IN_WORDS
-            if IN_WORDS == 4:
-                x = ptx.ld_global_v4_u32(x32, uint32(b), uint32(h), uint32(row), uint32(col))
+        if VECTOR:
+            for w in range(IN_WORDS // 4):
+                x = ptx.ld_global_v4_u32(x32, uint32(b), uint32(h), uint32(row),
+                                         uint32(lane * IN_WORDS + 4 * w))
                 for q in range(4):
                     lo, hi = tiles.unpack_pair(x[q], ELEM)
-                    vals[c * CH + 2 * q] = lo
-                    vals[c * CH + 2 * q + 1] = hi
-            else:
-                for w in range(IN_WORDS):
-                    lo, hi = tiles.unpack_pair(x32[b, h, row, col + w], ELEM)
-                    vals[c * CH + 2 * w] = lo
-                    vals[c * CH + 2 * w + 1] = hi
+                    vals[8 * w + 2 * q] = lo
+                    vals[8 * w + 2 * q + 1] = hi
+        else:
+            for w in range(IN_WORDS):
+                word = x32[b, h, row, lane * IN_WORDS + w]
+                lo, hi = tiles.unpack_pair(word, ELEM)
+                vals[2 * w] = lo
+                vals[2 * w + 1] = hi
         if HADAMARD:
-            for v in range(E):
-                vals[v] *= signs[((v // CH) * L + lane) * CH + v % CH]
-            for k in range(LOG_D):             # the butterflies on column bit k
-                if LOG_CH <= k < LOG_CH + LOG_L:   # a lane bit: across lanes
-                    upper = (lane >> (k - LOG_CH)) & 1
-                    for v in range(E):
-                        other = ptx.shfl_xor_f32(vals[v], 1 << (k - LOG_CH))
-                        vals[v] = other - vals[v] if upper else vals[v] + other
-                else:                          # a bit of v: inside the lane
-                    s = 1 << (k if k < LOG_CH else k - LOG_L)
-                    for v in range(E):
-                        if v & s == 0:
-                            a = vals[v]
-                            c = vals[v + s]
-                            vals[v] = a + c
-                            vals[v + s] = a - c
-            for v in range(E):
-                vals[v] *= INV_SQRT_D
+            for e in range(E):
+                vals[e] *= signs[lane * E + e]
+            for k in range(LOG_E):             # butterflies on the column bits inside the lane
+                s = 1 << k
+                for e in range(E):
+                    if e & s == 0:
+                        a = vals[e]
+                        c = vals[e + s]
+                        vals[e] = a + c
+                        vals[e + s] = a - c
+            for k in range(LOG_LANES):         # ... and on the lane bits, across lanes
+                upper = (lane >> k) & 1
+                for e in range(E):
+                    other = ptx.shfl_xor_f32(vals[e], 1 << k)
+                    vals[e] = other - vals[e] if upper else vals[e] + other
+            for e in range(E):
+                vals[e] *= INV_SQRT_D
 
     return load_row
 

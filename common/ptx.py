@@ -32,7 +32,6 @@ cp_async_wait = sm80.cp_async_wait
 ld_shared_v4_u32 = sm80.ld_shared_v4_u32
 st_global_v4_u32 = sm80.st_global_v4_u32
 ld_global_v4_u32 = sm80.ld_global_v4_u32
-st_global_v2_u32_4d = sm80.st_global_v2_u32_4d
 st_shared_u32 = sm80.st_shared_u32
 red_add_v2_f32 = sm80.red_add_v2_f32
 red_add_v2_f32_at = sm80.red_add_v2_f32_at

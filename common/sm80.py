@@ -602,30 +602,18 @@ if SIMULATOR:
         c = int(col)
         unwrap(dst)[int(row), c:c + 4] = (x0, x1, x2, x3)
 
-    def _vector_index(a, i, j, k, col, words, what):
-        """(i, j, k, col) of a `words`-word access to 4-D `a`, held to the GPU's rules: the words
-        inside the row, their address aligned to their size (a misaligned vector access is a fatal
-        error there)."""
-        c = int(col)
-        index = (int(i), int(j), int(k), c)
-        if not 0 <= c <= a.shape[3] - words:
-            raise IndexError(f"a {4 * words}-byte {what} of words {c}..{c + words - 1} runs past a "
-                             f"row of {a.shape[3]}")
-        address = a.ctypes.data + sum(x * s for x, s in zip(index, a.strides))
-        if address % (4 * words):
-            raise ValueError(f"a {4 * words}-byte {what} at {index} is not {4 * words}-byte "
-                             f"aligned (byte strides {a.strides})")
-        return index
-
     def ld_global_v4_u32(src, i, j, k, col):
-        a = unwrap(src)
-        b, h, r, c = _vector_index(a, i, j, k, col, 4, "load")
-        return tuple(np.uint32(x) for x in a[b, h, r, c:c + 4])
-
-    def st_global_v2_u32_4d(dst, i, j, k, col, x0, x1):
-        a = unwrap(dst)
-        b, h, r, c = _vector_index(a, i, j, k, col, 2, "store")
-        a[b, h, r, c:c + 2] = (x0, x1)
+        """The GPU's rules too: the four words inside the row, their address 16-byte aligned (a
+        misaligned vector load is a fatal error there)."""
+        a, c = unwrap(src), int(col)
+        index = (int(i), int(j), int(k), c)
+        if not 0 <= c <= a.shape[3] - 4:
+            raise IndexError(f"a 16-byte load of words {c}..{c + 3} runs past a row of {a.shape[3]}")
+        address = a.ctypes.data + sum(x * s for x, s in zip(index, a.strides))
+        if address % 16:
+            raise ValueError(f"a 16-byte load at {index} is not 16-byte aligned (byte strides "
+                             f"{a.strides})")
+        return tuple(np.uint32(x) for x in a[index[0], index[1], index[2], c:c + 4])
 
     def red_add_v2_f32(dst, row, col, x0, x1):
         """dst[row, col] += x0 and dst[row, col + 1] += x1, atomically (other threads add too)."""
@@ -691,21 +679,6 @@ else:
             out = _asm(builder, [_i32] * 4, [addr], "ld.global.v4.b32 {$0,$1,$2,$3}, [$4];",
                        "=r,=r,=r,=r,l", side_effect=True)
             return context.make_tuple(builder, sig.return_type, _unpack(builder, out, 4))
-
-        return sig, codegen
-
-    @intrinsic
-    def st_global_v2_u32_4d(typingctx, dst, i, j, k, col, x0, x1):
-        """dst[i, j, k, col:col+2] = (x0, x1) of a 4-D uint32 array, one 8-byte store (8-byte
-        aligned: col even, the row's address a multiple of 8 bytes)."""
-        sig = types.void(dst, i, j, k, col, x0, x1)
-
-        def codegen(context, builder, sig, args):
-            addr = _global_address(context, builder, sig.args[0], args[0], args[1:5], sig.args[1:5])
-            vals = [_as(context, builder, v, t, types.uint32) for v, t in zip(args[5:], sig.args[5:])]
-            _asm(builder, ir.VoidType(), [addr] + vals, "st.global.v2.b32 [$0], {$1,$2};",
-                 "l,r,r,~{memory}", side_effect=True)
-            return context.get_dummy_value()
 
         return sig, codegen
 
