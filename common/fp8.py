@@ -122,10 +122,10 @@ def _block_max(warps):
 
 
 @lru_cache(maxsize=None)
-def _row_storer(head_dim, lanes=32):
-    """store(out32, b, h, row, lane, vals, first, scale): the E = d / lanes values vals[first:] of
-    lane `lane` of the row's `lanes` times scale, as e4m3, into its words of row `row`."""
-    OUT_WORDS = head_dim // lanes // 4
+def _row_storer(head_dim):
+    """store(out32, b, h, row, lane, vals, first, scale): the lane's E = d / 32 values vals[first:]
+    times scale, as e4m3, into its words of row `row`."""
+    OUT_WORDS = head_dim // 128
 
     @device_function
     def store(out32, b, h, row, lane, vals, first, scale):
@@ -138,37 +138,23 @@ def _row_storer(head_dim, lanes=32):
 
 
 @lru_cache(maxsize=None)
-def _row_loader(head_dim, element, hadamard, lanes=32):
-    """load_row(x32, signs, b, h, row, lane, vals): the E = d / lanes values of a row that lane
-    `lane` (0 .. lanes - 1, the lanes sharing the row: a warp's lanes xor-apart by less than
-    `lanes`) holds, columns lane E .. lane E + E - 1, as the quantisers read them: in 16-byte
-    loads where they come to whole ones (E a multiple of 8), and transformed when `hadamard` (the
-    butterflies on the column bits inside the lane, then across the row's lanes by shuffles: the
-    bits of the column in the same order whatever `lanes` is, so the same values)."""
-    E = head_dim // lanes
+def _row_loader(head_dim, element, hadamard):
+    """load_row(x32, signs, b, h, row, lane, vals): the lane's E = d / 32 values of a row, as the
+    quantisers read them (transformed when `hadamard`)."""
+    E = head_dim // 32
     IN_WORDS = E // 2
-    VECTOR = IN_WORDS % 4 == 0
-    LOG_E, LOG_LANES = E.bit_length() - 1, lanes.bit_length() - 1
+    LOG_E = E.bit_length() - 1
     HADAMARD, ELEM = hadamard, element.code
     INV_SQRT_D = float32(1 / math.sqrt(head_dim))
 
     @device_function
     def load_row(x32, signs, b, h, row, lane, vals):
         """vals <- the lane's E values of row `row`, transformed by diag(signs) H / sqrt(d)."""
-        if VECTOR:
-            for w in range(IN_WORDS // 4):
-                x = ptx.ld_global_v4_u32(x32, uint32(b), uint32(h), uint32(row),
-                                         uint32(lane * IN_WORDS + 4 * w))
-                for q in range(4):
-                    lo, hi = tiles.unpack_pair(x[q], ELEM)
-                    vals[8 * w + 2 * q] = lo
-                    vals[8 * w + 2 * q + 1] = hi
-        else:
-            for w in range(IN_WORDS):
-                word = x32[b, h, row, lane * IN_WORDS + w]
-                lo, hi = tiles.unpack_pair(word, ELEM)
-                vals[2 * w] = lo
-                vals[2 * w + 1] = hi
+        for w in range(IN_WORDS):
+            word = x32[b, h, row, lane * IN_WORDS + w]
+            lo, hi = tiles.unpack_pair(word, ELEM)
+            vals[2 * w] = lo
+            vals[2 * w + 1] = hi
         if HADAMARD:
             for e in range(E):
                 vals[e] *= signs[lane * E + e]
@@ -180,7 +166,7 @@ def _row_loader(head_dim, element, hadamard, lanes=32):
                         c = vals[e + s]
                         vals[e] = a + c
                         vals[e + s] = a - c
-            for k in range(LOG_LANES):         # ... and on the lane bits, across lanes
+            for k in range(5):                 # ... and on the lane bits, across lanes
                 upper = (lane >> k) & 1
                 for e in range(E):
                     other = ptx.shfl_xor_f32(vals[e], 1 << k)
@@ -248,51 +234,47 @@ ONE_PASS_VALUES = 64            # ... and the values of its rows a lane may hold
 
 
 def one_pass_rows(head_dim, block):
-    """Rows a warp of the one-pass block quantiser holds (block / ONE_PASS_WARPS, a power of two:
-    each row on 32 / rows lanes), or 0 where the block's transformed rows do not fit its registers
-    (then the two-pass kernel runs)."""
+    """Rows a warp of the one-pass block quantiser holds, or 0 where the block's transformed rows do
+    not fit its registers (then the two-pass kernel runs)."""
     if block is None or block % ONE_PASS_WARPS:
         return 0
     rows = block // ONE_PASS_WARPS
-    fits = rows * (head_dim // 32) <= ONE_PASS_VALUES and rows & (rows - 1) == 0
-    return rows if fits else 0
+    return rows if rows * (head_dim // 32) <= ONE_PASS_VALUES else 0
 
 
 @lru_cache(maxsize=None)
 def _one_pass_quantizer(head_dim, element, hadamard, rows_a_warp):
     """Block quantisation in one pass: ONE_PASS_WARPS warps a (block of rows, head, batch), warp w
-    holding the rows w, w + 16, ... (`rows_a_warp` = R of them) at once, each on 32 / R lanes
-    (lanes 32 / R i .. hold row i, E = R d / 32 values each, in registers), so that each row is
-    read and transformed once (the two-pass kernel reads and transforms it again to quantise). A
-    row's lanes read it in 16-byte loads (E >= 8), and its Hadamard transform takes log2(32 / R)
-    shuffle stages, not 5 (at d=128, blocks of 256: 1; the shuffle unit bounded the 5-stage
-    kernel). The same arithmetic in the same order per value: the same bits as
-    `_quantizer(..., "block")`."""
+    holding the rows w, w + 16, ... (`rows_a_warp` of them, E = d / 32 values each a lane, in
+    registers: the loops over them are unrolled), so that each row is read and transformed once
+    (the two-pass kernel reads and transforms it again to quantise). The same arithmetic in the
+    same order per value: the same bits as `_quantizer(..., "block")`."""
+    E = head_dim // 32
     R, WARPS = rows_a_warp, ONE_PASS_WARPS
-    LANES = 32 // R                  # a row's lanes
-    E = head_dim // LANES            # a lane's values (a compile-time array size)
-    load_row = _row_loader(head_dim, element, hadamard, LANES)
-    store_row = _row_storer(head_dim, LANES)
+    VALUES = R * E                   # a lane's values of its rows (a compile-time array size)
+    load_row, store_row = _row_loader(head_dim, element, hadamard), _row_storer(head_dim)
     block_max = _block_max(WARPS)
 
     @kernel
     def quantize(x32, signs, out32, descale, amax, n, rows):
         blk, h, b, tid, warp, lane, row0, row1 = block_rows(n, rows)
-        vals = cuda.local.array(E, float32)
+        vals = cuda.local.array(VALUES, float32)
+        row_vals = cuda.local.array(E, float32)
         peak = cuda.shared.array(WARPS, float32)
-        part = lane % LANES                          # the lane's part of its row
-        row = row0 + (lane // LANES) * WARPS + warp
-        # rows past the block's end re-read its last row (the shuffles are warp-collective), unstored
-        load_row(x32, signs, b, h, min(row, row1 - 1), part, vals)
         top = float32(0)
-        for e in range(E):
-            top = max(top, abs(vals[e]))
+        for i in range(R):   # rows past the block's end re-read its last row, not stored
+            load_row(x32, signs, b, h, min(row0 + i * WARPS + warp, row1 - 1), lane, row_vals)
+            for e in range(E):
+                vals[i * E + e] = row_vals[e]
+                top = max(top, abs(row_vals[e]))
         top = block_max(top, peak, warp, lane)
         scale = float32(E4M3_MAX) / top if top > float32(0) else float32(1)
         if tid == 0:
             descale[b, h, blk] = float32(1) / scale
-        if row < row1:
-            store_row(out32, b, h, row, part, vals, 0, scale)
+        for i in range(R):
+            row = row0 + i * WARPS + warp
+            if row < row1:
+                store_row(out32, b, h, row, lane, vals, i * E, scale)
 
     return quantize
 
