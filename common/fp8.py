@@ -39,10 +39,9 @@ from common.target import SIMULATOR, device_function, kernel, launch
 
 E4M3_MAX = 448.0
 UNIT_ROUNDOFF = _UNIT_ROUNDOFF["float8_e4m3fn"]   # relative rounding error of a normal e4m3 value
-DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multiple of every B_r
-                                 # and B_c of fa3 (FP8's: 256 at d=128, 128 at d=256), so that
-                                 # a key block never straddles two K scales (which costs a scale
-                                 # per column group)
+DEFAULT_BLOCK = 256              # rows a scale in block quantisation: a multiple of fa3's FP8
+                                 # B_r and B_c (256 at d=128, 128 at d=256), as fa3 requires of
+                                 # K's scales (one factor a key block)
 HEAD_DIMS = (128, 256)           # d / 32 values a lane, packed 4 to a 32-bit store
 THREADS = 128
 V_KEYS = 128                     # keys of V a block of the K-major pre-pass moves (8 groups of 16)

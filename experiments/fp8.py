@@ -15,8 +15,8 @@ K), FP8 + both — next to the paper's numbers.
 speed: the FA2 paper's grid (batch x seqlen = 16k, 16 heads of 128, bf16 inputs), forward
 TFLOP/s of sdpa_flash, sdpa_cudnn, fa3 bf16, and fa3 FP8 with one scale a head:
   "fp8"          V in flash_attn's layout, so the call includes V's K-major pre-pass (`v_k_major`);
-  "fp8 V^T"      V handed over K-major (`fp8.KMajorV`, as `quantize_fp8(v, k_major=True)` writes
-                 it): no pre-pass, the kernel alone;
+  "fp8 V^T"      V handed over K-major (`fp8.KMajorV`, as `quantize_fp8(v, block=None,
+                 k_major=True)` writes it): no pre-pass, the kernel alone;
   "fp8 in-kern"  V transposed by the kernel's producer instead (transpose_v="producer"; d=128);
   "fp8 block"    a scale per 256 rows of Q and K, V K-major;
 and, in ms, the pre-passes alone, each timed as a CUDA graph of 10 (GPU time, no host launch time

@@ -205,6 +205,23 @@ def test_fa3_fp8_k_scales_cover_whole_key_blocks(rng):
     with pytest.raises(ValueError, match=r"scale_block=128: K's descales must cover whole key "
                                          r"blocks .* \(block_n = B_c = 256"):
         variants.forward(x8, k8, x8, **call)
+    o, _ = variants.forward(x8, k8, x8, block_n=128, **call)
+    assert np.isfinite(arrays_to_host(o).astype(np.float32)).all()
+
+
+K_STEP_CASES = [pytest.param(300, False, 256, 1, 128, marks=pytest.mark.slow)]
+if ON_GPU:
+    K_STEP_CASES += [(1000, True, 256, 2, 128), (2048, False, 512, 1, 128),
+                     (1000, True, 256, 1, 256)]
+
+
+@pytest.mark.parametrize("seqlen, causal, block, kv_group, d", K_STEP_CASES)
+def test_fa3_fp8_k_scales_span_several_key_blocks(rng, seqlen, causal, block, kv_group, d):
+    """A K scale block of 2 or 4 key blocks (scale_block 256 or 512, B_c = 128: the kernel's block
+    index j // (scale_block / B_c)), with K's blocks at gains 1, 8, 1/8 and 4, so that a key block
+    given its neighbour's factor is far outside the float64 check's bound."""
+    check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, k_gains=(1.0, 8.0, 0.125, 4.0),
+                  block_n=128)
 
 
 POLY_CASES = [(130, True, 4)]
@@ -264,12 +281,16 @@ def test_fa3_fp8_block_n_is_whole_k32_steps(rng):
                              block_n=bn)
 
 
-def check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, **options):
-    """test_fa3_fp8_matches_float64's check, with fa3 `options`."""
+def check_fa3_fp8(rng, seqlen, causal, block, kv_group, d, k_gains=None, **options):
+    """test_fa3_fp8_matches_float64's check, with fa3 `options`; k_gains: K's rows of scale block
+    i (of `block`) multiplied by k_gains[i % len(k_gains)], so that its scales differ block to
+    block."""
     b, h = 1, 2 * kv_group
     q = (3 * rng.standard_normal((b, seqlen, h, d))).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((b, seqlen, h // kv_group, d)).astype(ml_dtypes.bfloat16)
-            for _ in range(2))
+    k, v = (rng.standard_normal((b, seqlen, h // kv_group, d)) for _ in range(2))
+    if k_gains is not None:
+        k *= np.array(k_gains)[(np.arange(seqlen) // block) % len(k_gains)][None, :, None, None]
+    k, v = (x.astype(ml_dtypes.bfloat16) for x in (k, v))
     dq, dk, dv = (dev(x) for x in (q, k, v))
     q8, qd = fp8.quantize_fp8(dq, block=block)
     k8, kd = fp8.quantize_fp8(dk, block=block)
@@ -410,6 +431,7 @@ def test_fa3_fp8_launches_right_after_its_prepass(rng, monkeypatch, options, ord
     from common import tensormaps
     from variants import fa3
     _, x8, s = _fp8_inputs(rng)   # (the quantiser launches through fp8.launch too)
+    options = dict(options)        # (the parametrisation's own dict is left as it is)
     v = fp8.v_k_major(x8) if options.pop("k_major_v", False) else x8
     calls = []
 
@@ -527,6 +549,9 @@ def test_k_major_v_bad_input_is_named(rng):
         variants.forward(x8, x8, short, **call)
     with pytest.raises(ValueError, match="must hold uint8"):
         variants.forward(x8, x8, fp8.KMajorV(short.data[:, :1], 128), **call)   # one head of two
+    wide = dev(np.zeros((1, 2, 128, 256), np.uint8))
+    with pytest.raises(ValueError, match="must be contiguous and 16-byte aligned"):
+        variants.forward(x8, x8, fp8.KMajorV(wide[:, :, :, :128], 128), **call)   # rows 256 apart
     vt = fp8.v_k_major(x8)
     with pytest.raises(ValueError, match="is for e4m3"):
         variants.forward(dx, dx, vt, variant="fa3")

@@ -41,7 +41,8 @@ FP8 (FA3 section 3.3; e4m3 q, k, v with descale factors, `forward(..., q_descale
 kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 in registers
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
 (`common/fp8.py: v_k_major`) or by the producer (below). The descales fold into the softmax scale
-(Q: one a warpgroup; K: one a head, or one a key block, multiplied into S), V's into O's final
+(Q: one a warpgroup; K: one a head, or one a key block, folded into the online softmax's max and
+exponent scale), V's into O's final
 1/l; P~ is computed as 2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l
 takes out again. B_c is a multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole
 128-key panels (`kv_rows`; K_j's is B_c rows), so at B_c = 160..224 its last panel also lands keys
@@ -159,7 +160,7 @@ class Config:
     element: Element        # the 16-bit type of the inputs, or of the output for FP8 inputs
     causal: bool
     fp8: bool = False       # e4m3 inputs (k32 wgmmas, V read K-major: V^T)
-    k_block_scales: bool = False   # FP8: K's descale varies by key block (multiplied into S)
+    k_block_scales: bool = False   # FP8: K's descale varies by key block (one factor a block)
     block_m: int = 128      # B_r: 64 query rows per consumer warpgroup
     block_n: int = 128      # B_c: keys per step (the N of the QK^T wgmma)
     stages: int = 2         # K/V buffers in the ring (2: the copy of K_{j+1}, V_{j+1} overlaps step j)
@@ -587,7 +588,7 @@ def build(cfg):
     @device_function
     def key_factor(k_descale, b, h_kv, j, by_k_blocks):
         """FP8 with descales per block of keys: block j's descale_k (a scale block holds whole key
-        blocks, by_k_blocks = divider(k_scale_rows / B_c): forward checks it). Loaded as S_j's
+        blocks, by_k_blocks = divider(k_scale_rows / B_c): `_run` checks it). Loaded as S_j's
         wgmmas are issued, so that its latency passes under the GEMM, not before the softmax."""
         if K_BLOCK_SCALES:
             return k_descale[b, h_kv, divmod_by(j, by_k_blocks)[0]]
@@ -604,7 +605,7 @@ def build(cfg):
     @device_function
     def exponentiate(s, f, m_i, l_i, o_acc, sl2):
         """l.16-17 on S_j: m_i, P~_j = exp(S_j - m_i), l_i, O_i rescaled; with FP8's per-block K
-        descales S_j = f (the wgmmas' S), f folded into the max and the exponent's scale."""
+        descales S_j is f times the wgmmas' S, f folded into the max and the exponent's scale."""
         if K_BLOCK_SCALES:
             softmax.online_softmax_scaled(s, f, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
         else:
@@ -1058,7 +1059,7 @@ def build(cfg):
             tiles.fill(o_acc, float32(0))                                          # l.11
             softmax.init_rows(m_i, l_i)
             # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per
-            # block: multiplied into S in the loop), V's joins 1/l at the end (loaded here, with
+            # block: in the loop, `exponentiate`), V's joins 1/l at the end (loaded here, with
             # the others, before the wait for Q: no descale load's latency is waited out).
             eff_scale = softmax_scale
             v_scale = float32(1)
