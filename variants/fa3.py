@@ -42,9 +42,8 @@ kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 i
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
 (`common/fp8.py: v_k_major`) or by the producer (below). The descales fold into the softmax scale
 (Q: one a warpgroup; K: one a head, or one a key block, folded into the online softmax's max and
-exponent scale), V's into O's final
-1/l; P~ is computed as 2^P_LOG2_SHIFT P so that it stays clear of e4m3's underflow, a factor l
-takes out again. B_c is a multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole
+exponent scale), V's into O's final 1/l; P~ is computed as 2^P_LOG2_SHIFT P so that it stays clear
+of e4m3's underflow, a factor l takes out again. B_c is a multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole
 128-key panels (`kv_rows`; K_j's is B_c rows), so at B_c = 160..224 its last panel also lands keys
 that no wgmma reads. FA3's FP8 tile is 224 keys with the intra-warpgroup overlap (its registers
 fit there and not at 256); here 256 without it measured fastest (DEFAULTS).
