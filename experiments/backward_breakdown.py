@@ -29,9 +29,10 @@ common.select_backend()
 import numpy as np  # noqa: E402
 
 import variants  # noqa: E402
-from common import backward as bwd  # noqa: E402
-from common import arrays, flops, timing  # noqa: E402
-from common.target import launch  # noqa: E402
+from common.host import arrays
+from common.host.launching import launch  # noqa: E402
+from experiments.measure import flops, timing  # noqa: E402
+from variants import backward_shared as bwd  # noqa: E402
 from variants import fa2_backward  # noqa: E402
 
 

@@ -23,8 +23,8 @@ import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import variants  # noqa: E402
-from common import inputs  # noqa: E402
 from experiments import peers  # noqa: E402
+from experiments.measure import inputs  # noqa: E402
 
 DQ_PATHS = ("separate", "atomic")
 

@@ -21,7 +21,7 @@ MODE = common.select_backend()
 import numpy as np  # noqa: E402
 
 import variants  # noqa: E402
-from common import inputs  # noqa: E402
+from experiments.measure import inputs  # noqa: E402
 
 
 def main(seqlen=300):

@@ -52,9 +52,9 @@ def main(argv=None):
 
     import numpy as np
 
-    from common import checks, flops, inputs, reference
-    from experiments import peers
     import variants
+    from experiments import peers
+    from experiments.measure import checks, flops, inputs, reference
     module = variants.get(args.variant)
 
     configs = json.loads(args.configs)
@@ -97,8 +97,8 @@ def backward_configs(args, module, configs, sets, causal, hd, n, total):
     same tensors (o, lse from fa2's forward, dO random), checked against fa2's backward."""
     import torch
 
-    from experiments import peers
     import variants
+    from experiments import peers
     dos = [torch.randn_like(s[0]) for s in sets]
     outs = [variants.forward(*s, variant="fa2", causal=causal) for s in sets]
     ref = [x.float() for x in variants.backward(dos[0], *sets[0], *outs[0], variant="fa2",
@@ -134,7 +134,7 @@ def timed_rows(checked, total, shape, rounds):
     round; then, as comments, each row's TFLOP/s round by round and its ratio's range."""
     import statistics
 
-    from common import timing
+    from experiments.measure import timing
     if not checked:
         return
     per = [[t.median_ms for t in r]

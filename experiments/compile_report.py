@@ -25,11 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 def variant_modules():
     """Every registered variant's module (variants.REGISTRY, the one list), then the kernels every
     backward shares and decoding's (variants.decode). (Read lazily: this report is measurement, above the variants it compiles.)"""
     from variants import REGISTRY
-    return tuple(REGISTRY.values()) + ("common.backward", "variants.decoding")
+    return tuple(REGISTRY.values()) + ("variants.backward_shared", "variants.decoding")
 
 
 def ptx_counts(ptx):

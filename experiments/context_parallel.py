@@ -9,7 +9,7 @@
 `check [--variants fa2,fa3]`: every rank builds the same full problem (bf16, GQA 8 query heads over
 2 K/V heads), runs the ring on its part with NCCL and each variant (fa3: forward only), and
 compares its part of O, L and of dQ, dK, dV with a float64 answer (torch on the GPU) under the
-single-kernel tolerances of common/checks.py; the one-GPU variant's errors are printed beside
+single-kernel tolerances of experiments/measure/checks.py; the one-GPU variant's errors are printed beside
 them. It ends with "all match" when every rank passed.
 
 `bench`: for each total sequence length N (each GPU holds N / W), with B = 1 and H x d = 2048 as
@@ -88,7 +88,7 @@ def check(args):
     torch, dist = setup()
     import variants
     import variants.context_parallel as cp
-    from common import checks
+    from experiments.measure import checks
     rank, world = dist.get_rank(), dist.get_world_size()
     all_ok = True
     for variant in args.variants.split(","):
@@ -144,7 +144,7 @@ def check_case(torch, cp, variants, checks, rank, world, variant, mask, head_dim
 
 def _errors(torch, checks, o, o_ref, grads, grads_ref, lse=None, lse_ref=None):
     """Relative L2 errors of O (and of L, the gradients, when given) against float64, and whether
-    they pass common/checks.py's bounds."""
+    they pass experiments/measure/checks.py's bounds."""
     import numpy as np
     host = lambda x: x.detach().double().cpu().numpy()  # noqa: E731
     no_lse = np.zeros(1)

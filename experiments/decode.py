@@ -46,7 +46,7 @@ GRAPH_STEPS = 16   # decoding steps captured in one graph for the "in a graph" r
 
 def copy_bandwidth(torch):
     """GB/s of a device-to-device copy of 2 GiB (read + write), median of CUDA-event timings."""
-    from common import timing
+    from experiments.measure import timing
     x = torch.empty(2 ** 30, dtype=torch.int16, device="cuda").fill_(1)
     y = torch.empty_like(x)
     ms = timing.benchmark(lambda i: y.copy_(x), warmup=3, min_reps=10, max_reps=50).median_ms
@@ -65,7 +65,8 @@ def measure_size(batch, length, *, heads=32, heads_kv=8, head_dim=128, page_size
     from numba import cuda
 
     import variants
-    from common import checks, inputs, reference, target, timing
+    from common.hardware import target
+    from experiments.measure import checks, inputs, reference, timing
     from variants import decoding
 
     library = inputs.default_library()
@@ -270,7 +271,8 @@ def main(argv=None):
     common.select_backend()
     import numpy as np
 
-    from common import inputs, target
+    from common.hardware import target
+    from experiments.measure import inputs
 
     torch = None
     if inputs.default_library() == "torch":

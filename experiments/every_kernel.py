@@ -22,7 +22,7 @@ MODE = common.select_backend()
 import numpy as np  # noqa: E402
 
 import variants  # noqa: E402
-from common import checks, inputs, reference  # noqa: E402
+from experiments.measure import checks, inputs, reference  # noqa: E402
 
 MASKS = [dict(), dict(causal=True), dict(causal=True, window_size=(48, 0), softcap=20.0)]
 

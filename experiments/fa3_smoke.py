@@ -18,7 +18,8 @@ import common
 
 common.select_backend()
 import variants  # noqa: E402
-from common import checks, inputs, reference, target  # noqa: E402
+from common.hardware import target  # noqa: E402
+from experiments.measure import checks, inputs, reference
 
 
 def add_sms_option(ap):

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 MODE = common.select_backend()
-BLOCK = 256   # common.fp8.DEFAULT_BLOCK (not imported before the backend is chosen)
+BLOCK = 256   # variants.fp8.DEFAULT_BLOCK (not imported before the backend is chosen)
 
 # FA3 paper, Table 3 (RMSE, outlier inputs): FA3 FP16 1.9e-4; FP8 baseline (per tensor) 2.4e-2;
 # FA3 FP8 without block quantisation (= incoherent only) 9.3e-3; without incoherent processing
@@ -60,7 +60,7 @@ def draw(rng, shape, outliers):
 def fp8_forward(q, k, v, *, causal, block, incoherent, seed=0):
     """Quantise 16-bit q, k, v (block: rows a scale for Q and K; V one a head) and run fa3 FP8."""
     import variants
-    from common import fp8
+    from variants import fp8
     signs = fp8.random_signs(q.shape[3], seed) if incoherent else None
     q8, qd = fp8.quantize_fp8(q, block=block, signs=signs)
     k8, kd = fp8.quantize_fp8(k, block=block, signs=signs)
@@ -73,7 +73,7 @@ def accuracy(args):
     import numpy as np
 
     import variants
-    from common import inputs, reference
+    from experiments.measure import inputs, reference
     library = inputs.default_library()
     n = args.seqlen if MODE == "gpu" else 128
     b, h, d = (args.batch, args.heads, 128) if MODE == "gpu" else (1, 1, 128)
@@ -108,8 +108,10 @@ def speed(args):
     import numpy as np
 
     import variants
-    from common import checks, flops, fp8, inputs, reference, target, timing
+    from common.hardware import target
     from experiments import peers
+    from experiments.measure import checks, flops, inputs, reference, timing
+    from variants import fp8
     if MODE != "gpu":
         raise SystemExit("speed needs a GPU")
     d = args.head_dim
@@ -209,7 +211,8 @@ def configs(args):
     import numpy as np
 
     import variants
-    from common import flops, fp8, inputs, timing
+    from experiments.measure import flops, inputs, timing
+    from variants import fp8
     d = args.head_dim
     heads = 2048 // d   # the FA2 paper's hidden size, 2048
     options = json.loads(args.configs)
@@ -300,7 +303,7 @@ def _graphed(fn):
     """(graph, outputs) of GRAPH_REPS calls of fn captured in one CUDA graph: a replay's time over
     GRAPH_REPS is a call's GPU time, without the host's launch time (which exceeds a short
     pre-pass's own)."""
-    from common import timing
+    from experiments.measure import timing
     return timing.capture_cuda_graph(lambda: [fn() for _ in range(GRAPH_REPS)])
 
 

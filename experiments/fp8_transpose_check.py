@@ -22,8 +22,9 @@ import common
 
 common.select_backend()
 import variants  # noqa: E402
-from common import fp8, inputs  # noqa: E402
 from experiments.fa3_smoke import add_sms_option, cap_grid  # noqa: E402
+from experiments.measure import inputs  # noqa: E402
+from variants import fp8
 
 
 def main(argv=None):

@@ -111,7 +111,7 @@ def main(argv=None):
 def _measure(args):
     import torch
 
-    from common import target
+    from common.hardware import target
 
     names = [args.peer] + args.variants.split(",")
     shape = dict(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab,
@@ -143,7 +143,7 @@ def _measure(args):
     curves = {name: torch.stack([step(name, t) for t in batches]).tolist() for name in names}
     # Step time (the models keep training; the values no longer matter).
     if args.graph:
-        from common.timing import capture_cuda_graph
+        from experiments.measure.timing import capture_cuda_graph
         static = batches[0].clone()
         graphs = {name: capture_cuda_graph(lambda n=name: step(n, static), warmup=3)[0]
                   for name in names}

@@ -37,7 +37,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# Compiled kernels kept between processes (common/target.py): a sweep compiles each configuration
+# Compiled kernels kept between processes (common/hardware/target.py): a sweep compiles each configuration
 # once, not once per job. Keyed by the source, so an edit never loads a stale kernel.
 export FA_KERNEL_CACHE=${FA_KERNEL_CACHE:-$PWD/.kcache}
 steps=${*:-tests compile quick grid}

@@ -19,7 +19,7 @@ variants.backward given O and LSE (torch: autograd.grad of O with dO, the forwar
 "autograd" is what a model pays: forward and backward through torch autograd
 (`variants.attention`, a torch.autograd.Function; SDPA's own autograd node), autograd.grad of O
 with dO from leaves q, k, v. From the third call of a geometry every variant replays the
-recorded launches (common/replay.py; fa3 with its tensor maps made for each call's addresses);
+recorded launches (common/host/replay.py; fa3 with its tensor maps made for each call's addresses);
 FA_REPLAY=0 python experiments/host_overhead.py ... times the ordinary path.
 """
 import sys
@@ -49,7 +49,7 @@ def graph_replay_us(fn, calls=300):
     capture fails: torch 2.11 cannot capture autograd.grad through SDPA's flash backward)."""
     import torch
 
-    from common.timing import capture_cuda_graph
+    from experiments.measure.timing import capture_cuda_graph
     try:
         graph, _ = capture_cuda_graph(fn, warmup=3)
     except (RuntimeError, torch.AcceleratorError) as e:
@@ -63,7 +63,7 @@ def small_problem():
     """q, k, v, dO: torch bf16, B=1, N=64, 128 heads of 64 (the GPU's time is a few µs)."""
     import numpy as np
 
-    from common import inputs
+    from experiments.measure import inputs
     return tuple(inputs.to_device(x, "torch") for x in
                  inputs.random_qkv(np.random.default_rng(0), 1, 64, 128, 64, "bfloat16")
                  + inputs.random_qkv(np.random.default_rng(1), 1, 64, 128, 64, "bfloat16")[:1])
@@ -76,8 +76,8 @@ def main(names=("fa2", "fa3"), rounds=7):
     from torch.nn.functional import scaled_dot_product_attention as sdpa_call
 
     import variants
-    from common import target
-    from common.problem import prepare
+    from common.hardware import target
+    from common.host.problem import prepare
 
     q, k, v, do = small_problem()
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import variants  # noqa: E402
-from common import inputs  # noqa: E402
+from experiments.measure import inputs  # noqa: E402
 
 RUNGS = [("fa1", {}), ("fa1", dict(q_splits=0)), ("fa1", dict(outer_loop="q")),
          ("fa1", dict(outer_loop="q", deferred_rescale=True)), ("fa2", dict(causal_skip=False)),

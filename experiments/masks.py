@@ -10,7 +10,7 @@ Rows, each checked against float64 on sampled rows, then timed (CUDA events, med
 - a rectangle: N/4 queries against N keys, bottom-right causal (a chunk of prefill over a cache).
 - peers where torch has them: SDPA flash (full, causal: its causal is top-left, equal on a
   square), and FlexAttention with a sliding-window block mask (if torch.compile runs it here).
-TFLOP/s count the (query, key) pairs each mask keeps (common/flops.py: visible_pairs), so a
+TFLOP/s count the (query, key) pairs each mask keeps (experiments/measure/flops.py: visible_pairs), so a
 skipped block is not counted as work.
 """
 import argparse
@@ -38,8 +38,10 @@ def main(argv=None):
     import torch
 
     import variants
-    from common import checks, flops, inputs, masks, reference, target, timing
+    from common.hardware import target
+    from common.tile import masks
     from experiments import peers
+    from experiments.measure import checks, flops, inputs, reference, timing
 
     n, w, h, d = args.seqlen, args.window, args.heads, args.head_dim
     rng = np.random.default_rng(0)
@@ -134,7 +136,9 @@ def flex_rows(dev, do, n, w, h, d, pass_):
     """FlexAttention (torch.compile'd) with a sliding-window block mask, if it runs here."""
     import torch
 
-    from common import flops, masks, target, timing
+    from common.hardware import target
+    from common.tile import masks
+    from experiments.measure import flops, timing
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         compiled = torch.compile(flex_attention, dynamic=False)

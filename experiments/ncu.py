@@ -131,7 +131,8 @@ def call(variant, seqlen, head_dim, batch, heads, causal, options, pass_="fwd"):
     from numba import cuda
 
     import variants
-    from common import inputs, target
+    from common.hardware import target
+    from experiments.measure import inputs
     peer = variant.startswith("sdpa_")
     library = "torch" if peer else inputs.default_library()
     q, k, v = (inputs.to_device(x, library) for x in inputs.random_qkv(

@@ -48,7 +48,7 @@ def pass_fn(pass_, forward, sets):
     per set beforehand and kept (retain_graph), so only the backward is timed."""
     import torch
 
-    from common.timing import PerInputSet
+    from experiments.measure.timing import PerInputSet
 
     leaves = [tuple(x.detach().requires_grad_() for x in s[:3]) + (s[3],) if len(s) > 3 else s
               for s in sets]

@@ -54,7 +54,7 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            "pass", "ms", "tflops", "ms_min", "ms_max", "dq_err", "dk_err", "dv_err", "peak_mem_mib",
            # root-mean-square error of O against float64 (the FA3 paper's FP8 measure)
            "rmse",
-           # the mask beyond `causal` (common/masks.py): window_size "left,right", softcap, align
+           # the mask beyond `causal` (common/tile/masks.py): window_size "left,right", softcap, align
            "window", "softcap", "align"]
 PASSES = ("fwd", "bwd", "fwd_bwd", "decode")
 # pass=decode (experiments/decode.py): GB/s of K and V read, and their fraction of the run's copy
@@ -106,7 +106,7 @@ def _select_backend(device):
     if device != "auto" and mode != device:
         raise RuntimeError(f"device={device} was asked for, but this process already runs on {mode}")
     if mode == "gpu":
-        from common.target import gpu_available
+        from common.hardware.target import gpu_available
         if not gpu_available():
             raise RuntimeError("device=gpu but no CUDA GPU is usable (NUMBA_ENABLE_CUDASIM=0)")
     return mode
@@ -135,7 +135,7 @@ def resolve_problem(cfg, mode):
 
 
 def mask_of(prob):
-    """The call's mask keywords (common/masks.py) when the problem sets more than `causal`."""
+    """The call's mask keywords (common/tile/masks.py) when the problem sets more than `causal`."""
     mask = dict(window_size=prob["window_size"], softcap=prob["softcap"], align=prob["align"])
     return {} if mask == dict(window_size=(-1, -1), softcap=0.0, align="bottom_right") else mask
 
@@ -150,8 +150,10 @@ def sdpa_takes(prob):
 
 def run_job(cfg, mode):
     import variants
-    from common import checks, flops, inputs, masks, reference, target
+    from common.hardware import target
+    from common.tile import masks
     from experiments import peers
+    from experiments.measure import checks, flops, inputs, reference
 
     prob = resolve_problem(cfg, mode)
     dtype = cfg.dtype.name
@@ -274,8 +276,8 @@ def decode_job(cfg, mode, prob):
     """pass=decode: one new token a sequence against caches of problem.seqlen_k tokens (paged,
     decode.page_size), through variants.decode with and without the split, fa2's forward and the
     SDPA peers (experiments/decode.py measures; each row is checked against float64 there)."""
-    from common import inputs
     from experiments import decode as decode_experiment
+    from experiments.measure import inputs
 
     if cfg.dtype.name != "bfloat16" or prob["causal"] or mask_of(prob):
         raise ValueError("pass=decode runs bf16 with no mask (one new token sees its whole cache)")
@@ -305,7 +307,7 @@ def decode_job(cfg, mode, prob):
 
 def _quantise_fp8(set_, fp8_cfg, head_dim):
     """(q8, k8, v8, forward's descale keywords) of one fp16 input set, as cfg.fp8 says."""
-    from common import fp8
+    from variants import fp8
     if fp8_cfg.scaling not in ("tensor", "block"):
         raise ValueError(f"fp8.scaling must be tensor or block, got {fp8_cfg.scaling!r}")
     block = int(fp8_cfg.block) if fp8_cfg.scaling == "block" else None
@@ -331,7 +333,7 @@ def pass_fn(pass_, forward, backward, sets):
     """fn(i) running the timed pass on input set i, returning (o, lse, grads): fwd runs forward;
     bwd runs backward from a forward made once per set beforehand (lazily, outside the timing);
     fwd_bwd runs both."""
-    from common.timing import PerInputSet
+    from experiments.measure.timing import PerInputSet
     saved = PerInputSet(len(sets), lambda j: forward(*sets[j][:3]))
 
     def fn(i):
@@ -364,7 +366,7 @@ def resolved_config(module, prob, dtype, options, k_block_scales=False, backward
     if default_config is None:
         return ""
     problem = (("fp8", True), ("k_block_scales", k_block_scales)) if dtype == FP8 else ()
-    from common import masks
+    from common.tile import masks
     band = masks.band(prob["causal"], prob["window_size"], prob["align"], prob["seqlen"],
                       prob["seqlen_k"], prob["softcap"], 1.0)
     problem += tuple((f, True) for f, on in (("window", band.windowed), ("softcap", band.softcap))
@@ -400,7 +402,7 @@ def dry_run(cfg, mode):
 def measure(name, fn, ctx, options=None, workspace=0):
     """Check fn on the first input set, then time it rotating over all sets: one CSV row.
     fn(i) -> (o, lse or None, (dq, dk, dv) or None), see pass_fn."""
-    from common import checks, flops, inputs, timing
+    from experiments.measure import checks, flops, inputs, timing
 
     prob, bench, pass_ = ctx["prob"], ctx["bench"], ctx["pass_"]
     row = dict(variant=name, dtype=ctx["dtype"], head_dim=prob["head_dim"],

@@ -34,7 +34,8 @@ def main(argv=None):
     import numpy as np
 
     import variants
-    from common import checks, flops, inputs, reference, target, timing
+    from common.hardware import target
+    from experiments.measure import checks, flops, inputs, reference, timing
 
     lengths = [int(x) for x in args.lengths.split(",")]
     h, d, dtype = args.heads, args.head_dim, "bfloat16"

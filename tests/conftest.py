@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 
 def pytest_report_header(config):
-    from common import target
+    from common.hardware import target
     return f"kernels run on: {target.describe()}"
 
 
@@ -30,7 +30,7 @@ def pytest_report_header(config):
 # (two processes: it slows the other worker too), the backward ~4.5, then the head dims, varlen
 # and masks (~2.5-3 each), the backward's options (~2.2), decoding, fp8 and the jobs (~0.8-1.4).
 # (Alphabetical order used to leave test_varlen, ~3 minutes, as one worker's tail.) These times are
-# from before common/_sim_block.py, which made every simulated file ~2.3x faster and left the order
+# from before common/hardware/_sim_block.py, which made every simulated file ~2.3x faster and left the order
 # as it was; the compile report (~3 minutes, compiled by ptxas and NVVM, not simulated) now weighs
 # more against the rest.
 SLOW_FIRST = ("tests/test_variants.py", "tests/test_compile.py", "tests/test_backward.py",

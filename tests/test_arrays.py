@@ -1,8 +1,9 @@
-"""The zero-copy views kernels see (common/arrays.py): shapes, byte strides, aliasing."""
+"""The zero-copy views kernels see (common/host/arrays.py): shapes, byte strides, aliasing."""
 import numpy as np
 import pytest
 
-from common import arrays, inputs
+from common.host import arrays
+from experiments.measure import inputs
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -28,7 +29,7 @@ def test_pairing_needs_a_contiguous_even_last_axis(rng):
 
 
 def test_kernel_views_are_typed_like_numba_types_arrays(rng):
-    """What `target.launch` compiles a kernel for: C layout for a C-contiguous view, any layout
+    """What `launching.launch` compiles a kernel for: C layout for a C-contiguous view, any layout
     ("A") for a permuted one, the element type of the view (not of the array)."""
     from numba import types
     dev = inputs.to_device(inputs.random_qkv(rng, 2, 5, 3, 64, "bfloat16")[0], inputs.default_library())

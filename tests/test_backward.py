@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import variants
-from common import arrays, checks, inputs, reference
+from common.host import arrays
+from experiments.measure import checks, inputs, reference
 from tests.conftest import ON_GPU
 
 # The small tiles of the simulator (GPU: each variant's defaults).

@@ -1,4 +1,4 @@
-"""The per-call path (common/problem.py, "the per-call path"): a torch call with the geometry of an
+"""The per-call path (common/host/problem.py, "the per-call path"): a torch call with the geometry of an
 earlier one skips the checks and reuses the layouts, so it must return exactly what the checked
 path returns, for each call's own data, raise what the checked path raises, and keep nothing of a
 call alive."""
@@ -8,7 +8,9 @@ import weakref
 import pytest
 
 import variants
-from common import backward, checks, inputs, problem, reference, replay
+from common.host import problem, replay
+from experiments.measure import checks, inputs, reference
+from variants import backward_shared as backward
 
 pytestmark = pytest.mark.gpu
 
@@ -141,10 +143,10 @@ import gc, sys, weakref
 import common
 common.select_backend()
 import variants
-from common import inputs
+from experiments.measure import inputs
 q, k, v = (inputs.to_device(x, "torch") for x in inputs.random_qkv(
     __import__("numpy").random.default_rng(0), 2, 200, 4, 64, "bfloat16"))
-from common import replay
+from common.host import replay
 print("dynamo imported before", "torch._dynamo" in sys.modules)
 gc.disable()
 for _ in range(2):   # the checked path, then the first call recorded in this process
@@ -232,7 +234,7 @@ def test_fa3_tensor_maps_are_ordered_on_the_calls_stream(rng):
 
 @pytest.mark.parametrize("variant", ["standard", "fa1", "fa2", "fa3"])
 def test_replayed_calls_match_the_ordinary_path(rng, variant):
-    """From the third call of a geometry on, forward and backward are replayed (common/replay.py):
+    """From the third call of a geometry on, forward and backward are replayed (common/host/replay.py):
     the recorded launches over the call's own addresses and allocations (and fa3's tensor maps,
     made for those addresses). They must return what the ordinary path returns on the same data,
     causal or not, with GQA."""
@@ -321,13 +323,13 @@ def test_calls_launch_on_the_current_stream(rng):
 
 @pytest.mark.parametrize("append", [False, True])
 def test_decode_calls_of_a_known_geometry_match_the_checked_path(rng, append):
-    """decode with check=False keeps a template per geometry (common/kvcache.py): a later call on
+    """decode with check=False keeps a template per geometry (common/host/kvcache.py): a later call on
     new caches, queries and block table returns, bit for bit, what the checked call returns on
     the same data, and a misaligned q of that geometry is still refused."""
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from common import kvcache
+    from common.host import kvcache
     from tests.test_decode import make_cache
     lengths, heads, heads_kv, d, page = [300, 1000], 8, 2, 128, 256
     capacity = -(-(max(lengths) + 1) // page) * page + page

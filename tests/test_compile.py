@@ -266,9 +266,9 @@ def test_step_loop_stalls_decode_the_control_bits():
 
 
 def test_unroll_pass_marks_exactly_the_back_edges():
-    """common.target.unroll_all_loops: `llvm.loop.unroll.full` on branches to an earlier block of the
+    """common.hardware.target.unroll_all_loops: `llvm.loop.unroll.full` on branches to an earlier block of the
     same function (loop back edges), nothing on forward branches, fresh metadata ids."""
-    from common.target import unroll_all_loops
+    from common.hardware.target import unroll_all_loops
     ir = "\n".join([
         "define void @f(i1 %c) {", "entry:", "  br label %loop", "loop:",
         "  br i1 %c, label %body, label %exit", "body:", "  br label %loop", "exit:",
@@ -284,7 +284,7 @@ def test_unroll_pass_marks_exactly_the_back_edges():
 
 
 def test_kernel_cache_keys_tell_every_kernel_apart():
-    """FA_KERNEL_CACHE (common.kernel_cache): every compile target gets its own key, from the constants
+    """FA_KERNEL_CACHE (common.host.kernel_cache): every compile target gets its own key, from the constants
     its closure holds; a kernel closing over something the key cannot describe is not cached."""
     code = ("from importlib import import_module\nfrom common import kernel_cache\n"
             "from experiments import compile_report\n"
@@ -312,7 +312,7 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
     # standard's must not).
     assert "fa1 ('variants.fa2_backward',)" in out.stdout and "standard ('variants.standard',)" in out.stdout
 
-    from common.kernel_cache import closure_constants
+    from common.host.kernel_cache import closure_constants
 
     def build(block, obj):
         def helper():
@@ -328,16 +328,18 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
 
 
 def test_no_kernel_reaches_a_host_module():
-    """common.kernel_cache.HOST_MODULES are left out of the cache key, so no compile target's code
-    may reach them: a function or module of theirs, or a constant one of them defines under the
+    """common/host/ (kernel_cache.HOST_PACKAGE) is left out of the cache key, so no compile target's
+    code may reach its modules: a function or module of theirs, or a constant one of them defines under the
     name a kernel reads it by (an imported constant). Walks each kernel's closure and the globals
     its code names, through every device function it reaches."""
+    import pkgutil
     import types as pytypes
     from importlib import import_module
 
-    from common import kernel_cache
+    from common.host import kernel_cache
     from experiments import compile_report
-    host = {f"common.{m}" for m in kernel_cache.HOST_MODULES}
+    package = import_module(kernel_cache.HOST_PACKAGE)
+    host = {f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)}
     host_modules = [import_module(m) for m in host]
     constants = (bool, int, float, str, tuple)
     seen, found = set(), set()

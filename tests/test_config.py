@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import variants
-from common import tiles
+from common.tile import tiles
 from experiments.run import COLUMNS, _options, resolve_problem
 from tests.conftest import MODE
 
@@ -96,7 +96,7 @@ BACKWARD_KERNEL_OF = {"fa3": "variants.fa3_backward"}
 def resolved_defaults_of(name):
     """{(section, option): its default over the variant's head dims, causal or not, and the
     problem fields with defaults of their own, in the variant file's words} from the code."""
-    from common import configs
+    from common.host import configs
     from variants import fa2_backward
     module = variants.get(name)
     sections = []
@@ -127,7 +127,7 @@ def resolved_defaults_of(name):
 @pytest.mark.parametrize("name", group("variant"))
 def test_variant_files_state_the_real_defaults(name):
     """Every option a variant file leaves null says, as `[default: ...]` in its comment, what the
-    code resolves it to (per head dim, causal, fp8: common/configs.describe_default), so the file
+    code resolves it to (per head dim, causal, fp8: common/host/configs.py: describe_default), so the file
     and the DEFAULTS cannot drift apart; the backward's too where the variant resolves it."""
     stated = annotated_defaults(CONF / "variant" / f"{name}.yaml")
     want = resolved_defaults_of(name)
@@ -140,7 +140,7 @@ def test_variant_files_state_the_real_defaults(name):
 
 def test_stated_defaults_follow_the_code(monkeypatch):
     """The check above sees a change of default: fa2's kv_stages at d=128 non-causal made 2."""
-    from common import configs
+    from common.host import configs
     fa2 = variants.get("fa2")
     resolved = configs.resolved_defaults(fa2.default_config, fa2.HEAD_DIMS)
     assert configs.describe_default("kv_stages", resolved, list(fa2.HEAD_DIMS)) == \
@@ -431,7 +431,7 @@ def test_fp8_job_for_a_variant_without_fp8_is_refused(tmp_path):
 def test_once_per_config_keeps_a_layout_beside_the_fields():
     """configs.once_per_config: the layout is built once per configuration object, and neither
     equality, hashing nor repr (what the kernel cache keys on) sees it."""
-    from common.elements import BFLOAT16
+    from common.hardware.elements import BFLOAT16
     from variants import fa2
     cfg = fa2.default_config(64, BFLOAT16, False)
     twin = dataclasses.replace(cfg)

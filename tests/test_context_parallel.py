@@ -16,7 +16,7 @@ import pytest
 
 import variants
 import variants.context_parallel as cp
-from common import checks, inputs, reference
+from experiments.measure import checks, inputs, reference
 from tests.conftest import ON_GPU
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

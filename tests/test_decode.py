@@ -1,4 +1,4 @@
-"""Decoding against a KV cache (variants/decoding.py, common/kvcache.py): each sequence's output and
+"""Decoding against a KV cache (variants/decoding.py, common/host/kvcache.py): each sequence's output and
 LSE against the float64 reference over the keys its cache holds (after the append), for ragged
 lengths, paged caches with random block tables, grouped-query heads, several new tokens with the
 causal diagonal, and any number of splits, with the splits merged by the combine kernel
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import variants
-from common import checks, inputs, reference
+from experiments.measure import checks, inputs, reference
 from tests.conftest import ON_GPU, compiled_in_a_subprocess
 
 SMALL = {} if ON_GPU else dict(block_n=32, warps=2, stages=2)
@@ -180,7 +180,7 @@ def test_decode_combine_waits_before_it_reads():
     code = (
         "import re\n"
         "from numba import cuda, types\n"
-        "from common.elements import BFLOAT16\n"
+        "from common.hardware.elements import BFLOAT16\n"
         "from variants import decoding\n"
         "f = {n: types.Array(types.float32, n, 'A') for n in (3, 4, 5)}\n"
         "sig = (f[5], f[4], types.Array(types.uint32, 4, 'A'), f[3], types.int32)\n"
@@ -245,7 +245,7 @@ def test_decode_merges_the_warps_either_way(rng, n_q, combine, merge_warps, warp
     fragment order), else in one buffer added into one warp at a time (64 rows); both add the
     warps in the same order. With merge_warps="combine", 64 rows (four m16 tiles) of parts a
     warp. 4 query heads on 1 K/V head."""
-    from common.elements import BFLOAT16
+    from common.hardware.elements import BFLOAT16
     from variants import decoding
     options = dict(block_n=64, warps=4)
     cfg = decoding.make_config(64, BFLOAT16, 4, n_q, True, True, True, combine=combine,
@@ -464,7 +464,7 @@ def test_decode_step_replays_from_a_cuda_graph(rng, combine):
     gives what the same call gives eagerly on the same state, bit for bit. combine="fused": the
     graph is one launch less, and its counters, made in the warm-up, are zero after each replay."""
     torch = pytest.importorskip("torch")
-    from common import timing
+    from experiments.measure import timing
     # d=128, 4 query heads a K/V head, pages of 256: experiments/decode.py's kernels
     lengths, heads, heads_kv, d, page = [300, 4097], 8, 2, 128, 256
     capacity = -(-(max(lengths) + 4) // page) * page + page

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 import variants
-from common import arrays, inputs
+from common.host import arrays
+from experiments.measure import inputs
 
 
 def device(rng, shape=(1, 16, 2, 64), dtype="bfloat16", library=None):

@@ -1,6 +1,6 @@
 """FP8 (e4m3) for fa3: the conversion instruction, the quantiser (per tensor, per block, with
 incoherent processing), V made K-major, and fa3's FP8 forward against float64, with tolerances
-derived from the format (common/fp8.py: UNIT_ROUNDOFF). Simulator and GPU."""
+derived from the format (variants/fp8.py: UNIT_ROUNDOFF). Simulator and GPU."""
 import math
 
 import ml_dtypes
@@ -9,9 +9,11 @@ import pytest
 from numba import cuda, int32
 
 import variants
-from common import lanes as sem
-from common import fp8, inputs, ptx
+from common.hardware import lanes as sem
+from common.hardware import ptx
+from experiments.measure import inputs
 from tests.conftest import ON_GPU, compiled_in_a_subprocess
+from variants import fp8
 
 U = fp8.UNIT_ROUNDOFF
 SUBNORMAL_HALF_STEP = 2.0 ** -10     # the largest rounding error below e4m3's smallest normal
@@ -428,7 +430,7 @@ def test_fa3_fp8_launches_right_after_its_prepass(rng, monkeypatch, options, ord
     made before the pre-pass is launched, and the kernel is launched right after it, a programmatic
     dependent with pdl (the default) and an ordinary launch without; with the producer's transpose,
     or V given K-major, there is no pre-pass and no dependent launch."""
-    from common import tensormaps
+    from common.host import tensormaps
     from variants import fa3
     _, x8, s = _fp8_inputs(rng)   # (the quantiser launches through fp8.launch too)
     options = dict(options)        # (the parametrisation's own dict is left as it is)

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 import variants
-from common import timing
+from experiments.measure import timing
 
 pytestmark = pytest.mark.gpu
 
@@ -69,7 +69,7 @@ def test_fa3_forward_replays_with_new_inputs(rng):
     """fa3's tensor maps are made per input address: a graph over inputs seen before the capture
     replays, reading whatever they hold at replay."""
     torch = pytest.importorskip("torch")
-    from common import inputs
+    from experiments.measure import inputs
     q, k, v = (inputs.to_device(x, "torch") for x in inputs.random_qkv(rng, 2, 300, 2, 128,
                                                                         "bfloat16"))
     graph, (o, lse) = timing.capture_cuda_graph(

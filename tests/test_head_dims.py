@@ -1,7 +1,7 @@
 """standard, fa1, fa2 and fa3 at every head_dim the tile layer takes (multiples of 8 from 32 to
 256), forward and backward, against float64 (issue 19).
 
-The head dims take three layouts (common/tiles.py): 64, 128 and 256 swizzled; the others padded
+The head dims take three layouts (common/tile/tiles.py): 64, 128 and 256 swizzled; the others padded
 rows, with tile copies dealt out in row-major order where a row's 16-byte chunks do not divide the
 threads (96: 12 chunks, 192: 24), and, in the backward's 2-D warp tiles, an odd number of n8 tiles
 a warp at d = 144, 176, 208, 240 (tiles.gemm_ab's tail). A head_dim that is not a multiple of 16
@@ -17,7 +17,7 @@ import itertools
 import pytest
 
 import variants
-from common import tiles
+from common.tile import tiles
 from tests.conftest import ON_GPU
 from tests.test_backward import backward_and_check
 from tests.test_variants import run_and_check
@@ -188,7 +188,7 @@ def test_tile_columns():
 def test_other_head_dims_are_refused_by_name(rng, variant, head_dim):
     import numpy as np
 
-    from common import inputs
+    from experiments.measure import inputs
     q = inputs.to_device(rng.standard_normal((1, 16, 2, head_dim)).astype(np.float16),
                          inputs.default_library())
     with pytest.raises(ValueError, match=f"multiples of 8 from 32 to 256, got {head_dim}"):

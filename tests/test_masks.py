@@ -1,4 +1,4 @@
-"""The masks real models use (common/masks.py): rectangular causal (bottom-right, flash_attn's, and
+"""The masks real models use (common/tile/masks.py): rectangular causal (bottom-right, flash_attn's, and
 top-left, torch's), sliding windows, softcap, alone and combined with GQA and ragged lengths,
 forward and backward, against the float64 reference; the block ranges that let the kernels skip
 what a window excludes; and the errors for bad masks.
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import variants
-from common import arrays, checks, inputs, masks, reference
+from common.host import arrays
+from common.tile import masks
+from experiments.measure import checks, inputs, reference
 from tests.conftest import ON_GPU
 from tests.test_backward import SMALL
 
@@ -47,7 +49,7 @@ if ON_GPU:
               # step and write dK = dV = 0 (with their own K, V copies still landing)
               (1000, 3000, dict(causal=True, align=masks.TOP_LEFT), 2, 1)]
 # every variant every case (in the simulator at its small shapes: fa1 and standard ran two cases
-# each there before its thread block became event-driven, common/_sim_block.py)
+# each there before its thread block became event-driven, common/hardware/_sim_block.py)
 MATRIX = [(v, *case) for v in MASKED_VARIANTS for case in MASKS]
 MATRIX += [("fa3", *case) for case in MASKS]   # with a softcap, its backward is FA2's
 if not ON_GPU:

@@ -1,12 +1,13 @@
-"""common/pipeline.py, the cp.async stage ring: its slot arithmetic, and a ring of two buffers
+"""common/tile/pipeline.py, the cp.async stage ring: its slot arithmetic, and a ring of two buffers
 streaming rows through shared memory (each step's copy issued a step ahead) on the GPU or in the
 simulator, where a copy lands only at the wait that covers it."""
 import numpy as np
 import pytest
 from numba import cuda, int32, uint16
 
-from common import pipeline, ptx
-from common.target import kernel
+from common.hardware import ptx
+from common.hardware.target import kernel
+from common.tile import pipeline
 
 STEPS, ROW = 7, 8   # rows of 8 uint16 (one 16-byte cp.async each)
 RING_BYTES = 2 * ROW * 2   # the two slots, in dynamic shared memory: 16-byte aligned, as cp.async

@@ -1,6 +1,6 @@
 """Every PTX intrinsic in a kernel, on the GPU (real instruction) or in the simulator (stand-in).
 
-The expected answers come from the NumPy lane semantics in common/lanes.py, so on a GPU these
+The expected answers come from the NumPy lane semantics in common/hardware/lanes.py, so on a GPU these
 tests check each instruction against its stand-in; the lane semantics themselves are checked here
 against the PTX ISA's fragment tables, written out independently as loops.
 """
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
-from common import lanes as sem
-from common import elements, inputs, ptx, sm90, target
+from common.hardware import elements, ptx, sm90, target
+from common.hardware import lanes as sem
+from experiments.measure import inputs
 from tests.conftest import ON_GPU
 
 DTYPES = ["bfloat16", "float16"]
@@ -459,7 +460,7 @@ def test_named_barrier_orders_a_pair_of_warps():
 
 # ----------------------------------------------------------------- the simulator's cp.async model
 # In the simulator a cp.async copy lands at the cp_async_wait that covers it, not before (on a GPU:
-# at some time up to it), and a kernel (common.target.kernel) whose thread returns with copies in
+# at some time up to it), and a kernel (common.hardware.target.kernel) whose thread returns with copies in
 # flight is refused. Each thread copies row `tid` of src into its own 8 halves of shared memory,
 # which start as MARK.
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from common import reference
+from experiments.measure import reference
 
 
 def naive(q, k, v, causal, scale):

@@ -1,11 +1,11 @@
-"""common/_sim_block.py, the simulator's event-driven thread block: barriers release when the last
+"""common/hardware/_sim_block.py, the simulator's event-driven thread block: barriers release when the last
 live thread arrives, a thread that returned no longer counts, and an exception in one thread is
 raised from the launch (naming the thread) without leaving the others blocked at the barrier."""
 import numpy as np
 import pytest
 from numba import cuda, float32, uint16
 
-from common.target import SIMULATOR   # importing common.target installs _sim_block
+from common.hardware.target import SIMULATOR  # importing common.hardware.target installs _sim_block
 from tests.conftest import ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the simulator's block manager")
@@ -84,14 +84,14 @@ def test_dynamic_shared_memory_starts_as_nan():
 
 
 def test_launch_takes_only_what_the_gpu_path_passes():
-    """target.launch packs KernelViews and np.int32 / np.float32 scalars for cuLaunchKernel; the
+    """launching.launch packs KernelViews and np.int32 / np.float32 scalars for cuLaunchKernel; the
     simulator refuses any other argument too, so a call the GPU path cannot make fails in CI (a
     np.uint32 fill value did: it passed the simulator and raised KeyError on the GPU)."""
-    from common import arrays, target
+    from common.host import arrays, launching
     out = np.zeros(64, np.float32)
     view = arrays.bits_view(arrays.describe(cuda.to_device(out)), np.float32)
     with pytest.raises(TypeError, match="np.int32 / np.float32 scalars, got uint32"):
-        target.launch(rotate_through_shared, 1, 64, 0, 0, view, np.uint32(1))
+        launching.launch(rotate_through_shared, 1, 64, 0, 0, view, np.uint32(1))
     with pytest.raises(TypeError, match="got int"):
-        target.launch(rotate_through_shared, 1, 64, 0, 0, view, 1)
-    target.launch(rotate_through_shared, 1, 64, 0, 0, view, np.int32(1))
+        launching.launch(rotate_through_shared, 1, 64, 0, 0, view, 1)
+    launching.launch(rotate_through_shared, 1, 64, 0, 0, view, np.int32(1))

@@ -1,4 +1,4 @@
-"""The Hopper instructions of common/sm90.py against NumPy, on the GPU (the real wgmma, TMA and
+"""The Hopper instructions of common/hardware/sm90.py against NumPy, on the GPU (the real wgmma, TMA and
 mbarriers) and in the simulator (their stand-ins): one kernel loads A (64 x d), B (n x d) and
 V with bulk tensor copies onto one mbarrier, computes S = A B^T with SS-wgmma (both operands
 through 128-byte-swizzle descriptors) and O = P~ V with RS-wgmma (P~ = S rounded and re-packed as
@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
-from common import lanes as sem
-from common import arrays, fp8, ptx, sm80, sm90, tensormaps, tiles
-from common.target import device_function, launch
+from common.hardware import lanes as sem
+from common.hardware import ptx, sm80, sm90
+from common.hardware.target import device_function
+from common.host import arrays, tensormaps
+from common.host.launching import launch
+from common.tile import tiles
 from tests.conftest import ON_GPU
 from tests.test_ptx import random_halves
+from variants import fp8
 
 CASES = [(64, 64, "bfloat16"), (128, 128, "float16"), (128, 128, "e4m3"), (128, 64, "bfloat16"),
          (64, 256, "bfloat16"), (128, 256, "e4m3"), (256, 128, "e4m3")]
@@ -216,7 +220,7 @@ def cp_async_ring_kernel(a, b, s_out, rounds):
 
 
 def test_cp_async_copies_signal_an_mbarrier_for_wgmma(rng):
-    """cp.async.mbarrier.arrive.noinc (common/sm90.py): a ring of cp.async tiles read by wgmma, as
+    """cp.async.mbarrier.arrive.noinc (common/hardware/sm90.py): a ring of cp.async tiles read by wgmma, as
     fa3's producer="cp_async" has it (three rounds: the second use of stage 0 waits for its
     release)."""
     rounds = 3
@@ -364,7 +368,7 @@ def test_a_second_arrival_in_one_phase_raises():
 def build_lands_at_wait_kernel(wait_for_it):
     """Each thread of a warpgroup issues S = A B^T (m64n8k16, operands all zero, scale_d = 0) into
     an accumulator holding 7, reads it before the commit and, if `wait_for_it`, after the wait."""
-    from common import target
+    from common.hardware import target
     mma, wait = sm90.wgmma_ss(8, "bf16"), sm90.wgmma_wait(0, 4)
 
     @target.kernel

@@ -1,8 +1,8 @@
-"""common/smem.py: a kernel's shared-memory regions, declared once, give the launch's bytes and the
+"""common/tile/smem.py: a kernel's shared-memory regions, declared once, give the launch's bytes and the
 kernel's offsets; the variants' layouts hold what their kernels put there."""
 import pytest
 
-from common.smem import SharedLayout
+from common.tile.smem import SharedLayout
 from variants import fa1, fa2, fa2_backward
 
 

@@ -1,4 +1,4 @@
-"""The tile layer (common/tiles.py) composed into small GEMM kernels, against NumPy.
+"""The tile layer (common/tile/tiles.py) composed into small GEMM kernels, against NumPy.
 
 Covers both shared layouts (swizzled, padded), both B-operand orders (K-like [n][k] through
 ldmatrix, V-like [k][n] through ldmatrix.trans), 128-wide tiles (where the swizzle's column steps
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32, uint16, uint32
 
-from common import lanes as sem
-from common import elements, inputs, ptx, tiles
+from common.hardware import elements, ptx
+from common.hardware import lanes as sem
+from common.tile import tiles
+from experiments.measure import inputs
 
 WARPS = 2
 THREADS = 32 * WARPS

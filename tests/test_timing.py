@@ -1,10 +1,10 @@
-"""common/timing.py: interleaved rounds time every function once a round, so that what is compared
+"""experiments/measure/timing.py: interleaved rounds time every function once a round, so that what is compared
 within a round ran under the same clocks, in an order that changes who runs before whom."""
 from collections import Counter
 
 import pytest
 
-from common import timing
+from experiments.measure import timing
 
 
 def test_interleaved_rounds_take_turns():

@@ -13,7 +13,8 @@ import pytest
 from numba import cuda
 
 import variants
-from common import arrays, checks, inputs, reference
+from common.host import arrays
+from experiments.measure import checks, inputs, reference
 from tests.conftest import ON_GPU
 
 VARIANTS = list(variants.REGISTRY)
@@ -55,7 +56,7 @@ def run_and_check(rng, variant, *, batch, seqlen, heads, head_dim, dtype, causal
     return o, lse
 
 
-# Every variant runs every case, in the simulator too (since common/_sim_block.py and wgmma landing
+# Every variant runs every case, in the simulator too (since common/hardware/_sim_block.py and wgmma landing
 # at its wait, a simulated case takes 1-12 s; fa1, standard and fa3 used to leave some out), but
 # standard's N=130 cases, which take 26-30 s each there (S and P through global memory, tile by
 # tile): its ragged multi-tile path is the N=97 cases' too, and the GPU runs them all.
@@ -185,7 +186,7 @@ def test_fa3_persistent_blocks_share_the_tiles(rng, monkeypatch, causal):
     snake order), the K/V ring's stages and phases and Q's room carried from tile to tile. Causal:
     8 work items (3, 3 and 2 a block), each a pair of a head's query blocks 2 and 0 or its middle
     block 1 alone (Config.work_items)."""
-    from common import target
+    from common.hardware import target
     monkeypatch.setattr(target, "multiprocessor_count", lambda: 3)
     run_and_check(rng, "fa3", batch=2, seqlen=130, heads=2, heads_kv=1,
                   head_dim=64, dtype="bfloat16", causal=causal, block_n=64, block_m=64)

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import variants
-from common import arrays, checks, inputs, masks, reference
+from common.host import arrays
+from common.tile import masks
+from experiments.measure import checks, inputs, reference
 from tests.conftest import ON_GPU
 
 OPTIONS = {} if ON_GPU else dict(block_m=64, block_n=32, warps=2)
@@ -313,7 +315,7 @@ def test_standard_packed_scratch_is_sized_by_the_largest_sequence(rng):
     """standard's one work allocation for a packed batch holds its largest sequence's S and P
     (the lengths read back), not max_seqlen_q x max_seqlen_k: with (N_q, N_k) = (1, 256) and
     (256, 1) the maxima would ask for 256 x 256 scores, each sequence needs 256 x 64 at most."""
-    from common.problem import prepare_varlen
+    from common.host.problem import prepare_varlen
     from variants import standard
     lengths = [(1, 256), (256, 1)]
     q, k, v, cu_q, cu_k = packed(rng, lengths, 1, 1, 64, "bfloat16")

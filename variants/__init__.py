@@ -8,7 +8,7 @@ flash_attn_func; fp16 or bf16 CuPy arrays, Numba device arrays or torch CUDA ten
 Returns o like q and lse (batch, heads, seqlen_q) float32, the log-sum-exp of each row's scores.
 The mask is flash_attn_func's: `causal`, `window_size=(left, right)` (-1: unbounded), `softcap`
 (Gemma 2's tanh capping), and, beyond flash_attn, `align="top_left"` for torch's `is_causal`
-diagonal instead of the bottom-right one (common/masks.py). A row that sees no key gets O = 0 and
+diagonal instead of the bottom-right one (common/tile/masks.py). A row that sees no key gets O = 0 and
 LSE = -inf.
 
     o, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -24,14 +24,8 @@ torch.autograd.Function for torch CUDA tensors.
 attends a few new tokens to a (paged) KV cache, split over the keys (Flash-Decoding,
 variants/decoding.py; flash_attn_with_kvcache's conventions).
 """
-from importlib import import_module
-
-REGISTRY = {
-    "standard": "variants.standard",   # S and P materialised in HBM: the O(N^2) baseline
-    "fa1": "variants.fa1",             # FlashAttention-1, Algorithm 1, and the ladder's rungs to FA2
-    "fa2": "variants.fa2",             # FlashAttention-2, Algorithm 1
-    "fa3": "variants.fa3",             # FlashAttention-3 (Hopper): wgmma, TMA, warp specialisation
-}
+from variants.registry import (REGISTRY, backward, backward_varlen, forward, forward_varlen,  # noqa: F401
+                               get)
 
 
 def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
@@ -60,58 +54,3 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     return split_kv_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                            causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                            split_kv=split_kv, **options)
-
-
-def get(name):
-    """The module of variant `name` (it has forward(q, k, v, *, causal, softmax_scale, **options))."""
-    module = _MODULES.get(name)
-    if module is None:
-        if name not in REGISTRY:
-            raise ValueError(f"unknown variant {name!r}; registered: {', '.join(REGISTRY)}")
-        module = _MODULES[name] = import_module(REGISTRY[name])
-    return module
-
-
-_MODULES = {}
-
-
-def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
-    """Attention forward with the named variant; options are that variant's tuning knobs."""
-    return get(variant).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
-
-
-def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                   variant="fa2", causal=False, softmax_scale=None, **options):
-    """Attention forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q,
-    heads, d), k and v (total_k, heads_kv, d), cu_seqlens_q/k int32 device arrays (batch + 1) of
-    the sequences' first rows; returns o (total_q, heads, d) and lse (heads, total_q) float32. The
-    mask keywords are forward's, applied within each sequence."""
-    module = get(variant)
-    if not hasattr(module, "forward_varlen"):
-        raise ValueError(f"variant {variant!r} has no variable-length forward; these do: "
-                         f"{', '.join(n for n in REGISTRY if hasattr(get(n), 'forward_varlen'))}")
-    return module.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 causal=causal, softmax_scale=softmax_scale, **options)
-
-
-def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    *, variant="fa2", causal=False, softmax_scale=None, **options):
-    """The backward of forward_varlen: (dq, dk, dv) like (q, k, v) of the packed batch."""
-    module = get(variant)
-    if not hasattr(module, "backward_varlen"):
-        raise ValueError(f"variant {variant!r} has no variable-length backward; these do: "
-                         f"{', '.join(n for n in REGISTRY if hasattr(get(n), 'backward_varlen'))}")
-    return module.backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                  max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                  **options)
-
-
-def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=None, **options):
-    """Attention backward with the named variant: (dq, dk, dv) like (q, k, v), from the forward's
-    inputs and outputs (o, lse) and dO (like o). options: the variant's backward knobs."""
-    module = get(variant)
-    if not hasattr(module, "backward"):
-        raise ValueError(f"variant {variant!r} has no backward pass; these do: "
-                         f"{', '.join(n for n in REGISTRY if hasattr(get(n), 'backward'))}")
-    return module.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
-                           **options)

@@ -18,13 +18,13 @@ from functools import lru_cache
 def _function_class():
     import torch
 
-    import variants
+    from variants import registry
 
     class FlashAttentionFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, variant, causal, softmax_scale, mask, forward_options,
                     backward_options):
-            o, lse = variants.get(variant).forward(q, k, v, causal=causal,
+            o, lse = registry.get(variant).forward(q, k, v, causal=causal,
                                                    softmax_scale=softmax_scale, **dict(mask),
                                                    **dict(forward_options))
             ctx.save_for_backward(q, k, v, o, lse)
@@ -35,7 +35,7 @@ def _function_class():
         def backward(ctx, do):
             q, k, v, o, lse = ctx.saved_tensors
             variant, causal, softmax_scale, options = ctx.settings
-            dq, dk, dv = variants.backward(do.contiguous(), q, k, v, o, lse, variant=variant,
+            dq, dk, dv = registry.backward(do.contiguous(), q, k, v, o, lse, variant=variant,
                                            causal=causal, softmax_scale=softmax_scale, **options)
             return dq, dk, dv, None, None, None, None, None, None
 
@@ -45,7 +45,7 @@ def _function_class():
         @staticmethod
         def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, variant, causal, softmax_scale, mask,
                     forward_options, backward_options):
-            o, lse = variants.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, variant=variant,
+            o, lse = registry.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, variant=variant,
                                              causal=causal, softmax_scale=softmax_scale,
                                              **dict(mask), **dict(forward_options))
             ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
@@ -57,7 +57,7 @@ def _function_class():
         def backward(ctx, do):
             q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
             variant, max_q, max_k, causal, softmax_scale, options = ctx.settings
-            dq, dk, dv = variants.backward_varlen(do.contiguous(), q, k, v, o, lse, cu_q, cu_k,
+            dq, dk, dv = registry.backward_varlen(do.contiguous(), q, k, v, o, lse, cu_q, cu_k,
                                                   max_q, max_k, variant=variant, causal=causal,
                                                   softmax_scale=softmax_scale, **options)
             return (dq, dk, dv) + (None,) * 10
@@ -108,7 +108,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
               softcap=0.0, align="bottom_right", forward_options=None, backward_options=None):
     """O = softmax(softmax_scale Q K^T) V with the named variant, differentiable in q, k, v; the
-    mask (causal, window_size, softcap, align) as flash_attn_func's (common/masks.py)."""
+    mask (causal, window_size, softcap, align) as flash_attn_func's (common/tile/masks.py)."""
     _check_torch(q, "attention")
     if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
         from variants import torch_ops

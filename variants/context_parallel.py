@@ -389,16 +389,16 @@ def _check_parts(q, k, v, world, causal, layout):
 def kernels(variant="fa2", softmax_scale=None, softcap=0.0, forward_options=None,
             backward_options=None):
     """(local_forward, local_backward) of a registered variant, as the ring loops call them."""
-    import variants
+    from variants import registry
     fwd_opts, bwd_opts = dict(forward_options or {}), dict(backward_options or {})
     mask = {"softcap": softcap} if softcap else {}
 
     def local_forward(q, k, v, causal):
-        return variants.forward(q, k, v, variant=variant, causal=causal,
+        return registry.forward(q, k, v, variant=variant, causal=causal,
                                 softmax_scale=softmax_scale, **mask, **fwd_opts)
 
     def local_backward(do, q, k, v, o, lse, causal):
-        return variants.backward(do, q, k, v, o, lse.contiguous(), variant=variant, causal=causal,
+        return registry.backward(do, q, k, v, o, lse.contiguous(), variant=variant, causal=causal,
                                  softmax_scale=softmax_scale, **mask, **bwd_opts)
 
     return local_forward, local_backward

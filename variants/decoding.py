@@ -35,10 +35,13 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, kvcache, ptx, sm90, softmax, splitk, target, tiles
-from common.elements import BFLOAT16, Element
-from common.smem import SharedLayout
-from common.target import device_function, kernel, launch
+from common.hardware import ptx, sm90, target
+from common.hardware.elements import BFLOAT16, Element
+from common.hardware.target import device_function, kernel
+from common.host import arrays, configs, kvcache
+from common.host.launching import launch
+from common.tile import softmax, splitk, tiles
+from common.tile.smem import SharedLayout
 
 # every multiple of 8 from 32 to 128 (tiles of tiles.tile_columns(d) columns, zero past d); past 128 a
 # warp's O accumulator for its 16 rows would not fit: at d=256 the split kernel takes 255 registers and
@@ -54,7 +57,7 @@ MERGES = ("block", "combine")    # where a split block's warps are merged: in th
 class Config:
     """Compile-time shape of the split kernel."""
     head_dim: int
-    element: Element       # the 16-bit type of q, the caches and the output (common/elements.py)
+    element: Element       # the 16-bit type of q, the caches and the output (common/hardware/elements.py)
     kv_group: int          # G: query heads per K/V head, packed into the tile's rows
     m_tiles: int           # m16 tiles of query rows: ceil(G * N_q / 16)
     causal: bool           # token i of N_q sees the keys up to its own position (bottom-right)
@@ -272,11 +275,11 @@ if target.SIMULATOR:   # the simulator has one coherent memory and no ld.global.
 else:
     # numba's cuda.ldcg is an @overload (compiled as a device function, which asks for a current
     # device: no compile_ptx without a GPU) and emits its asm without side effects, which LLVM may
-    # move across the fence before it; this one is volatile, as common/_inline_asm.py's loads are.
+    # move across the fence before it; this one is volatile, as common/hardware/_inline_asm.py's loads are.
     from numba.core import cgutils
     from numba.cuda.extending import intrinsic
 
-    from common._inline_asm import _asm, _f32, _global_address
+    from common.hardware._inline_asm import _asm, _f32, _global_address
 
     @intrinsic
     def load_through_l2(typingctx, a, at):
@@ -949,7 +952,7 @@ def pdl_by_default():
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
            softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None, **options):
-    """Attention of q's N_q new tokens against each sequence's cache (common/kvcache.py has the
+    """Attention of q's N_q new tokens against each sequence's cache (common/host/kvcache.py has the
     shapes, as flash_attn_with_kvcache). k, v: appended to the cache first. causal: token i sees
     the keys up to its own position (the last N_q keys are the new tokens'). num_splits: 0 picks
     by `num_splits_heuristic`; split_kv=False runs one thread block a (sequence, K/V head) over

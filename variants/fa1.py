@@ -17,7 +17,7 @@ conf/experiment/ladder.yaml, docs/performance.md).
 On the hardware, as in FA1's CUDA kernels: one thread block per (batch, head); K_j and V_j stay in
 shared memory while the Q_i stream past them (Q_{i+1}'s copy overlaps step i); the warps split the
 keys of K_j (split-K), so each row's max, sum and P~ V are combined through shared memory
-(common/splitk.py); O_i (fp32), l_i and m_i make a round trip through HBM on every inner step.
+(common/tile/splitk.py); O_i (fp32), l_i and m_i make a round trip through HBM on every inner step.
 
 The switches, each a rung of the ladder in the order of the FA2 paper:
   outer_loop="q"         FA2 Sec. 3.2: the loops swapped; query blocks are the grid (a thread block
@@ -41,16 +41,26 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32, uint16
+from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, masks, pipeline, softmax, splitk, target, tiles
-from common import backward as bwd
-from common.elements import BFLOAT16, FLOAT16, Element
-from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare, \
-    prepare_varlen
-from common.replay import replayed
-from common.smem import SharedLayout
-from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
+from common.hardware import target
+from common.hardware.elements import BFLOAT16, FLOAT16, Element
+from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel
+from common.host import arrays, configs
+from common.host.launching import launch
+from common.host.problem import (
+    LSE_TYPE,
+    MASK_TYPES,
+    OUT_TYPE,
+    QKV_TYPE,
+    SEQS_TYPE,
+    prepare,
+    prepare_varlen,
+)
+from common.host.replay import replayed
+from common.tile import masks, pipeline, softmax, splitk, tiles
+from common.tile.smem import SharedLayout
+from variants import backward_shared as bwd
 
 HEAD_DIMS = tiles.HEAD_DIMS
 RESIDENT = 2    # fa1 thread blocks an SM holds at the defaults (~107 KB of shared memory, 255 registers)
@@ -60,8 +70,8 @@ RESIDENT = 2    # fa1 thread blocks an SM holds at the defaults (~107 KB of shar
 class Config:
     """Compile-time shape of the kernel. block_m = B_r, block_n = B_c of the paper."""
     head_dim: int
-    element: Element             # the 16-bit type of the inputs and the output (common/elements.py)
-    causal: bool                 # a band mask (causal and/or sliding window, common/masks.py)
+    element: Element             # the 16-bit type of the inputs and the output (common/hardware/elements.py)
+    causal: bool                 # a band mask (causal and/or sliding window, common/tile/masks.py)
     window: bool = False         # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False        # scores soft-capped (Gemma 2)
     block_m: int = 16            # B_r: query rows a step (DEFAULTS)

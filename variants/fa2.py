@@ -26,15 +26,25 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32, uint16
+from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, configs, masks, pipeline, ptx, softmax, tiles
-from common.elements import BFLOAT16, FLOAT16, Element
-from common.problem import (LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE, prepare,
-                            prepare_varlen)
-from common.replay import replayed
-from common.smem import SharedLayout
-from common.target import MAX_SHARED_BYTES, device_function, kernel_with_launch_bounds, launch
+from common.hardware import ptx
+from common.hardware.elements import BFLOAT16, FLOAT16, Element
+from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_with_launch_bounds
+from common.host import arrays, configs
+from common.host.launching import launch
+from common.host.problem import (
+    LSE_TYPE,
+    MASK_TYPES,
+    OUT_TYPE,
+    QKV_TYPE,
+    SEQS_TYPE,
+    prepare,
+    prepare_varlen,
+)
+from common.host.replay import replayed
+from common.tile import masks, pipeline, softmax, tiles
+from common.tile.smem import SharedLayout
 from variants import fa2_backward
 
 HEAD_DIMS = tiles.HEAD_DIMS
@@ -49,8 +59,8 @@ BACKWARD_OPTIONS, default_backward_config = (fa2_backward.BACKWARD_OPTIONS,
 class Config:
     """Compile-time shape of the kernel. block_m = B_r, block_n = B_c of the paper."""
     head_dim: int
-    element: Element        # the 16-bit type of the inputs and the output (common/elements.py)
-    causal: bool            # a band mask (causal and/or sliding window, common/masks.py)
+    element: Element        # the 16-bit type of the inputs and the output (common/hardware/elements.py)
+    causal: bool            # a band mask (causal and/or sliding window, common/tile/masks.py)
     window: bool = False    # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False   # scores soft-capped (Gemma 2)
     block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
@@ -129,7 +139,7 @@ OPTIONS = configs.options_of(Config)
 # be 2 * d / 2 registers a thread, a warp owns one m16 tile and B_r = 128 takes 8 warps (FA2's
 # tiles at d = 160-256), with launch bounds of one such block an SM (min_blocks_per_sm=1: without
 # them ptxas held the d=192 kernel to 173 registers and left each ldmatrix right before its mma;
-# common/target.kernel_with_launch_bounds). Tiles of other than 64, 128, 256 columns take padded rows
+# common/hardware/target.py: kernel_with_launch_bounds). Tiles of other than 64, 128, 256 columns take padded rows
 # (tiles.swizzle_fits); a head_dim that is not a multiple of 16 takes the tile of the next one
 # (tiles.tile_columns: d=40 runs in 48 columns, 56 in 64, swizzled).
 DEFAULTS = {64: dict(block_m=128, block_n=64, kv_stages=2),
@@ -328,7 +338,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
             align=masks.BOTTOM_RIGHT, out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or
     bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and lse (B, H, N_q) fp32.
-    causal, window_size, softcap, align: the mask, as flash_attn_func (common/masks.py).
+    causal, window_size, softcap, align: the mask, as flash_attn_func (common/tile/masks.py).
     options: see Config and OPTIONS."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,

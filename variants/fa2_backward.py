@@ -9,20 +9,23 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import backward as bwd
-from common import arrays, configs, masks, pipeline, ptx, softmax, tiles
-from common.elements import BFLOAT16, Element
-from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
-from common.replay import replayed
-from common.smem import SharedLayout
-from common.target import MAX_SHARED_BYTES, device_function, kernel, launch
+from common.hardware import ptx
+from common.hardware.elements import BFLOAT16, Element
+from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel
+from common.host import arrays, configs
+from common.host.launching import launch
+from common.host.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
+from common.host.replay import replayed
+from common.tile import masks, pipeline, softmax, tiles
+from common.tile.smem import SharedLayout
+from variants import backward_shared as bwd
 
 HEAD_DIMS = tiles.HEAD_DIMS
 
 # FA2 Algorithm 2: given Q, K, V, O, L and dO, return dQ, dK, dV without ever storing an N x N
 # matrix; P is recomputed from Q, K and L (recomputation, FlashAttention's fourth technique).
 #
-#   l.4   D = rowsum(dO o O)                                   (common/backward.py: preprocess)
+#   l.4   D = rowsum(dO o O)                                   (variants/backward_shared.py: preprocess)
 #   l.5   for 1 <= j <= T_c  (the grid: one thread block per K/V block j, batch, K/V head)
 #   l.6     load K_j, V_j to SRAM;  l.7  dK_j = 0, dV_j = 0 on chip
 #   l.8     for 1 <= i <= T_r  (causal or a window: only blocks i whose band reaches block j)
@@ -62,8 +65,8 @@ class BackwardConfig:
     """Compile-time shape of the backward kernels. block_n = B_c (keys a thread block owns),
     block_m = B_r (queries per inner step)."""
     head_dim: int
-    element: Element           # the 16-bit type of the inputs and gradients (common/elements.py)
-    causal: bool               # a band mask (causal and/or sliding window, common/masks.py)
+    element: Element           # the 16-bit type of the inputs and gradients (common/hardware/elements.py)
+    causal: bool               # a band mask (causal and/or sliding window, common/tile/masks.py)
     window: bool = False       # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False      # scores soft-capped (Gemma 2): dS times 1 - tanh^2
     block_m: int = 64          # B_r
@@ -743,7 +746,7 @@ def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_funct
 
 def run_backward(g, cfg):
     """Launch Algorithm 2 (or, with cfg.kv_blocks="sequential", FA1's schedule of it) for the
-    checked problem `g` (common.backward.prepare_backward)."""
+    checked problem `g` (variants.backward_shared.prepare_backward)."""
     prob = g.prob
     atomic = cfg.dq == "atomic"
     bwd.preprocess(g, zero_dq=atomic, dq_layout=cfg.dq_layout())                # l.4

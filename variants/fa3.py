@@ -40,7 +40,7 @@ Scheduling (FA3 section 3.1-3.2), each a switch:
 FP8 (FA3 section 3.3; e4m3 q, k, v with descale factors, `forward(..., q_descale=...)`): the same
 kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 in registers
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
-(`common/fp8.py: v_k_major`) or by the producer (below). The descales fold into the softmax scale
+(`variants/fp8.py: v_k_major`) or by the producer (below). The descales fold into the softmax scale
 (Q: one a warpgroup; K: one a head, or one a key block, folded into the online softmax's max and
 exponent scale), V's into O's final 1/l; P~ is computed as 2^P_LOG2_SHIFT P so that it stays clear
 of e4m3's underflow, a factor l takes out again. B_c is a multiple of 32 (k32 steps) from 128 to 256: V_j^T's room is whole
@@ -56,7 +56,7 @@ share its K and V in L2 (`Config.work_items`).
 issue 16-byte cp.async copies to the swizzled addresses it computes and signal a stage's full
 mbarrier with cp.async.mbarrier.arrive, the consumers fencing the generic-proxy writes for wgmma
 (0.81-0.91x TMA on an H200: the copies' address arithmetic takes the consumers' issue slots).
-Masks: any band lo <= key - query <= hi (common/masks.py: causal bottom-right or top-left, sliding
+Masks: any band lo <= key - query <= hi (common/tile/masks.py: causal bottom-right or top-left, sliding
 windows): a tile visits the K/V blocks of its rows' band, masks those on its edges, and a tile
 that sees no key (bottom-right, N_q > N_k) runs no step: O = 0, LSE = -inf. softcap (Gemma 2,
 16-bit inputs): S <- cap tanh(S / cap) before the mask; its backward is FA2's.
@@ -90,12 +90,23 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32, uint64
 
-from common import (arrays, configs, fp8, masks, pipeline, ptx, replay, sm90, softmax, target,
-                    tensormaps, tiles)
-from common.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
-from common.problem import (FP8_DTYPES, HALF_DTYPES, LSE_TYPE, OUT_TYPE, QKV_TYPE, SEQS_TYPE,
-                            prepare, prepare_varlen)
-from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
+from common.hardware import ptx, sm90, target
+from common.hardware.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
+from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm
+from common.host import arrays, configs, replay, tensormaps
+from common.host.launching import launch
+from common.host.problem import (
+    FP8_DTYPES,
+    HALF_DTYPES,
+    LSE_TYPE,
+    OUT_TYPE,
+    QKV_TYPE,
+    SEQS_TYPE,
+    prepare,
+    prepare_varlen,
+)
+from common.tile import masks, pipeline, softmax, tiles
+from variants import fp8
 
 HEAD_DIMS = tiles.HEAD_DIMS     # multiples of 8 from 32 to 256, in tiles of whole 64-column panels
 PRODUCERS = ("tma", "cp_async")
@@ -579,7 +590,7 @@ def build(cfg):
     @device_function
     def mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane):
         """-inf where block j's keys run past n_k or (causal, a window) out of a row's band
-        lo <= key - query <= hi (common/masks.py)."""
+        lo <= key - query <= hi (common/tile/masks.py)."""
         col0 = j * BC
         if masks.block_is_partial(wg_row0, WG_ROWS, col0, BC, n_k, CAUSAL, lo, hi, WINDOW):
             tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lo, hi, lane, WINDOW)
@@ -779,7 +790,7 @@ def build(cfg):
     @device_function
     def steps(row0, n_q, n_k, lo, hi):
         """(j0, T_c) of a tile: its first K/V block and how many it visits (causal, a window:
-        those holding a key of its rows' band, common/masks.py; T_c = 0: its rows see no key)."""
+        those holding a key of its rows' band, common/tile/masks.py; T_c = 0: its rows see no key)."""
         if CAUSAL:
             j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
             return j0, max(int32(j1 - j0), int32(0))
@@ -1293,14 +1304,14 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
             scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16", **options):
     """FA3 forward (Hopper: sm_90a). q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's
     layout, on the GPU (CuPy, Numba or torch), fp16 or bf16 — or e4m3 (torch float8_e4m3fn, or
-    uint8 bits) with float32 descales (`common.fp8.quantize_fp8` makes both): q_descale
+    uint8 bits) with float32 descales (`variants.fp8.quantize_fp8` makes both): q_descale
     (B, H, nb_q), k_descale and v_descale (B, H_kv, nb), x ~= descale[b, h, row // scale_block] x8,
     nb = 1 for one scale a head (V: always one a head); the output is then `out_dtype`. FP8's V may
     come K-major, as the P V wgmma reads it (`fp8.KMajorV`, from `fp8.v_k_major` or
     `fp8.quantize_fp8(v, block=None, k_major=True)`; FA3's V_colmajor): the call then runs no
     pre-pass. Returns
     (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
-    OPTIONS. Masks (common/masks.py, flash_attn's conventions): causal (bottom-right, or
+    OPTIONS. Masks (common/tile/masks.py, flash_attn's conventions): causal (bottom-right, or
     align="top_left"), sliding windows, softcap (16-bit inputs)."""
     descales = (q_descale, k_descale, v_descale)
     fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
@@ -1413,7 +1424,7 @@ def _fp8_scales(prob, descales, block):
     cover; or the error that names what is wrong with them."""
     if any(x is None for x in descales):
         raise ValueError("e4m3 (FP8) q, k, v need their descale factors: q_descale, k_descale, "
-                         "v_descale (common.fp8.quantize_fp8 returns each tensor's)")
+                         "v_descale (variants.fp8.quantize_fp8 returns each tensor's)")
     if int(block) != block or block < 1:
         raise ValueError(f"scale_block must be a positive number of rows, got {block!r}")
     views, counts = [], []

@@ -31,7 +31,7 @@ The producer warp loads K_j, V_j once, then for each step waits for a free stage
 dO_i by TMA and copies L_i log2(e) and D_i (rows past N_q: +inf and 0, so P = 0 there) into the
 stage with its 32 lanes; the stage's "full" mbarrier completes on the bytes and the 32 arrivals.
 
-Masks: fa3's forward's, any band lo <= key - query <= hi (common/masks.py: causal bottom-right
+Masks: fa3's forward's, any band lo <= key - query <= hi (common/tile/masks.py: causal bottom-right
 or top-left, sliding windows; the query blocks outside a K/V block's band are skipped, those on its
 edges masked; a K/V block that no query sees writes dK_j = dV_j = 0), ragged N_q and N_k (TMA
 fills zeros past the ends; rows past N_k are not stored). GQA: the block loops over its K/V head's query heads, accumulating dK_j, dV_j.
@@ -53,11 +53,14 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import backward as bwd
-from common import configs, masks, pipeline, ptx, replay, sm90, softmax, tensormaps, tiles
-from common.elements import BFLOAT16, Element
-from common.problem import LSE_TYPE, OUT_TYPE
-from common.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm, launch
+from common.hardware import ptx, sm90
+from common.hardware.elements import BFLOAT16, Element
+from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm
+from common.host import configs, replay, tensormaps
+from common.host.launching import launch
+from common.host.problem import LSE_TYPE, OUT_TYPE
+from common.tile import masks, pipeline, softmax, tiles
+from variants import backward_shared as bwd
 
 HEAD_DIMS = tuple(d for d in tiles.HEAD_DIMS if d <= 128)   # multiples of 8 from 32 to 128
 WG_KEYS = 64            # keys of one consumer warpgroup: the M of wgmma.m64nNk16
@@ -137,7 +140,7 @@ class BackwardConfig:
     def dq_layout(self):
         """dQ's accumulator as the warps stage it: a query block's B_r x d floats contiguous, warp
         (row tile 4 r + v, column tile c) = warp v of the warpgroup in row group r, column group
-        c, holding rows 16 (4 r + v).. and columns c d / (W / B_r * 64).. (common/backward.py:
+        c, holding rows 16 (4 r + v).. and columns c d / (W / B_r * 64).. (variants/backward_shared.py:
         DqLayout)."""
         return bwd.DqLayout(rows=self.block_m, cols=self.tile_dim,
                             threads=WG_THREADS * self.consumers,

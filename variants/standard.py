@@ -32,12 +32,15 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int32, types, uint16, uint32
 
-from common import arrays, masks, ptx, softmax, tiles
-from common import backward as bwd
-from common.elements import BFLOAT16, FLOAT16, Element
-from common.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare, prepare_varlen
-from common.replay import replayed
-from common.target import device_function, kernel, launch
+from common.hardware import ptx
+from common.hardware.elements import BFLOAT16, FLOAT16, Element
+from common.hardware.target import device_function, kernel
+from common.host import arrays
+from common.host.launching import launch
+from common.host.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, prepare, prepare_varlen
+from common.host.replay import replayed
+from common.tile import masks, softmax, tiles
+from variants import backward_shared as bwd
 
 HEAD_DIMS = tiles.HEAD_DIMS
 TILE = 64          # rows and columns of every block tile
@@ -58,7 +61,7 @@ def workspace_bytes(batch, heads, n_q, n_k):
 @dataclass(frozen=True)
 class Config:
     head_dim: int
-    element: Element     # the 16-bit type of the inputs and the output (common/elements.py)
+    element: Element     # the 16-bit type of the inputs and the output (common/hardware/elements.py)
 
 
 def head_dim_tile(head_dim):
@@ -105,7 +108,7 @@ def build_scores(cfg):
 
 @device_function
 def visible_columns(row, n_k, banded, lo, hi):
-    """[start, end): the keys row `row` sees (common/masks.py)."""
+    """[start, end): the keys row `row` sees (common/tile/masks.py)."""
     if banded:
         return max(int32(row + lo), int32(0)), min(int32(row + hi + 1), n_k)
     return int32(0), n_k
@@ -120,7 +123,7 @@ def capped(x, cap, softcap):
 @lru_cache(maxsize=None)
 def build_softmax(banded, softcap, element):
     """Alg.0 l.2: P = softmax(S) row by row (one warp a row), and LSE = log rowsum exp(S); S masked
-    outside the band (banded) and soft-capped (softcap), as common/masks.py says."""
+    outside the band (banded) and soft-capped (softcap), as common/tile/masks.py says."""
     BANDED, SOFTCAP, ELEM = banded, softcap, element.code
 
     @kernel
@@ -344,7 +347,7 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 
 def _backward(g, scratch=None):
-    """Algorithm 3's kernels for the checked problem `g` (common.backward.prepare_backward); the
+    """Algorithm 3's kernels for the checked problem `g` (variants.backward_shared.prepare_backward); the
     work arrays in `scratch` when given (_scratch_for_sequences)."""
     prob = g.prob
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
@@ -496,7 +499,7 @@ def kernels_for(prob):
 
 
 def _forward(prob, scratch=None):
-    """Algorithm 0's three kernels for the checked problem `prob` (common.problem.prepare); the
+    """Algorithm 0's three kernels for the checked problem `prob` (common.host.problem.prepare); the
     work arrays in `scratch` when given (_scratch_for_sequences)."""
     b, h, n_q, n_k = prob.batch, prob.heads, prob.n_q, prob.n_k
     if b * h > 65535:

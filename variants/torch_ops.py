@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-import variants
+from variants import registry
 
 Tensor = torch.Tensor
 
@@ -51,7 +51,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, variant: str, causal: bool,
             softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
             align: str, forward_options: str, backward_options: str) -> tuple[Tensor, Tensor]:
     """(o, lse) of variants.forward; backward_options ride along for the derivative."""
-    return variants.get(variant).forward(
+    return registry.get(variant).forward(
         q, k, v, causal=causal, softmax_scale=softmax_scale,
         **_mask(window_left, window_right, softcap, align),
         **dict(_decode_options(forward_options)))
@@ -71,7 +71,7 @@ def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor
              causal: bool, softmax_scale: Optional[float], window_left: int, window_right: int,
              softcap: float, align: str, backward_options: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of variants.backward."""
-    return variants.backward(do.contiguous(), q, k, v, o, lse, variant=variant, causal=causal,
+    return registry.backward(do.contiguous(), q, k, v, o, lse, variant=variant, causal=causal,
                              softmax_scale=softmax_scale,
                              **_mask(window_left, window_right, softcap, align),
                              **dict(_decode_options(backward_options)))
@@ -107,7 +107,7 @@ def forward_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
                    softcap: float, align: str, forward_options: str,
                    backward_options: str) -> tuple[Tensor, Tensor]:
     """(o, lse) of variants.forward_varlen."""
-    return variants.forward_varlen(
+    return registry.forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant=variant,
         causal=causal, softmax_scale=softmax_scale,
         **_mask(window_left, window_right, softcap, align),
@@ -130,7 +130,7 @@ def backward_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse:
                     softcap: float, align: str,
                     backward_options: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of variants.backward_varlen."""
-    return variants.backward_varlen(
+    return registry.backward_varlen(
         do.contiguous(), q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         variant=variant, causal=causal, softmax_scale=softmax_scale,
         **_mask(window_left, window_right, softcap, align),

@@ -13,9 +13,10 @@ common.select_backend()
 import torch  # noqa: E402
 
 import variants  # noqa: E402
-from common import target  # noqa: E402
+from common.hardware import target  # noqa: E402
+from common.host import launching  # noqa: E402
 from experiments.host_overhead import per_call_us, small_problem  # noqa: E402
-from common import backward as cbwd  # noqa: E402
+from variants import backward_shared as cbwd  # noqa: E402
 from variants import fa2_backward  # noqa: E402
 
 
@@ -61,7 +62,8 @@ with torch.autograd.set_multithreading_enabled(False):
     rows.append(("identity Function single-thread", per_call_us(ident)))
 sd = lambda: torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
     *(x.transpose(1, 2) for x in leaves)), leaves, do.transpose(1, 2))
-from torch.nn.attention import sdpa_kernel, SDPBackend  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
     rows.append(("sdpa_flash autograd MT", per_call_us(sd)))
 
@@ -86,7 +88,7 @@ orig_backward = variants.backward
 
 
 def backward_probe(*a, **kw):
-    entry_ctx[(threading.get_ident(), getattr(target._thread, "has_context", False))] += 1
+    entry_ctx[(threading.get_ident(), getattr(launching._thread, "has_context", False))] += 1
     return orig_backward(*a, **kw)
 
 
@@ -99,8 +101,9 @@ cbwd.preprocess = timed("preprocess", cbwd.preprocess)
 cbwd.convert_dq = timed("convert_dq", cbwd.convert_dq)
 for mod in (fa2_backward, cbwd):
     mod.launch = timed("launch", mod.launch)
-target._Launcher._buffer = timed("_Launcher._buffer", target._Launcher._buffer)
+launching._Launcher._buffer = timed("_Launcher._buffer", launching._Launcher._buffer)
 from numba import cuda  # noqa: E402
+
 cuda.current_context = timed("cuda.current_context", cuda.current_context)
 orig_fwd = m.forward
 m.forward = timed("fa2.forward", orig_fwd)
@@ -169,6 +172,7 @@ for s, n in samples.most_common(25):
 # cProfile of the single-thread autograd path --------------------------------------------
 import cProfile  # noqa: E402
 import pstats  # noqa: E402
+
 variants.backward, m.forward = orig_backward, orig_fwd
 with torch.autograd.set_multithreading_enabled(False):
     pr = cProfile.Profile()

@@ -12,11 +12,10 @@ common.select_backend()
 import torch  # noqa: E402
 
 import variants  # noqa: E402
-from common import target  # noqa: E402
+from common.hardware import target  # noqa: E402
+from experiments import gpt_step  # noqa: E402
 from experiments.host_overhead import per_call_us, small_problem  # noqa: E402
 from variants import torch_ops  # noqa: E402
-from experiments import gpt_step  # noqa: E402
-
 
 q, k, v, do = small_problem()
 m = variants.get("fa2")

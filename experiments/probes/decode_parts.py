@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import variants  # noqa: E402
-from common import timing  # noqa: E402
+from experiments.measure import timing  # noqa: E402
 
 H, HKV = (int(x) for x in os.environ.get("DECODE_HEADS", "32,8").split(","))   # query, K/V heads
 D, PS = 128, 256

@@ -34,7 +34,7 @@ def build_merge(''', '''if target.SIMULATOR:
         return int32(0)
 else:
     from numba.cuda.extending import intrinsic as _intr
-    from common._inline_asm import _asm as _asm2, _i32 as _i32b
+    from common.hardware._inline_asm import _asm as _asm2, _i32 as _i32b
 
     @_intr
     def gtimer(typingctx):

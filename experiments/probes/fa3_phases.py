@@ -74,7 +74,7 @@ if target.SIMULATOR:
         return uint32(_time.perf_counter_ns() & 0xFFFFFFFF)
 else:
     from numba.cuda.extending import intrinsic as _intr
-    from common._inline_asm import _asm as _asm2, _i32 as _i32b
+    from common.hardware._inline_asm import _asm as _asm2, _i32 as _i32b
 
     @_intr
     def probe_clock(typingctx):
@@ -217,7 +217,9 @@ def records(lse):
 
 
 def main(n, causal, dtype, options):
-    from common import fp8, inputs, target
+    from common.hardware import target
+    from experiments.measure import inputs
+    from variants import fp8
     if n % 128:   # a warp records at its block's last tile, from 16 whole LSE rows of it
         raise SystemExit(f"seqlen {n}: the probe takes a multiple of 128 (B_r), so that every "
                          "warp's last tile holds its record")

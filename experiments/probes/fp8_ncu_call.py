@@ -19,7 +19,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import variants  # noqa: E402
-from common import fp8, inputs  # noqa: E402
+from experiments.measure import inputs  # noqa: E402
+from variants import fp8
 
 n, causal = int(sys.argv[1]), sys.argv[2] == "1"
 options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}

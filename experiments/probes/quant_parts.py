@@ -11,12 +11,14 @@ sys.path.insert(0, os.getcwd())
 import common  # noqa: E402
 
 common.select_backend()
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-from common import arrays, elements, fp8, inputs, timing  # noqa: E402
-from common.problem import _BSHD_TO_BHSD  # noqa: E402
+from common.hardware import elements
+from common.host import arrays
+from common.host.problem import _BSHD_TO_BHSD  # noqa: E402
+from experiments.measure import inputs, timing  # noqa: E402
+from variants import fp8
 
 REPS = 10
 b, n, h, d = 4, 4096, 16, 128

@@ -1,4 +1,4 @@
-"""Which of a call's tensors outlive it with the collector off (common/replay.py: the first call of
+"""Which of a call's tensors outlive it with the collector off (common/host/replay.py: the first call of
 a geometry takes the checked path, the second is recorded, the third replayed).
 
     python experiments/probes/replay_refs.py        (GPU host, torch)
@@ -13,7 +13,7 @@ call of the process only (fa2 forward, 2 calls: q, k, v, o, lse); every other ca
 (Each case starts with a collection, which freed them.) The cause, found on the CPU with torch
 2.13 and a fake launcher: the first dispatch mode of a process imports torch._dynamo, and the
 import leaves reference cycles through frames whose callers hold the call's tensors. Since then
-common/replay.py uses its mode once on a thread of its own first (_first_use_apart).
+common/host/replay.py uses its mode once on a thread of its own first (_first_use_apart).
 """
 import gc
 import sys
@@ -56,7 +56,9 @@ def main():
     import torch
 
     import variants
-    from common import backward, inputs, problem, replay
+    from common.host import problem, replay
+    from experiments.measure import inputs
+    from variants import backward_shared as backward
     rng = np.random.default_rng(0)
     names = ["q", "k", "v", "o", "lse", "dq", "dk", "dv"]
     for variant in ("fa2", "fa3"):

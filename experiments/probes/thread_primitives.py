@@ -12,9 +12,10 @@ common.select_backend()
 import torch  # noqa: E402
 
 import variants  # noqa: E402
-from common import target  # noqa: E402
+from common.hardware import target  # noqa: E402
+from common.host import launching  # noqa: E402
 from experiments.host_overhead import small_problem  # noqa: E402
-from common import backward as cbwd  # noqa: E402
+from variants import backward_shared as cbwd  # noqa: E402
 
 
 def per_call_us(fn, calls=300, sync=True):
@@ -33,7 +34,7 @@ def per_call_us(fn, calls=300, sync=True):
 def on_thread(fn, **kw):
     res = {}
     def body():
-        target.launch(*pre)   # makes the context current on this thread
+        launching.launch(*pre)   # makes the context current on this thread
         res["us"] = per_call_us(fn, **kw)
     t = threading.Thread(target=body)
     t.start()
@@ -59,7 +60,7 @@ cbwd.launch = capture
 m.backward(do, q, k, v, o, lse)
 cbwd.launch = orig_launch
 pre = captured[0]
-launcher = [v_ for key, v_ in target._compiled.items() if key[0] == id(pre[0])][0]
+launcher = [v_ for key, v_ in launching._compiled.items() if key[0] == id(pre[0])][0]
 from cuda.bindings import driver as cu  # noqa: E402
 
 
@@ -74,7 +75,7 @@ prims = {
     "pure python (300 dict ops)": (pure, False),
     "torch.empty (1,128,64,64) f32": (lambda: torch.empty((1, 128, 64, 64), device="cuda"), True),
     "cuCtxGetCurrent": (lambda: cu.cuCtxGetCurrent(), False),
-    "target.launch(preprocess)": (lambda: target.launch(*pre), True),
+    "launching.launch(preprocess)": (lambda: launching.launch(*pre), True),
     "_Launcher.__call__": (lambda: launcher(pre[1], pre[2], pre[3], pre[4], pre[5:]), True),
     "time.sleep(0)": (lambda: time.sleep(0), False),
 }
@@ -101,12 +102,13 @@ def make(body):
 bodies = {
     "identity (return g,g,g)": lambda: None,
     "+ torch.empty": lambda: torch.empty((1, 128, 64, 64), device="cuda"),
-    "+ 1 launch": lambda: target.launch(*pre),
-    "+ 3 launches": lambda: (target.launch(*pre), target.launch(*pre), target.launch(*pre)),
+    "+ 1 launch": lambda: launching.launch(*pre),
+    "+ 3 launches": lambda: (launching.launch(*pre), launching.launch(*pre), launching.launch(*pre)),
     "+ pure python": pure,
     "+ fa2 backward": lambda: m.backward(do, q, k, v, o, lse),
 }
-from torch.nn.attention import sdpa_kernel, SDPBackend  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
 sd = lambda: torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
     *(x.transpose(1, 2) for x in leaves)), leaves, do.transpose(1, 2))
 print(f"{'autograd.Function backward':34s} {'MT':>8s} {'1 thread':>8s}")

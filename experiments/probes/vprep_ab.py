@@ -1,8 +1,8 @@
-"""(Probe: `docs/results/fp8_vprep_loads_h100.txt`.) V's K-major pre-pass of an older common/fp8.py
+"""(Probe: `docs/results/fp8_vprep_loads_h100.txt`.) V's K-major pre-pass of an older variants/fp8.py
 against the working tree's: bits compared, each timed as a CUDA graph of 20 launches (no host time
 in the figure) in interleaved rounds, the median per launch.
 
-    git show REV:common/fp8.py > /tmp/fp8_old.py
+    git show REV:variants/fp8.py > /tmp/fp8_old.py
     FA_KERNEL_CACHE= python experiments/probes/vprep_ab.py /tmp/fp8_old.py
 
 (the kernel cache off, so that the two modules' kernels are compiled each from its own source).
@@ -18,7 +18,8 @@ import common  # noqa: E402
 common.select_backend()
 import torch  # noqa: E402
 
-from common import fp8, timing  # noqa: E402
+from experiments.measure import timing  # noqa: E402
+from variants import fp8
 
 spec = importlib.util.spec_from_file_location("fp8_old", sys.argv[1])
 old = importlib.util.module_from_spec(spec)
