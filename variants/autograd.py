@@ -29,10 +29,11 @@ def _function_class():
                                                    **dict(forward_options))
             ctx.save_for_backward(q, k, v, o, lse)
             ctx.settings = (variant, causal, softmax_scale, dict(mask, **dict(backward_options)))
-            return o
+            ctx.mark_non_differentiable(lse)
+            return o, lse
 
         @staticmethod
-        def backward(ctx, do):
+        def backward(ctx, do, _dlse):
             q, k, v, o, lse = ctx.saved_tensors
             variant, causal, softmax_scale, options = ctx.settings
             dq, dk, dv = registry.backward(do.contiguous(), q, k, v, o, lse, variant=variant,
@@ -51,10 +52,11 @@ def _function_class():
             ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
             ctx.settings = (variant, max_q, max_k, causal, softmax_scale,
                             dict(mask, **dict(backward_options)))
-            return o
+            ctx.mark_non_differentiable(lse)
+            return o, lse
 
         @staticmethod
-        def backward(ctx, do):
+        def backward(ctx, do, _dlse):
             q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
             variant, max_q, max_k, causal, softmax_scale, options = ctx.settings
             dq, dk, dv = registry.backward_varlen(do.contiguous(), q, k, v, o, lse, cu_q, cu_k,
@@ -89,33 +91,39 @@ def _check_torch(q, name):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
                      softcap=0.0, align="bottom_right", forward_options=None,
-                     backward_options=None):
+                     backward_options=None, return_lse=False):
     """attention() over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
-    k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v."""
+    k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v. Returns o,
+    or (o, lse (H, total_q)) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention_varlen")
     if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
         from variants import torch_ops
         return torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant=variant,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-            align=align, forward_options=forward_options, backward_options=backward_options)
-    return _function_class()[1].apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                      int(max_seqlen_k), variant, causal, softmax_scale,
-                                      _mask(window_size, softcap, align),
-                                      _options(forward_options), _options(backward_options))
+            align=align, forward_options=forward_options, backward_options=backward_options,
+            return_lse=return_lse)
+    o, lse = _function_class()[1].apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                        int(max_seqlen_k), variant, causal, softmax_scale,
+                                        _mask(window_size, softcap, align),
+                                        _options(forward_options), _options(backward_options))
+    return (o, lse) if return_lse else o
 
 
 def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
-              softcap=0.0, align="bottom_right", forward_options=None, backward_options=None):
+              softcap=0.0, align="bottom_right", forward_options=None, backward_options=None,
+              return_lse=False):
     """O = softmax(softmax_scale Q K^T) V with the named variant, differentiable in q, k, v; the
-    mask (causal, window_size, softcap, align) as flash_attn_func's (common/tile/masks.py)."""
+    mask (causal, window_size, softcap, align) as flash_attn_func's (common/tile/masks.py).
+    Returns o, or (o, lse (B, H, N_q) fp32) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention")
     if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
         from variants import torch_ops
         return torch_ops.attention(q, k, v, variant=variant, causal=causal,
                                    softmax_scale=softmax_scale, window_size=window_size,
                                    softcap=softcap, align=align, forward_options=forward_options,
-                                   backward_options=backward_options)
-    return _function_class()[0].apply(q, k, v, variant, causal, softmax_scale,
-                                      _mask(window_size, softcap, align),
-                                      _options(forward_options), _options(backward_options))
+                                   backward_options=backward_options, return_lse=return_lse)
+    o, lse = _function_class()[0].apply(q, k, v, variant, causal, softmax_scale,
+                                        _mask(window_size, softcap, align),
+                                        _options(forward_options), _options(backward_options))
+    return (o, lse) if return_lse else o

@@ -169,12 +169,16 @@ def _arguments(variant, causal, softmax_scale, window_size, softcap, align, forw
             encode_options(forward_options), encode_options(backward_options))
 
 
-def attention(q, k, v, **kwargs):
-    """o of the forward operator, from variants.attention's keywords."""
-    return forward(q, k, v, *_arguments(**kwargs))[0]
+def attention(q, k, v, return_lse=False, **kwargs):
+    """o (or (o, lse)) of the forward operator, from variants.attention's keywords."""
+    o, lse = forward(q, k, v, *_arguments(**kwargs))
+    return (o, lse) if return_lse else o
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
-    """o of the packed-batch forward operator, from variants.attention_varlen's keywords."""
-    return forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                          int(max_seqlen_k), *_arguments(**kwargs))[0]
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     return_lse=False, **kwargs):
+    """o (or (o, lse)) of the packed-batch forward operator, from variants.attention_varlen's
+    keywords."""
+    o, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                            int(max_seqlen_k), *_arguments(**kwargs))
+    return (o, lse) if return_lse else o

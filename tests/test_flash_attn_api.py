@@ -1,0 +1,184 @@
+"""flash_attn's functions (variants/flash_attn.py) against float64: the dense, packed and
+varlen forms, return_attn_probs, the KV-cache call, the head dims flash_attn pads, the choice of
+generation, and the arguments refused by name. The simulator runs them on Numba arrays (forward);
+on a GPU torch tensors also run the backward (against float64 gradients), deterministic=True
+bitwise twice, and torch.compile(fullgraph=True)."""
+import numpy as np
+import pytest
+
+from experiments.measure import checks, inputs, reference
+from tests.conftest import ON_GPU
+from variants import flash_attn as fa
+
+DTYPE = "bfloat16"
+N = 300 if ON_GPU else 40
+
+
+def device(*xs, library=None):
+    library = library or inputs.default_library()
+    return [inputs.to_device(x, library) for x in xs]
+
+
+def check_forward(got, lse, q, k, v, **mask):
+    ref_o, ref_lse = reference.attention(q, k, v, **mask)
+    result = checks.compare(inputs.to_host(got), inputs.to_host(lse), ref_o, ref_lse, DTYPE)
+    assert result["ok"], checks.describe_failure(result)
+
+
+@pytest.mark.parametrize("mask", [dict(), dict(causal=True), dict(window_size=(16, 4))],
+                         ids=["full", "causal", "window"])
+def test_flash_attn_func_is_exact(rng, mask):
+    """GQA (4 query heads on 2 K/V heads), N_q < N_k: out and softmax_lse as flash_attn returns
+    them with return_attn_probs (its third value None without dropout)."""
+    q, k, v = inputs.random_qkv(rng, 1, N // 2, 4, 64, DTYPE, seqlen_k=N, heads_kv=2)
+    out, lse, probs = fa.flash_attn_func(*device(q, k, v), return_attn_probs=True, **mask)
+    assert probs is None and tuple(out.shape) == q.shape and tuple(lse.shape) == (1, 4, N // 2)
+    check_forward(out, lse, q, k, v, **mask)
+
+
+def test_packed_forms_equal_the_unpacked_call(rng):
+    """qkvpacked (B, N, 3, H, d) and kvpacked (B, N, 2, H_kv, d) read their q, k, v as views of
+    the stacked array: the same bits as flash_attn_func on the separate arrays."""
+    q, k, v = inputs.random_qkv(rng, 1, N, 2, 64, DTYPE)
+    base = inputs.to_host(fa.flash_attn_func(*device(q, k, v), causal=True))
+    qkv = fa.flash_attn_qkvpacked_func(*device(np.stack([q, k, v], axis=2)), causal=True)
+    dq, dkv = device(q, np.stack([k, v], axis=2))
+    kv = fa.flash_attn_kvpacked_func(dq, dkv, causal=True)
+    assert np.array_equal(inputs.to_host(qkv).view(np.uint16), base.view(np.uint16))
+    assert np.array_equal(inputs.to_host(kv).view(np.uint16), base.view(np.uint16))
+
+
+def test_varlen_forms_are_exact_per_sequence(rng):
+    """flash_attn_varlen_func and its qkvpacked form on a packed batch: each sequence against
+    float64 on its own; softmax_lse (H, total_q)."""
+    lengths = [17, 1, 30] if not ON_GPU else [17, 1, 300, 129]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (x[0] for x in inputs.random_qkv(rng, 1, int(cu[-1]), 2, 64, DTYPE))
+    dq, dk, dv, dcu = device(q, k, v, cu)
+    out, lse, _ = fa.flash_attn_varlen_func(dq, dk, dv, dcu, dcu, max(lengths), max(lengths),
+                                            causal=True, return_attn_probs=True)
+    packed = fa.flash_attn_varlen_qkvpacked_func(*device(np.stack([q, k, v], axis=1)), dcu,
+                                                 max(lengths), causal=True)
+    out, lse = inputs.to_host(out), inputs.to_host(lse)
+    assert np.array_equal(inputs.to_host(packed).view(np.uint16), out.view(np.uint16))
+    for b in range(len(lengths)):
+        rows = slice(cu[b], cu[b + 1])
+        ref_o, ref_lse = reference.attention(q[None, rows], k[None, rows], v[None, rows],
+                                             causal=True)
+        got = checks.compare(out[None, rows], lse[None, :, rows], ref_o, ref_lse, DTYPE)
+        assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
+
+
+def test_with_kvcache_appends_and_attends(rng):
+    """flash_attn_with_kvcache with an int cache_seqlens: k, v written into the cache at that
+    position (in place), then each new token attends to the cache up to its own position."""
+    batch, n_cache, filled, n_new = 2, 64, 20, 3
+    kc, vc = (np.zeros((batch, n_cache, 2, 64), dtype=inputs.DTYPES[DTYPE]) for _ in range(2))
+    _, kc[:, :filled], vc[:, :filled] = inputs.random_qkv(rng, batch, filled, 2, 64, DTYPE)
+    q, k, v = inputs.random_qkv(rng, batch, n_new, 4, 64, DTYPE, heads_kv=2)
+    dq, dkc, dvc, dk, dv = device(q, kc, vc, k, v)
+    out, lse = fa.flash_attn_with_kvcache(dq, dkc, dvc, dk, dv, cache_seqlens=filled,
+                                          causal=True, return_softmax_lse=True)
+    keys, values = np.concatenate([kc[:, :filled], k], 1), np.concatenate([vc[:, :filled], v], 1)
+    assert np.array_equal(inputs.to_host(dkc)[:, :filled + n_new].view(np.uint16),
+                          keys.view(np.uint16))
+    check_forward(out, lse, q, keys, values, causal=True)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda a: fa.flash_attn_func(a, a, a, dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
+    (lambda a: fa.flash_attn_func(a, a, a, alibi_slopes=a), NotImplementedError, "alibi_slopes"),
+    (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, block_table=a), NotImplementedError,
+     "block_table"),
+    (lambda a: fa.flash_attn_with_kvcache(a, a, a, rotary_cos=a, rotary_sin=a),
+     NotImplementedError, "rotary_cos"),
+    (lambda a: fa.flash_attn_with_kvcache(a, a, a, window_size=(8, 0)), NotImplementedError,
+     "window_size=(8, 0)"),
+    (lambda a: fa.flash_attn_func(a[:, :, :, :20], a[:, :, :, :20], a[:, :, :, :20]), ValueError,
+     "head_dim 20"),
+], ids=["dropout", "alibi", "block_table", "rotary", "kvcache_window", "unpadded_head_dim"])
+def test_what_is_refused_is_named(call, error, words):
+    """Nothing is launched: the argument is refused before any kernel, by name (a CuPy or Numba
+    array whose head_dim the kernels do not take must come padded; torch tensors are padded
+    inside)."""
+    a = device(np.zeros((1, 8, 2, 64), dtype=inputs.DTYPES[DTYPE]), library="numba")[0]
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        call(a)
+
+
+def test_generation_and_backward_options():
+    """fa3 on sm_90, fa2 elsewhere (the simulator: fa2); deterministic=True asks for the
+    backward with one summation order of each generation."""
+    a = device(np.zeros((1, 8, 2, 64), dtype=inputs.DTYPES[DTYPE]), library="numba")[0]
+    expected = "fa2"
+    if ON_GPU:
+        from numba import cuda
+        expected = "fa3" if cuda.get_current_device().compute_capability == (9, 0) else "fa2"
+    assert fa.default_variant(a) == expected
+    assert fa._backward_options("fa2", True) == {"dq": "separate"}
+    assert fa._backward_options("fa3", True) == {"kernel": "fa2", "dq": "separate"}
+    assert fa._backward_options("fa3", False) is None
+    assert [fa._padded(d) for d in (1, 20, 32, 59, 111, 128, 256)] == [32, 32, 32, 64, 112, 128,
+                                                                         256]
+    with pytest.raises(ValueError, match="head_dim must be 1 .. 256, got 300"):
+        fa._padded(300)
+
+
+# --------------------------------------------------------------------------- torch, on a GPU
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _torch_qkv(torch, rng, batch, n, heads, heads_kv, d):
+    q, k, v = inputs.random_qkv(rng, batch, n, heads, d, DTYPE, heads_kv=heads_kv)
+    return (q, k, v), [inputs.to_device(x, "torch").requires_grad_() for x in (q, k, v)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [59, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_gradients_are_exact(rng, head_dim, causal):
+    """flash_attn_func on torch tensors is differentiable: dq, dk, dv against float64 (d=59 is
+    padded to 64 inside, and the padding's gradient cut off by autograd)."""
+    torch = _torch()
+    (q, k, v), (tq, tk, tv) = _torch_qkv(torch, rng, 2, 300, 4, 2, head_dim)
+    out = fa.flash_attn_func(tq, tk, tv, causal=causal)
+    do = rng.standard_normal(out.shape).astype(inputs.DTYPES[DTYPE])
+    out.backward(inputs.to_device(do, "torch"))
+    ref = reference.attention_backward(q, k, v, do, causal=causal)
+    got = checks.compare_gradients([inputs.to_host(t.grad) for t in (tq, tk, tv)], ref, DTYPE)
+    assert got["ok"], got
+    ref_o, _ = reference.attention(q, k, v, causal=causal)
+    assert checks.compare(inputs.to_host(out), np.zeros((2, 4, 300)), ref_o,
+                          np.zeros((2, 4, 300)), DTYPE)["ok"]
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_is_bitwise_reproducible(rng):
+    torch = _torch()
+    _, (tq, tk, tv) = _torch_qkv(torch, rng, 2, 1024, 8, 2, 128)
+    do = torch.randn(tq.shape, dtype=tq.dtype, device=tq.device)
+    grads = []
+    for _ in range(2):
+        dq, dk, dv = torch.autograd.grad(fa.flash_attn_func(tq, tk, tv, causal=True,
+                                                            deterministic=True), (tq, tk, tv), do)
+        grads.append((dq, dk, dv))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph(rng):
+    """A function calling flash_attn_func compiles with fullgraph=True (no graph break) and gives
+    the eager call's output and gradients."""
+    torch = _torch()
+    _, (tq, tk, tv) = _torch_qkv(torch, rng, 2, 256, 4, 4, 64)
+
+    def layer(q, k, v):
+        return fa.flash_attn_func(q * 1.0, k, v, causal=True).float().square().sum()
+
+    eager = torch.autograd.grad(layer(tq, tk, tv), (tq, tk, tv))
+    compiled = torch.compile(layer, fullgraph=True)
+    got = torch.autograd.grad(compiled(tq, tk, tv), (tq, tk, tv))
+    for a, b in zip(eager, got):
+        assert torch.equal(a, b)

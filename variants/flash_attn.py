@@ -1,0 +1,261 @@
+"""flash_attn's functions on this codebase's kernels: the same names, arguments, defaults and
+returns as flash_attn 2.x (`flash_attn.flash_attn_interface`), so that code written for it runs
+unchanged after one import line:
+
+    from variants.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    out = flash_attn_func(q, k, v, causal=True)          # q (B, N_q, H, d), k, v (B, N_k, H_kv, d)
+
+They pick the generation for the GPU (fa3 on sm_90, fa2 elsewhere; `variant=` overrides it), are
+differentiable for torch tensors (variants/autograd.py; under torch.compile the custom operators
+of variants/torch_ops.py), and take CuPy or Numba device arrays too (forward only). Beyond
+flash_attn 2: FA3's `q_descale`, `k_descale`, `v_descale` for e4m3 inputs (fa3).
+
+What flash_attn does that these do too: head dims that are not a multiple of 8 (or below 32) are
+zero-padded inside and the padding cut off again (exact: zero columns add nothing to Q K^T, and
+softmax_scale defaults to the unpadded d^-1/2); `deterministic=True` runs a backward whose every
+sum has one order (fa2's dQ by a separate query-block-outer kernel, `dq="separate"`; for fa3
+that is FA2's backward kernels); `return_attn_probs=True` returns (out, softmax_lse, None) (the
+third, flash_attn's dropout-mask debug tensor, is only filled there when dropout_p > 0).
+What they refuse, naming the argument: `dropout_p > 0`, `alibi_slopes`, a `block_table` in the
+varlen forward, and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx`
+and `cache_leftpad` (variants.decode does not take them yet).
+"""
+from functools import lru_cache
+
+from variants import autograd, registry
+
+# The head dims the kernels take: multiples of 8 from 32 to 256 (common/tile/tiles.py HEAD_DIMS).
+_MIN_HEAD_DIM, _MAX_HEAD_DIM = 32, 256
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache", "default_variant"]
+
+
+# --------------------------------------------------------------------------- choices
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+@lru_cache(maxsize=None)
+def _capability(device_index):
+    """(major, minor) of a torch CUDA device, or of Numba's current device (index None)."""
+    from common.hardware.target import SIMULATOR
+    if SIMULATOR:
+        return (0, 0)
+    if device_index is None:
+        from numba import cuda
+        return tuple(cuda.get_current_device().compute_capability)
+    import torch
+    return tuple(torch.cuda.get_device_capability(device_index))
+
+
+def default_variant(q):
+    """The generation flash_attn's functions run on q's GPU: fa3 on Hopper (sm_90), fa2 elsewhere
+    (and in the simulator)."""
+    index = q.device.index if _is_torch(q) else None
+    if _is_torch(q) and index is None:
+        import torch
+        index = torch.cuda.current_device()
+    return "fa3" if _capability(index) == (9, 0) else "fa2"
+
+
+def _refuse(dropout_p=0.0, alibi_slopes=None, **others):
+    """NotImplementedError naming each argument flash_attn takes that these cannot honour yet."""
+    if dropout_p:
+        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not built yet; "
+                                  "pass dropout_p=0.0 (in eval, or with dropout off)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not built yet")
+    for name, value in others.items():
+        if value is not None:
+            raise NotImplementedError(f"{name}: not supported by variants' flash_attn functions yet")
+
+
+def _backward_options(variant, deterministic):
+    """deterministic=True: a backward with one summation order (bitwise reproducible)."""
+    if not deterministic:
+        return None
+    return {"kernel": "fa2", "dq": "separate"} if variant == "fa3" else {"dq": "separate"}
+
+
+def _padded(head_dim):
+    """The head dim the kernels run for `head_dim` (flash_attn rounds up to a multiple of 8)."""
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be 1 .. {_MAX_HEAD_DIM}, got {head_dim}")
+    return max(_MIN_HEAD_DIM, -(-head_dim // 8) * 8)
+
+
+def _pad_head_dims(q, k, v):
+    """q, k, v zero-padded along head_dim to what the kernels take (torch: differentiable, and only
+    when needed); the original head_dim."""
+    d, dk, dv = (tuple(x.shape)[-1] for x in (q, k, v))   # (a simulator shape: no shape[-1])
+    if dk != d or dv != d:
+        raise ValueError(f"q, k and v must have the same head_dim, got {d}, {dk}, {dv}")
+    padded = _padded(d)
+    if padded == d:
+        return q, k, v, d
+    if not _is_torch(q):
+        raise ValueError(f"head_dim {d}: the kernels take multiples of 8 from 32 to 256; torch "
+                         "tensors are padded inside, CuPy / Numba arrays must come padded")
+    import torch.nn.functional as F
+    pad = (0, padded - d)
+    return F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), d
+
+
+def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, deterministic,
+               return_lse, variant, forward_options=None):
+    """The one path of every dense and packed function: (o, lse) or o, head dims padded."""
+    variant = variant or default_variant(q)
+    q, k, v, d = _pad_head_dims(q, k, v)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    mask = dict(causal=causal, softmax_scale=scale, window_size=tuple(window_size),
+                softcap=softcap)
+    if _is_torch(q):
+        if varlen:
+            out = autograd.attention_varlen(q, k, v, *varlen, variant=variant,
+                                            forward_options=forward_options,
+                                            backward_options=_backward_options(variant,
+                                                                               deterministic),
+                                            return_lse=True, **mask)
+        else:
+            out = autograd.attention(q, k, v, variant=variant, forward_options=forward_options,
+                                     backward_options=_backward_options(variant, deterministic),
+                                     return_lse=True, **mask)
+    elif varlen:
+        out = registry.forward_varlen(q, k, v, *varlen, variant=variant, **mask,
+                                      **(forward_options or {}))
+    else:
+        out = registry.forward(q, k, v, variant=variant, **mask, **(forward_options or {}))
+    o, lse = out
+    if tuple(o.shape)[-1] != d:   # padded inside (torch only)
+        o = o[..., :d]
+    return (o, lse, None) if return_lse else o
+
+
+# --------------------------------------------------------------------------- dense batches
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, q_descale=None, k_descale=None, v_descale=None,
+                    variant=None):
+    """out = softmax(softmax_scale q k^T + mask) v: q (B, N_q, H, d), k and v (B, N_k, H_kv, d)
+    with H a multiple of H_kv (MQA / GQA); fp16 or bf16 (e4m3 with the descales: fa3).
+
+    causal: the bottom-right diagonal (the last query sees the last key); window_size=(left,
+    right): query i sees keys i + N_k - N_q - left .. i + N_k - N_q + right (-1: unbounded);
+    softcap > 0: scores become softcap tanh(scores / softcap). A row that sees no key is 0.
+    Returns out (B, N_q, H, d), or with return_attn_probs (out, softmax_lse (B, H, N_q) fp32,
+    None)."""
+    _refuse(dropout_p, alibi_slopes)
+    descales = {name: x for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
+                                        ("v_descale", v_descale)) if x is not None}
+    return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, deterministic=deterministic,
+                      return_lse=return_attn_probs, variant=variant,
+                      forward_options=descales or None)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *, variant=None):
+    """flash_attn_func with k and v stacked: kv (B, N_k, 2, H_kv, d) (no copies: k and v are
+    views of it, and its gradient is theirs stacked)."""
+    _refuse(dropout_p, alibi_slopes)
+    k, v = kv.unbind(2) if _is_torch(kv) else (kv[:, :, 0], kv[:, :, 1])
+    return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, deterministic=deterministic,
+                      return_lse=return_attn_probs, variant=variant)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *, variant=None):
+    """flash_attn_func with q, k, v stacked: qkv (B, N, 3, H, d)."""
+    _refuse(dropout_p, alibi_slopes)
+    q, k, v = qkv.unbind(2) if _is_torch(qkv) else (qkv[:, :, i] for i in range(3))
+    return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, deterministic=deterministic,
+                      return_lse=return_attn_probs, variant=variant)
+
+
+# --------------------------------------------------------------------------- packed batches
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, variant=None):
+    """flash_attn_func over a packed batch of sequences: q (total_q, H, d), k and v (total_k,
+    H_kv, d), cu_seqlens_q / cu_seqlens_k int32 (batch + 1) each sequence's first row, and the
+    longest sequences' lengths. The mask applies within each sequence. Returns out (total_q, H,
+    d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None)."""
+    _refuse(dropout_p, alibi_slopes, block_table=block_table)
+    return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, deterministic=deterministic,
+                      return_lse=return_attn_probs, variant=variant)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False, *,
+                                    variant=None):
+    """flash_attn_varlen_func with kv (total_k, 2, H_kv, d)."""
+    _refuse(dropout_p, alibi_slopes)
+    k, v = kv.unbind(1) if _is_torch(kv) else (kv[:, 0], kv[:, 1])
+    return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, deterministic=deterministic,
+                      return_lse=return_attn_probs, variant=variant)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, variant=None):
+    """flash_attn_varlen_func with qkv (total, 3, H, d) and one cu_seqlens for all three."""
+    _refuse(dropout_p, alibi_slopes)
+    q, k, v = qkv.unbind(1) if _is_torch(qkv) else (qkv[:, i] for i in range(3))
+    return _attention(q, k, v, (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
+                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, deterministic=deterministic,
+                      return_lse=return_attn_probs, variant=variant)
+
+
+# --------------------------------------------------------------------------- KV cache
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q's new tokens (B, N_q, H, d) against each sequence's KV cache, split over the
+    keys (Flash-Decoding: variants/decoding.py). k_cache, v_cache: (B, N_max, H_kv, d), or paged
+    (num_blocks, page_size, H_kv, d) with block_table (B, max_blocks) int32. k, v (B, N_new,
+    H_kv, d): written into the caches at cache_seqlens first (in place), then attended to.
+    cache_seqlens: (B,) int32, or an int for every sequence, or None (the whole cache). Returns
+    out like q, or (out, softmax_lse (B, H, N_q) fp32) with return_softmax_lse. Not differentiable
+    (as flash_attn's)."""
+    _refuse(0.0, alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+    if tuple(window_size) != (-1, -1) or softcap:
+        raise NotImplementedError(f"window_size={tuple(window_size)}, softcap={softcap}: the "
+                                  "decode kernels take no window or softcap yet")
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        if cache_seqlens is None and block_table is not None:
+            raise ValueError("cache_seqlens is required with a block_table")
+        cache_seqlens = _full(q, k_cache.shape[1] if cache_seqlens is None else cache_seqlens)
+    from variants.decoding import decode
+    o, lse = decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                    causal=causal, softmax_scale=softmax_scale, num_splits=num_splits)
+    return (o, lse) if return_softmax_lse else o
+
+
+def _full(q, n):
+    """(B,) int32 lengths, all n, in q's array library."""
+    import numpy as np
+    batch = q.shape[0]
+    if _is_torch(q):
+        import torch
+        return torch.full((batch,), n, dtype=torch.int32, device=q.device)
+    from common.host.arrays import describe, to_device
+    return to_device(np.full(batch, n, np.int32), describe(q, "q").library)
