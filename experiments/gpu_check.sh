@@ -32,6 +32,11 @@
 #   cp_bench the ring timed on 1 and 2 GPUs into $OUT/cp.csv and drawn
 #            (experiments/context_parallel.py; CP_SEQLENS, default 8k..128k; CP_ITERS)
 #   sweep_gpus  a Hydra multirun spread over every visible GPU (hydra/launcher=gpus)
+#   doors    the places attention is called from, against the real torch and transformers:
+#            tests/test_flash_attn_api.py, test_integrations.py, test_torch_compile.py, then
+#            experiments/integrations.py (a Llama's training step and generate() beside SDPA)
+#   first_call  a new process's import, first call and the calls after it, cold and warm cache
+#            (experiments/first_call.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -173,6 +178,18 @@ for step in $steps; do
       grep -h "runs on GPU" "$OUT/sweep_gpus.log" | sort | uniq -c
       cp /tmp/fa_sweep/results.csv "$OUT/sweep_gpus.csv" 2>/dev/null
       python3 experiments/summarize.py "$OUT/sweep_gpus.csv" ;;
+    doors)
+      timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider --durations=10 \
+        tests/test_flash_attn_api.py tests/test_integrations.py tests/test_torch_compile.py \
+        > "$OUT/doors_tests.log" 2>&1 || status=1
+      tail -3 "$OUT/doors_tests.log"
+      timeout "${DOORS_TIMEOUT:-600}" python3 experiments/integrations.py ${DOORS_ARGS:-} \
+        > "$OUT/integrations.txt" 2>&1 || status=1
+      cat "$OUT/integrations.txt" ;;
+    first_call)
+      timeout "${FIRST_CALL_TIMEOUT:-600}" python3 experiments/first_call.py ${FIRST_CALL_ARGS:-} \
+        > "$OUT/first_call.txt" 2>&1 || status=1
+      cat "$OUT/first_call.txt" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
   echo "== $step: $(( $(date +%s) - start )) s"

@@ -53,6 +53,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_file_rank)     # stable: each file keeps its own order
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _replay_ready():
+    """On a GPU with torch: the replay's one-time imports done before the first test, so that
+    every test's second call of a geometry is recorded and its third replayed
+    (common/host/replay.py: warm_up)."""
+    if ON_GPU:
+        import importlib.util
+        if importlib.util.find_spec("torch") is not None:
+            from common.host import replay
+            replay.warm_up()
+
+
 @pytest.fixture
 def rng(request):
     seed = int(os.environ.get("FA_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))

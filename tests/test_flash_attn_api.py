@@ -168,6 +168,7 @@ def test_deterministic_backward_is_bitwise_reproducible(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")   # inductor's own (torch 2.11)
 def test_torch_compile_fullgraph(rng):
     """A function calling flash_attn_func compiles with fullgraph=True (no graph break) and gives
     the eager call's output and gradients."""

@@ -73,11 +73,14 @@ def replayed(n_inputs):
                     return result
                 return fn(*args, **kwargs)   # misaligned: the ordinary path says so
             if plan is None:   # the first call: every check; the next one is recorded
+                _dispatch_ready()     # (starts the one-time torch imports a record needs)
                 result = fn(*args, **kwargs)
                 if _plain(kwargs):   # an array among them is in the key by identity: never kept
                     remember(plans, key, _TRY)
                 return result
             if plan is _TRY:
+                if not _dispatch_ready():   # torch's imports still running: record a later call
+                    return fn(*args, **kwargs)
                 plan, result = _record(fn, args, kwargs)
                 plans[key] = plan
                 return result
@@ -299,10 +302,7 @@ def _record(fn, args, kwargs):
 
     if _get_current_dispatch_mode() is not None:   # under another mode (tracing, counting):
         return _TRY, fn(*args, **kwargs)             # record a later call
-    allocations = _allocations_mode()
-    if not _first_use_done:
-        _first_use_apart(allocations)
-    watch = allocations()
+    watch = _allocations_mode()()
     outer, _recipes.of = getattr(_recipes, "of", None), {}
     recipes = _recipes.of
     try:
@@ -345,26 +345,40 @@ def _allocations_mode():
 
 
 _REFUSALS = []   # why recent recordings made no plan (read by tests/test_call_path.py)
-_first_use_done = False
+_first_use = None   # the thread running the first use of a dispatch mode (_first_use_apart)
+
+
+def _dispatch_ready():
+    """True once a dispatch mode has been used in this process (the record's TorchDispatchMode
+    can then start at once). The first call of any replayed function starts that first use on a
+    thread of its own and returns False while it runs: the first use imports torch._dynamo (and
+    through it torch.fx, sympy, torch.distributed: ~4-5 s), which torch defers to then, and a call
+    that waited for it would stall a training loop's second step. Calls go the ordinary path
+    (every check, ~ms of host time) until it is done, and the next one is recorded."""
+    global _first_use
+    if _first_use is None:
+        _first_use = threading.Thread(target=_first_use_apart, args=(_allocations_mode,),
+                                      name="replay: first dispatch mode", daemon=True)
+        _first_use.start()
+    return not _first_use.is_alive()
+
+
+def warm_up():
+    """Wait for the one-time imports a record needs (_dispatch_ready), so that the second call of
+    each geometry is recorded and the third replayed, deterministically (the GPU tests call it)."""
+    _dispatch_ready()
+    _first_use.join()
 
 
 def _first_use_apart(mode_class):
-    """Run a dispatch mode of `mode_class` over one allocation, on a thread of its own. The first
-    use of a dispatch mode in a process imports torch._dynamo (torch defers the import to then),
-    and the import leaves reference cycles through its frames; the frames of its callers, the
-    recorded call's with its tensors, then stay alive until the collector runs
-    (experiments/probes/replay_refs.py saw it). On a thread of its own the import has no caller
-    of ours."""
-    global _first_use_done
+    """Run a dispatch mode of `mode_class()` over one allocation. Its import leaves reference
+    cycles through its frames; the frames of its callers would then stay alive until the collector
+    runs (experiments/probes/replay_refs.py saw it, when a recorded call itself made the first
+    use): on a thread of its own the import has no caller of ours."""
     import torch
 
-    def use():
-        with mode_class():
-            torch.empty(1)
-    thread = threading.Thread(target=use, name="replay: first dispatch mode")
-    thread.start()
-    thread.join()
-    _first_use_done = True
+    with mode_class()():
+        torch.empty(1)
 
 
 def _caller():

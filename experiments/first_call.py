@@ -1,0 +1,70 @@
+"""What a new process pays before attention runs at kernel speed: the import, the first call
+(compiling, or loading cubins from the kernel cache), and the host time of the calls after it.
+
+    python experiments/first_call.py [--variants fa2,fa3] [--passes fwd,fwd_bwd] [--calls 5]
+
+Each row is a fresh Python process (torch tensors B=2, N=2048, 16 heads of 128, causal, bf16, as
+`variants.attention` in a training loop would see them), run twice over one kernel-cache folder:
+`cold` (empty: everything compiles) then `warm` (the cubins the cold run stored). Times are wall
+clock with the GPU synchronised after each call, so a call's time is its host time plus its
+kernels'. Prints one table."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+import variants
+t_import = time.perf_counter() - t0
+variant, passes, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
+q, k, v = (torch.randn(2, 2048, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+times = []
+for _ in range(calls):
+    t = time.perf_counter()
+    o = variants.attention(q, k, v, variant=variant, causal=True)
+    if passes == "fwd_bwd":
+        o.backward(torch.ones_like(o))
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - t)
+print(json.dumps({"import": t_import, "calls": times}))
+"""
+
+
+def run(variant, passes, calls, cache):
+    env = dict(os.environ, FA_KERNEL_CACHE=cache, PYTHONPATH=os.pathsep.join(
+        [os.getcwd()] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    out = subprocess.run([sys.executable, "-c", CHILD, variant, passes, str(calls)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default="fa2,fa3")
+    parser.add_argument("--passes", default="fwd,fwd_bwd")
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args(argv)
+    rows = []
+    for variant in args.variants.split(","):
+        for passes in args.passes.split(","):
+            with tempfile.TemporaryDirectory(prefix="kcache-") as cache:
+                for state in ("cold", "warm"):
+                    r = run(variant, passes, args.calls, cache)
+                    rows.append((variant, passes, state, r["import"], r["calls"]))
+    print(f"{'variant':8s} {'pass':8s} {'cache':6s} {'import s':>9s} " +
+          " ".join(f"{'call ' + str(i + 1):>9s}" for i in range(args.calls)))
+    for variant, passes, state, imp, times in rows:
+        print(f"{variant:8s} {passes:8s} {state:6s} {imp:9.2f} " +
+              " ".join(f"{t:9.3f}" for t in times))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""HuggingFace transformers' `attn_implementation=` on this codebase's kernels:
+
+    from variants.integrations import transformers as fa_transformers
+    fa_transformers.register()                                   # once
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=fa_transformers.NAME)
+
+`register()` adds an attention function (AttentionInterface) and its mask function
+(AttentionMaskInterface: transformers' own flash-attention mask, which hands over the 2-D padding
+mask or None; without a registered mask function transformers would drop the padding silently).
+The name holds no "flash": transformers would then look for the flash-attn package. Each call:
+- q, k, v arrive as (B, H, N, d) and go to the kernels as (B, N, H, d) views; float32 ones (RoPE
+  computed in fp32, a model kept in fp32) run in the autocast dtype or bf16 and come back in
+  their own dtype;
+- causal attention is flash_attn's bottom-right diagonal (a query block of a generation step
+  sees the whole cache), `sliding_window=w` is `window_size=(w - 1, 0)` (w keys including the
+  query's own), `softcap` is Gemma 2's cap, `scaling` the softmax scale;
+- a padding mask (left or right padding) unpads the batch and runs the packed-batch (varlen)
+  kernels; a StaticCache's keys are cut to the mask's length first (the positions filled);
+  packed sequences (`cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_*` keywords, or position_ids
+  that restart) run varlen too;
+- a few query tokens against a longer cache with no padding (a generation step) run the split-KV
+  decode kernel (variants/decoding.py); everything else flash_attn_func's path (fa3 on sm_90,
+  fa2 elsewhere), differentiable;
+- what the kernels cannot do is refused by name: attention dropout in training, attention sinks
+  (`s_aux`), `output_attentions`.
+"""
+NAME = "fa_numba"
+DECODE_MAX_QUERIES = 16   # at most this many new tokens a sequence go to the split-KV kernel
+
+
+def register(name=NAME):
+    """Make `attn_implementation=name` run these kernels (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    if "flash" in name:
+        raise ValueError(f"attn_implementation name {name!r}: a name holding 'flash' makes "
+                         "transformers look for the flash-attn package; pick another")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+def _compute_dtype(query):
+    import torch
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.bfloat16
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature: (out (B, N_q, H, d), None)."""
+    if dropout:
+        raise NotImplementedError(f"attention dropout {dropout} in training: not built yet; set "
+                                  "config.attention_dropout = 0")
+    if s_aux is not None:
+        raise NotImplementedError("attention sinks (s_aux): not built yet")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("output_attentions=True: the kernels never form the "
+                                  "attention matrix; use attn_implementation='eager'")
+    causal = module.is_causal if is_causal is None else is_causal
+    dtype = _compute_dtype(query)
+    q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))
+    window = (-1, -1)
+    if sliding_window is not None and k.shape[1] > sliding_window:
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    mask = dict(softmax_scale=scaling, causal=causal, window_size=window,
+                softcap=softcap or 0.0)
+    out = _attend(q, k, v, attention_mask, mask, kwargs)
+    return out.to(query.dtype), None
+
+
+def _attend(q, k, v, padding, mask, kwargs):
+    from variants import flash_attn
+    if padding is not None:
+        n = padding.shape[-1]
+        if k.shape[1] > n:             # a StaticCache: only the first n positions are filled
+            k, v = k[:, :n], v[:, :n]
+        if bool(padding.all()):
+            padding = None
+    if padding is not None:
+        return _unpadded(q, k, v, padding, mask)
+    packed = _packed_lengths(q, kwargs)
+    if packed is not None:
+        b, n_q = q.shape[:2]
+        out = flash_attn.flash_attn_varlen_func(
+            q.reshape(b * n_q, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+            v.reshape(-1, *v.shape[2:]), *packed, **mask)
+        return out.view(b, n_q, *out.shape[1:])
+    if q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad \
+            and mask["window_size"] == (-1, -1) and not mask["softcap"]:
+        return flash_attn.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=k.shape[1], softmax_scale=mask["softmax_scale"],
+            causal=mask["causal"])
+    return flash_attn.flash_attn_func(q, k, v, **mask)
+
+
+def _unpadded(q, k, v, padding, mask):
+    """A padded batch as a packed one: each sequence's kept keys, and its last N_q positions'
+    queries (the new tokens of a padded generation step, or the whole prompt)."""
+    import torch
+    import torch.nn.functional as F
+
+    from variants import flash_attn
+    batch, n_q = q.shape[:2]
+    padding = padding.bool()
+    keys = padding.reshape(-1).nonzero().flatten()
+    rows = padding[:, -n_q:].reshape(-1).nonzero().flatten()
+    cu_k = F.pad(padding.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = F.pad(padding[:, -n_q:].sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    out = flash_attn.flash_attn_varlen_func(
+        q.reshape(-1, *q.shape[2:])[rows], k.reshape(-1, *k.shape[2:])[keys],
+        v.reshape(-1, *v.shape[2:])[keys], cu_q, cu_k, n_q, k.shape[1], **mask)
+    full = out.new_zeros(batch * n_q, *out.shape[1:])
+    full[rows] = out
+    return full.view(batch, n_q, *out.shape[1:])
+
+
+def _packed_lengths(q, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of sequences packed into one row, from the
+    keywords transformers passes (DataCollatorWithFlattening) or from position_ids that restart
+    at 0; None for an ordinary batch."""
+    import torch
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        return (cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]),
+                int(kwargs["max_length_k"]))
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or q.shape[0] != 1 or q.shape[1] < 2:
+        return None
+    flat = position_ids.reshape(-1)
+    starts = (flat == 0).nonzero().flatten()
+    if starts.numel() <= 1 or flat[0] != 0:
+        return None
+    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
