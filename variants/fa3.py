@@ -105,7 +105,8 @@ from common.host.problem import (
     prepare,
     prepare_varlen,
 )
-from common.tile import masks, pipeline, softmax, tiles
+from common.tile import masks, softmax, tiles
+from common.tile.mbarrier_ring import ring
 from variants import fp8
 
 HEAD_DIMS = tiles.HEAD_DIMS     # multiples of 8 from 32 to 256, in tiles of whole 64-column panels
@@ -507,12 +508,15 @@ def build(cfg):
     TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
     GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
     # mbarriers (8 bytes = 4 elements each): Q full, Q empty, then per stage K full, V full, K
-    # empty, V empty. K and V are released apart (K once S has landed, V once O has): a turn of
-    # the ping-pong and the intra-warpgroup overlap both need K_{j+1} while V_j is still being
-    # read. Q is released once the tile's last S has landed (or, when O_i is staged in its room,
-    # once O_i is stored), so that the producer loads the next tile's Q.
-    BAR_Q, BAR_EMPTY_Q, BAR_K, BAR_V = 0, 4, 8, 8 + 4 * STAGES
-    BAR_EMPTY_K, BAR_EMPTY_V = 8 + 8 * STAGES, 8 + 12 * STAGES
+    # empty, V empty: the rings of common/tile/mbarrier_ring.py, Q's of one stage (a tile's), K's
+    # and V's of STAGES (a block's), their empties one arrival a consumer warp. K and V are
+    # released apart (K once S has landed, V once O has): a turn of the ping-pong and the
+    # intra-warpgroup overlap both need K_{j+1} while V_j is still being read. Q is released once
+    # the tile's last S has landed (or, when O_i is staged in its room, once O_i is stored), so
+    # that the producer loads the next tile's Q. cp.async writes in the generic proxy and wgmma
+    # reads in the async proxy: a consumer's wait for a tile is then followed by a proxy fence.
+    Q_RING = ring(1, 0, 4, FULL_COUNT, 4 * NWG, CP_ASYNC)
+    K_RING = ring(STAGES, 8, 8 + 8 * STAGES, FULL_COUNT, 4 * NWG, CP_ASYNC)
     # transpose_v="producer" (FP8): V_j comes in V_UNIT-key units, each landed by TMA in a staging
     # buffer (its "full" mbarrier: the bytes; "empty": one arrival a transposer warp once it has
     # read it) and transposed by TRANSPOSERS warps into panel u of the stage's V^T tile, whose full
@@ -521,8 +525,21 @@ def build(cfg):
     # next block's, transposed and never read).
     TRANSPOSE, VS, UNITS = cfg.v_in_producer, max(cfg.staging_units, 1), cfg.kv_rows // V_UNIT
     AFTER_PREPASS = cfg.after_prepass   # V^T is the pre-pass's, which may still run (PDL)
-    BAR_VS_FULL, BAR_VS_EMPTY = 8 + 16 * STAGES, 8 + 16 * STAGES + 4 * VS
     V_FULL_COUNT = TRANSPOSERS if TRANSPOSE else FULL_COUNT
+    V_RING = ring(STAGES, 8 + 4 * STAGES, 8 + 12 * STAGES, V_FULL_COUNT, 4 * NWG, CP_ASYNC)
+    STAGED = ring(VS, 8 + 16 * STAGES, 8 + 16 * STAGES + 4 * VS, 1, TRANSPOSERS)
+    slot = K_RING.slot                          # K's and V's rings go round together
+    wait_q, release_q, acquire_q = Q_RING.wait_full, Q_RING.release, Q_RING.acquire
+    wait_k, release_k, acquire_k = K_RING.wait_full, K_RING.release, K_RING.acquire
+    wait_v, release_v, acquire_v = V_RING.wait_full, V_RING.release, V_RING.acquire
+    init_q, init_staged = Q_RING.init, STAGED.init
+    init_k_full, init_k_empty = K_RING.init_full, K_RING.init_empty
+    init_v_full, init_v_empty = V_RING.init_full, V_RING.init_empty
+    arm_q, q_landed, q_full = Q_RING.arm, Q_RING.arrive_when_landed, Q_RING.full
+    v_transposed = V_RING.arrive_full           # a transposer warp's V_j^T panel is written
+    # the staging buffers of the producer's transpose of V
+    staged_slot, staged_acquire, arm_staged = STAGED.slot, STAGED.acquire, STAGED.arm
+    staged_full, wait_staged, staged_read = STAGED.full, STAGED.wait_full, STAGED.arrive_empty
     STAGING0 = (cfg.ring_bytes() + cfg.o_room_bytes()) // 2   # 16-bit offset of staging buffer 0
     UNIT_BYTES = cfg.unit_bytes()
     TRANSPOSE_UNIT = fp8.unit_transposer(D, TRANSPOSERS) if TRANSPOSE else None
@@ -647,22 +664,6 @@ def build(cfg):
         if PINGPONG:
             ptx.bar_arrive(TURN + (wg + 1) % NWG, TURN_THREADS)
 
-    @device_function
-    def release(smem, empty, stage, lane):
-        """This warp is done with the stage's K (empty = BAR_EMPTY_K) or V (BAR_EMPTY_V): one
-        arrival a consumer warp."""
-        if lane == 0:
-            sm90.mbarrier_arrive(smem, empty + 4 * stage)
-
-    @device_function
-    def wait_full(smem, full, parity):
-        """A consumer waits for a tile (Q_i, K_j, V_j) to land. cp.async writes in the generic
-        proxy and wgmma reads in the async proxy: a proxy fence between (TMA lands in the async
-        proxy already)."""
-        sm90.mbarrier_wait(smem, full, parity)
-        if CP_ASYNC:
-            ptx.fence_proxy_async_shared()
-
     # VARLEN with TMA: a tile's last key block, when it runs past its sequence's n_k keys, holds
     # the next sequence's rows (TMA zero-fills past the whole packed tensor only). Their scores are
     # masked (P~ = 0), but 0 x inf = NaN in P V: the consumers zero those V rows before the P V
@@ -699,20 +700,14 @@ def build(cfg):
         """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
         V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
         and P~ into the A registers of the P V wgmma."""
-        release(smem, BAR_EMPTY_K, slot(it + j)[0], lane)
+        release_k(smem, slot(it + j)[0], lane)
         if j > 0:
-            release(smem, BAR_EMPTY_V, slot(it + j - 1)[0], lane)                  # l.19
+            release_v(smem, slot(it + j - 1)[0], lane)                             # l.19
         if O_APART and j == t_c - 1:   # Q_i read for the last time
-            release(smem, BAR_EMPTY_Q, 0, lane)
+            release_q(smem, 0, lane)
         logits(s, j0 + j, n_k, lo, hi, cap, wg_row0, warp_row, lane)
         exponentiate(s, f, m_i, l_i, o_acc, sl2)
         to_a(p, s)
-
-    @device_function
-    def slot(it):
-        """(stage, parity) of the it-th K/V block through this block's ring: its buffer, and the
-        parity of the fill (and of the release) of that buffer's mbarriers."""
-        return pipeline.phase_slot(it, STAGES)
 
     PAIRED, SPAN = cfg.paired, 2 if cfg.paired else 1     # tiles a work item holds, at most
     count_items = device_function(work_items)
@@ -814,53 +809,60 @@ def build(cfg):
                                           row0 + w * WG_ROWS, n_q, p * PANEL, WG_ROWS, PANEL,
                                           PANEL, True, ptid, PRODUCER_THREADS, False,
                                           panel_cols(p))
-            sm90.cp_async_mbarrier_arrive(smem, BAR_Q)
+            q_landed(smem, 0)
         else:
-            sm90.mbarrier_arrive_expect_tx(smem, BAR_Q, Q_BYTES)
+            arm_q(smem, 0, Q_BYTES)
             for w in range(NWG):
                 for p in range(PANELS):
                     sm90.tma_load_4d(smem, tiles0 + w * WG_Q_ELEMS + p * WG_ROWS * ROW, tmaps, 0,
-                                     p * PANEL, first_q + row0 + w * WG_ROWS, h, b, smem, BAR_Q)
+                                     p * PANEL, first_q + row0 + w * WG_ROWS, h, b, smem,
+                                     q_full(0))
 
-    @device_function
-    def load_kv(smem, dst0, tmaps, m, src, key0, n_k, first_k, b, h_kv, full, ptid):
-        """Alg.1 l.8: K_j (m = 1) or V_j (m = 2), B_c rows from key0, into the tile at dst0 (16-bit
-        units), signalled on mbarrier `full`. FP8's V_j^T (TMA only): d rows x 128 keys a box.
-        src: the sequence's keys (cp.async); TMA reads keys first_k + key0.. of batch entry b
-        (past a packed sequence's end: the next one's, masked as past n_k, their V rows zeroed by
-        the consumers: `clear_v_tail`)."""
-        if CP_ASYNC:
-            for p in range(PANELS):
-                dst = dst0 + p * BC * ROW
-                tiles.load_tile_async(smem[dst:dst + BC * ROW], src, key0, n_k, p * PANEL, BC,
-                                      PANEL, PANEL, True, ptid, PRODUCER_THREADS, False,
-                                      panel_cols(p))
-            sm90.cp_async_mbarrier_arrive(smem, full)
-            return
-        sm90.mbarrier_arrive_expect_tx(smem, full, V_BYTES if m == 2 else K_BYTES)
-        if FP8 and m == 2:
-            for p in range(V_PANELS_T):
-                sm90.tma_load_4d(smem, dst0 + p * D * ROW, tmaps, 2, first_k + key0 + p * PANEL, 0,
-                                 h_kv, b, smem, full)
-        else:
-            for p in range(PANELS):
-                sm90.tma_load_4d(smem, dst0 + p * BC * ROW, tmaps, m, p * PANEL, first_k + key0,
-                                 h_kv, b, smem, full)
+    def kv_loader(M, kv_ring, NBYTES):
+        """load_k (M = 1: tensor map 1, K's ring) or load_v (M = 2: V's)."""
+        arm, landed, full = kv_ring.arm, kv_ring.arrive_when_landed, kv_ring.full
+
+        @device_function
+        def load(smem, dst0, tmaps, src, key0, n_k, first_k, b, h_kv, stage, ptid):
+            """Alg.1 l.8: K_j or V_j, B_c rows from key0, into the tile at dst0 (16-bit units) of
+            ring stage `stage`. FP8's V_j^T (TMA only): d rows x 128 keys a box. src: the
+            sequence's keys (cp.async); TMA reads keys first_k + key0.. of batch entry b (past a
+            packed sequence's end: the next one's, masked as past n_k, their V rows zeroed by the
+            consumers: `clear_v_tail`)."""
+            if CP_ASYNC:
+                for p in range(PANELS):
+                    dst = dst0 + p * BC * ROW
+                    tiles.load_tile_async(smem[dst:dst + BC * ROW], src, key0, n_k, p * PANEL, BC,
+                                          PANEL, PANEL, True, ptid, PRODUCER_THREADS, False,
+                                          panel_cols(p))
+                landed(smem, stage)
+                return
+            arm(smem, stage, NBYTES)
+            if FP8 and M == 2:
+                for p in range(V_PANELS_T):
+                    sm90.tma_load_4d(smem, dst0 + p * D * ROW, tmaps, 2,
+                                     first_k + key0 + p * PANEL, 0, h_kv, b, smem, full(stage))
+            else:
+                for p in range(PANELS):
+                    sm90.tma_load_4d(smem, dst0 + p * BC * ROW, tmaps, M, p * PANEL,
+                                     first_k + key0, h_kv, b, smem, full(stage))
+        return load
+
+    load_k, load_v = kv_loader(1, K_RING, K_BYTES), kv_loader(2, V_RING, V_BYTES)
 
     @device_function
     def load_v_units(smem, tiles0, tmaps, it, key0, first_k, b, h_kv):
         """transpose_v="producer": V_j as it is, V_UNIT keys at a time, each into the next staging
         buffer once the transposers have read what it held."""
         for u in range(UNITS):
-            unit, parity = pipeline.phase_slot(it * UNITS + u, VS)
-            if it * UNITS + u >= VS:
-                sm90.mbarrier_wait(smem, BAR_VS_EMPTY + 4 * unit, parity ^ 1)
-            sm90.mbarrier_arrive_expect_tx(smem, BAR_VS_FULL + 4 * unit, UNIT_BYTES)
+            unit, parity = staged_slot(it * UNITS + u)
+            staged_acquire(smem, it * UNITS + u, unit, parity)
+            arm_staged(smem, unit, UNIT_BYTES)
             dst = tiles0 + STAGING0 + unit * (UNIT_BYTES // 2)
             for p in range(PANELS):
                 sm90.tma_load_4d(smem, dst + p * V_UNIT * ROW, tmaps, 2, p * PANEL,
                                  first_k + key0 + u * V_UNIT, h_kv, b, smem,
-                                 BAR_VS_FULL + 4 * unit)
+                                 staged_full(unit))
 
     @device_function
     def transpose_v(smem, tiles0, n, twarp, lane):
@@ -875,19 +877,19 @@ def build(cfg):
         for step in range(n * UNITS):
             it, u = step // UNITS, step % UNITS
             stage, parity = slot(it)
-            if u == 0 and it >= STAGES:
-                sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
-            unit, unit_parity = pipeline.phase_slot(step, VS)
-            sm90.mbarrier_wait(smem, BAR_VS_FULL + 4 * unit, unit_parity)
+            if u == 0:
+                acquire_v(smem, it, stage, parity)
+            unit, unit_parity = staged_slot(step)
+            wait_staged(smem, unit, unit_parity)
             TRANSPOSE_UNIT(smem, tiles0 + STAGING0 + unit * (UNIT_BYTES // 2),
                            tiles0 + V0 + stage * STAGE_ELEMS + u * D * ROW,
                            twarp, lane)
             ptx.fence_proxy_async_shared()
             ptx.syncwarp()
             if lane == 0:
-                sm90.mbarrier_arrive(smem, BAR_VS_EMPTY + 4 * unit)
+                staged_read(smem, unit)
                 if u == UNITS - 1:
-                    sm90.mbarrier_arrive(smem, BAR_V + 4 * stage)
+                    v_transposed(smem, stage)
 
     @device_function
     def ring_blocks(n_q, n_k, heads, batch_heads, lo, hi, cu_q, cu_k):
@@ -929,30 +931,26 @@ def build(cfg):
             bb, first_q, first_k, nq, nk, lo_b, hi_b = sequence(b, n_q, n_k, lo, hi, cu_q, cu_k)
             if VARLEN and row0 >= nq:   # past a packed sequence's end: no tile (consumers too)
                 continue
-            if done > 0:    # the consumers have read the last tile's Q for the last time
-                sm90.mbarrier_wait(smem, BAR_EMPTY_Q, (done - 1) & 1)
+            acquire_q(smem, done, 0, done & 1)   # the last tile's Q read for the last time
             q_h = q[bb, h, first_q:first_q + nq] if VARLEN else q[b, h]
             load_q(smem, tiles0, tmaps, q_h, row0, nq, first_q, bb, h, ptid)       # Alg.1 l.5
             j0, t_c = steps(row0, nq, nk, lo_b, hi_b)
             for jj in range(t_c):                                                  # l.6
                 key0 = (j0 + jj) * BC
                 stage, parity = slot(it)
-                if it >= STAGES:   # l.7: the consumers released the block STAGES before's K
-                    sm90.mbarrier_wait(smem, BAR_EMPTY_K + 4 * stage, parity ^ 1)
+                acquire_k(smem, it, stage, parity)   # l.7: the block STAGES before's K released
                 k0 = tiles0 + K0 + stage * STAGE_ELEMS
                 k_h = k[bb, h_kv, first_k:first_k + nk] if VARLEN else k[b, h_kv]
-                load_kv(smem, k0, tmaps, 1, k_h, key0, nk, first_k, bb, h_kv, BAR_K + 4 * stage,
-                        ptid)                                                      # l.8
+                load_k(smem, k0, tmaps, k_h, key0, nk, first_k, bb, h_kv, stage, ptid)   # l.8
                 if TRANSPOSE:      # ... and its V, for the transposers
                     load_v_units(smem, tiles0, tmaps, it, key0, first_k, bb, h_kv)
                 else:
-                    if it >= STAGES:   # ... and its V
-                        sm90.mbarrier_wait(smem, BAR_EMPTY_V + 4 * stage, parity ^ 1)
+                    acquire_v(smem, it, stage, parity)   # ... and its V
                     if AFTER_PREPASS and it == 0:   # V^T: once the pre-pass has ended (PDL; Q_i
                         sm90.griddep_wait()         # and K_j are copied while it may still run)
                     v_h = v[bb, h_kv, first_k:first_k + nk] if VARLEN else v[b, h_kv]
-                    load_kv(smem, k0 + K_ELEMS, tmaps, 2, v_h, key0, nk, first_k, bb, h_kv,
-                            BAR_V + 4 * stage, ptid)
+                    load_v(smem, k0 + K_ELEMS, tmaps, v_h, key0, nk, first_k, bb, h_kv, stage,
+                           ptid)
                 it = int32(it + 1)
             done = int32(done + 1)
 
@@ -981,17 +979,14 @@ def build(cfg):
         tiles0 = int32(aligned - base) >> 1
 
         if tid == 0:
-            sm90.mbarrier_init(smem, BAR_Q, FULL_COUNT)
-            sm90.mbarrier_init(smem, BAR_EMPTY_Q, 4 * NWG)    # one arrival a consumer warp
+            init_q(smem)
             for s in range(STAGES):
-                sm90.mbarrier_init(smem, BAR_K + 4 * s, FULL_COUNT)
-                sm90.mbarrier_init(smem, BAR_V + 4 * s, V_FULL_COUNT)
-                sm90.mbarrier_init(smem, BAR_EMPTY_K + 4 * s, 4 * NWG)
-                sm90.mbarrier_init(smem, BAR_EMPTY_V + 4 * s, 4 * NWG)
+                init_k_full(smem, s)
+                init_v_full(smem, s)
+                init_k_empty(smem, s)
+                init_v_empty(smem, s)
             if TRANSPOSE:
-                for s in range(VS):
-                    sm90.mbarrier_init(smem, BAR_VS_FULL + 4 * s, 1)
-                    sm90.mbarrier_init(smem, BAR_VS_EMPTY + 4 * s, TRANSPOSERS)
+                init_staged(smem)
             sm90.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -1081,7 +1076,7 @@ def build(cfg):
                 v_scale = v_descale[b, h_kv, 0]
             sl2 = eff_scale * LOG2E if FP8 else scale_log2
 
-            wait_full(smem, BAR_Q, done & 1)                                       # l.13
+            wait_q(smem, 0, done & 1)                                       # l.13
             # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1}
             # (or the first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the
             # other's softmax does. The turn goes round without a break from tile to tile: the
@@ -1101,7 +1096,7 @@ def build(cfg):
                     # Q_{i+1} could land, completing the barrier's next phase, before a lane has
                     # seen this one
                     ptx.syncwarp()
-                    release(smem, BAR_EMPTY_Q, 0, lane)
+                    release_q(smem, 0, lane)
                 if wg != NWG - 1 or not final:
                     pass_turn(wg)
             elif not INTRA_OVERLAP and BACK_TO_BACK:
@@ -1111,7 +1106,7 @@ def build(cfg):
                 # flight across the loop's back edge, nor a branch sit between two wgmmas: ptxas
                 # would serialise every wgmma. Hence the first S and the last P V apart.)
                 stage, parity = slot(it)
-                wait_full(smem, BAR_K + 4 * stage, parity)
+                wait_k(smem, stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)                              # l.15: S_0
                 f = key_factor(k_descale, b, h_kv, j0, by_k_blocks)
@@ -1122,8 +1117,8 @@ def build(cfg):
                 for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
-                    wait_full(smem, BAR_V + 4 * prev, prev_parity)
-                    wait_full(smem, BAR_K + 4 * stage, parity)
+                    wait_v(smem, prev, prev_parity)
+                    wait_k(smem, stage, parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     values(o_acc, p, v_desc0, prev)                            # l.18, block j-1
@@ -1134,40 +1129,40 @@ def build(cfg):
                     softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, nk, lo_b,
                                  hi_b, cap, wg_row0, warp_row, lane)               # l.16-17
                 stage, parity = slot(it + t_c - 1)
-                wait_full(smem, BAR_V + 4 * stage, parity)
+                wait_v(smem, stage, parity)
                 if CLEAR_V_TAIL:   # the last block (the loop's never runs past n_k)
                     clear_v_tail(tiles0, stage, (j0 + t_c - 1) * BC, nk, wg, wg_tid)
                 wait_turn(wg)
                 sm90.wgmma_fence()
                 values(o_acc, p, v_desc0, stage)                               # l.18, the last
                 WAIT_OP(o_acc, p)
-                release(smem, BAR_EMPTY_V, stage, lane)                            # l.19
+                release_v(smem, stage, lane)                            # l.19
                 if wg != NWG - 1 or not final:
                     pass_turn(wg)
             elif not INTRA_OVERLAP:
                 # The same with O waited for inside the turn, before S_{j+1} is issued.
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
-                    wait_full(smem, BAR_K + 4 * stage, parity)
+                    wait_k(smem, stage, parity)
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # l.15
                     f = key_factor(k_descale, b, h_kv, j0 + j, by_k_blocks)
                     pass_turn(wg)
                     WAIT_S(s)
-                    release(smem, BAR_EMPTY_K, stage, lane)
+                    release_k(smem, stage, lane)
                     if O_APART and j == t_c - 1:
-                        release(smem, BAR_EMPTY_Q, 0, lane)
+                        release_q(smem, 0, lane)
                     logits(s, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
                     exponentiate(s, f, m_i, l_i, o_acc, sl2)                            # l.16-17
                     to_a(p, s)
-                    wait_full(smem, BAR_V + 4 * stage, parity)
+                    wait_v(smem, stage, parity)
                     if CLEAR_V_TAIL:
                         clear_v_tail(tiles0, stage, (j0 + j) * BC, nk, wg, wg_tid)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     values(o_acc, p, v_desc0, stage)                           # l.18
                     WAIT_OP(o_acc, p)
-                    release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
+                    release_v(smem, stage, lane)                        # l.19
                 if wg != NWG - 1 or not final:
                     pass_turn(wg)
             else:
@@ -1175,15 +1170,15 @@ def build(cfg):
                 # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the
                 # P V product; O is rescaled once that product has landed.
                 stage, parity = slot(it)
-                wait_full(smem, BAR_K + 4 * stage, parity)
+                wait_k(smem, stage, parity)
                 sm90.wgmma_fence()
                 scores(s, q_desc, k_desc0, stage)
                 f = key_factor(k_descale, b, h_kv, j0, by_k_blocks)
                 pass_turn(wg)
                 WAIT_S(s)
-                release(smem, BAR_EMPTY_K, stage, lane)
+                release_k(smem, stage, lane)
                 if O_APART and t_c == 1:
-                    release(smem, BAR_EMPTY_Q, 0, lane)
+                    release_q(smem, 0, lane)
                 logits(s, j0, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
                 # O = 0: nothing to defer
                 exponentiate(s, f, m_i, l_i, o_acc, sl2)
@@ -1191,8 +1186,8 @@ def build(cfg):
                 for j in range(1, t_c):
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
-                    wait_full(smem, BAR_K + 4 * stage, parity)
-                    wait_full(smem, BAR_V + 4 * prev, prev_parity)
+                    wait_k(smem, stage, parity)
+                    wait_v(smem, prev, prev_parity)
                     wait_turn(wg)
                     sm90.wgmma_fence()
                     scores(s, q_desc, k_desc0, stage)                          # S_j
@@ -1200,24 +1195,24 @@ def build(cfg):
                     f = key_factor(k_descale, b, h_kv, j0 + j, by_k_blocks)
                     pass_turn(wg)
                     WAIT1_S(s)                # S_j has landed; the P V product may still run
-                    release(smem, BAR_EMPTY_K, stage, lane)
+                    release_k(smem, stage, lane)
                     if O_APART and j == t_c - 1:
-                        release(smem, BAR_EMPTY_Q, 0, lane)
+                        release_q(smem, 0, lane)
                     logits(s, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
                     exponentiate_deferred(s, f, m_i, l_i, alpha, sl2)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
-                    release(smem, BAR_EMPTY_V, prev, lane)
+                    release_v(smem, prev, lane)
                     tiles.scale_rows(o_acc, alpha)
                     to_a(p, s)
                 last, last_parity = slot(it + t_c - 1)
-                wait_full(smem, BAR_V + 4 * last, last_parity)
+                wait_v(smem, last, last_parity)
                 if CLEAR_V_TAIL:   # the last block (the loop's never runs past n_k)
                     clear_v_tail(tiles0, last, (j0 + t_c - 1) * BC, nk, wg, wg_tid)
                 wait_turn(wg)
                 sm90.wgmma_fence()
                 values(o_acc, p, v_desc0, last)
                 WAIT_OP(o_acc, p)
-                release(smem, BAR_EMPTY_V, last, lane)
+                release_v(smem, last, lane)
                 if wg != NWG - 1 or not final:
                     pass_turn(wg)
             it = int32(it + t_c)
@@ -1285,7 +1280,7 @@ def build(cfg):
                                  WG_THREADS, O_COLS)
             if not O_APART:   # O_i has left Q's room: the next Q may land there
                 ptx.bar_sync(1 + wg, WG_THREADS)
-                release(smem, BAR_EMPTY_Q, 0, lane)
+                release_q(smem, 0, lane)
             if lane & 3 == 0:
                 for r in range(2):
                     row = warp_row + (lane >> 2) + 8 * r

@@ -59,7 +59,8 @@ from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_for
 from common.host import configs, replay, tensormaps
 from common.host.launching import launch
 from common.host.problem import LSE_TYPE, OUT_TYPE
-from common.tile import masks, pipeline, softmax, tiles
+from common.tile import masks, softmax, tiles
+from common.tile.mbarrier_ring import ring
 from variants import backward_shared as bwd
 
 HEAD_DIMS = tuple(d for d in tiles.HEAD_DIMS if d <= 128)   # multiples of 8 from 32 to 128
@@ -209,8 +210,13 @@ def build_backward(cfg):
     SETMAXNREG = cfg.setmaxnreg
     TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
     GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
-    # mbarriers (8 bytes = 4 elements each): K_j and V_j landed; per stage, full and empty.
-    BAR_KV, BAR_FULL, BAR_EMPTY = 0, 4, 4 + 4 * STAGES
+    # mbarriers (8 bytes = 4 elements each): K_j and V_j landed; then the ring of Q_i, dO_i,
+    # L_i, D_i (common/tile/mbarrier_ring.py), per stage full (lane 0's expect_tx and the
+    # producer warp's 32 lanes) and empty (a consumer warp each).
+    BAR_KV = 0
+    QDO = ring(STAGES, 4, 4 + 4 * STAGES, 33, 4 * NWG)
+    slot, init_ring, wait_full, release = QDO.slot, QDO.init, QDO.wait_full, QDO.release
+    acquire, arm, full, arrive_full = QDO.acquire, QDO.arm, QDO.full, QDO.arrive_full
     DS_BARRIER = 1 + NWG                        # named: the warpgroups' dS^T halves are staged
     RG = cfg.dq_row_groups                      # warpgroups across dQ_i's rows (64 each)
     CG = NWG // RG                              # ... across its columns
@@ -235,11 +241,6 @@ def build_backward(cfg):
     EARLY_DV, DQ_DEFERRED = cfg.early_dv, cfg.dq_deferred
     ST_ACC, KV_ACC, DQ_ACC, A_FRAG = (1, BR // 8, 4), (1, D // 8, 4), (1, DQ_COLS // 8, 4), \
         (1, K_Q, 4)
-
-    @device_function
-    def slot(step):
-        """(stage, parity) of the step-th query block through the ring."""
-        return pipeline.phase_slot(step, STAGES)
 
     @device_function
     def position(step, n_i, i0, h0):
@@ -306,16 +307,15 @@ def build_backward(cfg):
         for step in range(n_steps):                                                # l.8
             h, i = position(step, n_i, i0, h0)
             stage, parity = slot(step)
-            if step >= STAGES:   # the consumers released what the stage held STAGES steps ago
-                sm90.mbarrier_wait(smem, BAR_EMPTY + 4 * stage, parity ^ 1)
+            acquire(smem, step, stage, parity)   # released what it held STAGES steps ago
             if lane == 0:                                                          # l.9
                 qdo = tiles0 + QDO0 + stage * 2 * Q_ELEMS
-                sm90.mbarrier_arrive_expect_tx(smem, BAR_FULL + 4 * stage, 2 * Q_BYTES)
+                arm(smem, stage, 2 * Q_BYTES)
                 for p in range(PANELS):
                     sm90.tma_load_4d(smem, qdo + p * BR * ROW, tmaps, 0, p * PANEL_COLS, i * BR,
-                                     h, b, smem, BAR_FULL + 4 * stage)
+                                     h, b, smem, full(stage))
                     sm90.tma_load_4d(smem, qdo + Q_ELEMS + p * BR * ROW, tmaps, 3, p * PANEL_COLS,
-                                     i * BR, h, b, smem, BAR_FULL + 4 * stage)
+                                     i * BR, h, b, smem, full(stage))
             st = stats0 + stage * 2 * BR
             for r in range(lane, BR, 32):
                 row = i * BR + r
@@ -325,7 +325,7 @@ def build_backward(cfg):
                 else:
                     smem_f32[st + r] = float32(math.inf)
                     smem_f32[st + BR + r] = float32(0)
-            sm90.mbarrier_arrive(smem, BAR_FULL + 4 * stage)
+            arrive_full(smem, stage)
 
     @kernel_for_one_block_per_sm(cfg.threads)
     def fa3_backward_kv(tmaps, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
@@ -358,9 +358,7 @@ def build_backward(cfg):
 
         if tid == 0:
             sm90.mbarrier_init(smem, BAR_KV, 1)
-            for s_ in range(STAGES):
-                sm90.mbarrier_init(smem, BAR_FULL + 4 * s_, 33)     # lane 0's expect_tx + 32 lanes
-                sm90.mbarrier_init(smem, BAR_EMPTY + 4 * s_, 4 * NWG)   # a consumer warp each
+            init_ring(smem)
             sm90.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -423,7 +421,7 @@ def build_backward(cfg):
             stage_bytes = stage * 4 * Q_ELEMS                  # a stage: Q_i then dO_i
             st = stats0 + stage * 2 * BR
             buf = step & 1
-            sm90.mbarrier_wait(smem, BAR_FULL + 4 * stage, parity)                 # l.9
+            wait_full(smem, stage, parity)                                         # l.9
             sm90.wgmma_fence()
             if DQ_DEFERRED and step > 0:                       # l.15 of the previous step
                 dq_product(dq, sm90.descriptor_advance(ds_desc, (1 - buf) * 2 * DS_ELEMS), kd_desc)
@@ -471,8 +469,7 @@ def build_backward(cfg):
                 sm90.wgmma_fence()
                 dq_product(dq, sm90.descriptor_advance(ds_desc, buf * 2 * DS_ELEMS), kd_desc)
                 WAIT_ALL(dq, dk, dv, p, ds)
-            if lane == 0:   # Q_i, dO_i, L_i, D_i read for the last time: the stage is free
-                sm90.mbarrier_arrive(smem, BAR_EMPTY + 4 * stage)
+            release(smem, stage, lane)   # Q_i, dO_i, L_i, D_i read for the last time
             if not DQ_DEFERRED:
                 write_dq(smem_f32, dq_acc, dq, dqf, b, h, q0 + dq_row, lane)
             h_prev, q0_prev = h, q0
