@@ -42,7 +42,7 @@ def run(variant, passes, calls, cache):
     out = subprocess.run([sys.executable, "-c", CHILD, variant, passes, str(calls)], env=env,
                          capture_output=True, text=True, timeout=600)
     if out.returncode:
-        raise RuntimeError(out.stderr[-3000:])
+        raise RuntimeError(f"exit {out.returncode}: {out.stdout[-1000:]} {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -286,7 +286,7 @@ def test_unroll_pass_marks_exactly_the_back_edges():
 def test_kernel_cache_keys_tell_every_kernel_apart():
     """FA_KERNEL_CACHE (common.host.kernel_cache): every compile target gets its own key, from the constants
     its closure holds; a kernel closing over something the key cannot describe is not cached."""
-    code = ("from importlib import import_module\nfrom common import kernel_cache\n"
+    code = ("from importlib import import_module\nfrom common.host import kernel_cache\n"
             "from experiments import compile_report\n"
             "keys, n = set(), 0\n"
             "for mod in compile_report.variant_modules():\n"

@@ -181,5 +181,5 @@ def test_torch_compile_fullgraph(rng):
     eager = torch.autograd.grad(layer(tq, tk, tv), (tq, tk, tv))
     compiled = torch.compile(layer, fullgraph=True)
     got = torch.autograd.grad(compiled(tq, tk, tv), (tq, tk, tv))
-    for a, b in zip(eager, got):
-        assert torch.equal(a, b)
+    for a, b in zip(eager, got):   # fa3's dQ is added by atomics, in any order
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)

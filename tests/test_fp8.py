@@ -456,7 +456,7 @@ def test_v_prepass_lets_its_dependent_start_first_thing():
     griddepcontrol at all (PTX for sm_90, compiled without a GPU)."""
     code = (
         "from numba import cuda, types\n"
-        "from common import fp8\n"
+        "from variants import fp8\n"
         "sig = (types.Array(types.uint32, 4, 'A'), types.Array(types.uint32, 2, 'C'), types.int32)\n"
         "for trigger in (True, False):\n"
         "    ptx, _ = cuda.compile_ptx(fp8._v_k_major_kernel(128, trigger).py_func, sig, cc=(9, 0))\n"

@@ -48,7 +48,9 @@ def _sdpa(torch, q, k, v, **kw):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
 
 
-@pytest.mark.parametrize("n_q, n_k, causal, head_dim", [(256, 256, True, 128), (128, 384, True, 64),
+# (torch's SDPA sends no causal call with N_q != N_k to its flash backend: that case is covered
+# by flash_attn_func's tests)
+@pytest.mark.parametrize("n_q, n_k, causal, head_dim", [(256, 256, True, 128), (128, 384, False, 64),
                                                         (200, 200, False, 72)])
 def test_sdpa_flash_backend_forward_and_backward(torch, sdpa_active, rng, n_q, n_k, causal,
                                                  head_dim):

@@ -38,26 +38,25 @@ def _is_torch(x):
 
 
 @lru_cache(maxsize=None)
-def _capability(device_index):
-    """(major, minor) of a torch CUDA device, or of Numba's current device (index None)."""
+def _numba_capability():
+    """(major, minor) of Numba's current device ((0, 0) in the simulator)."""
     from common.hardware.target import SIMULATOR
     if SIMULATOR:
         return (0, 0)
-    if device_index is None:
-        from numba import cuda
-        return tuple(cuda.get_current_device().compute_capability)
-    import torch
-    return tuple(torch.cuda.get_device_capability(device_index))
+    from numba import cuda
+    return tuple(cuda.get_current_device().compute_capability)
 
 
 def default_variant(q):
     """The generation flash_attn's functions run on q's GPU: fa3 on Hopper (sm_90), fa2 elsewhere
-    (and in the simulator)."""
-    index = q.device.index if _is_torch(q) else None
-    if _is_torch(q) and index is None:
+    (and in the simulator). For torch tensors torch.cuda.get_device_capability, which
+    torch.compile folds to a constant."""
+    if _is_torch(q):
         import torch
-        index = torch.cuda.current_device()
-    return "fa3" if _capability(index) == (9, 0) else "fa2"
+        capability = tuple(torch.cuda.get_device_capability(q.device))
+    else:
+        capability = _numba_capability()
+    return "fa3" if capability == (9, 0) else "fa2"
 
 
 def _refuse(dropout_p=0.0, alibi_slopes=None, **others):

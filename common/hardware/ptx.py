@@ -1,4 +1,4 @@
-"""The sm_80-style PTX instructions under the name the kernels use: `from common import ptx`, then
+"""The sm_80-style PTX instructions under the name the kernels use: `from common.hardware import ptx`, then
 `ptx.mma_bf16_16816(...)`. Each is common/hardware/sm80.py's (the table of names and PTX is there, each GPU
 intrinsic beside its simulator stand-in); this module only re-exports them, so that the kernels'
 source names one stable module while the hardware layer is laid out by architecture (sm80.py,

@@ -1,6 +1,6 @@
 """The sm_80-style instructions (mma.sync, ldmatrix, cp.async, shuffles, cvt; and the few sm_90
 vector and bulk reductions fa2's backward uses), one Python name each. The kernels call them
-through `common.hardware.ptx` (`from common import ptx`; `ptx.mma_bf16_16816(...)`), which re-exports
+through `common.hardware.ptx` (`from common.hardware import ptx`; `ptx.mma_bf16_16816(...)`), which re-exports
 these names.
 
 One source for both targets, as common/hardware/sm90.py is for the Hopper instructions (the pick made once

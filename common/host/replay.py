@@ -358,7 +358,7 @@ def _dispatch_ready():
     global _first_use
     if _first_use is None:
         _first_use = threading.Thread(target=_first_use_apart, args=(_allocations_mode,),
-                                      name="replay: first dispatch mode", daemon=True)
+                                      name="replay: first dispatch mode")
         _first_use.start()
     return not _first_use.is_alive()
 
