@@ -11,7 +11,7 @@ import pytest
 from numba import cuda, int32, uint16, uint32
 
 from common.hardware import ptx, sm90
-from common.hardware.target import kernel
+from common.hardware.target import device_function, kernel
 from common.host import arrays, tensormaps
 from common.host.launching import launch
 from common.tile import mbarrier_ring, tiles
@@ -42,9 +42,11 @@ def test_slot_and_parity_of_each_fill(stages):
     out = cuda.to_device(np.full((n, 2), -1, np.int64))
     slot_kernel(stages)[1, n](out)
     it = np.arange(n)
-    np.testing.assert_array_equal(out.copy_to_host(), np.stack([it % stages, (it // stages) & 1], 1))
+    want = np.stack([it % stages, (it // stages) & 1], 1)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
 
 
+@device_function
 def swizzled(r, c):
     """Element (r, c) of a 128-byte-swizzled tile of 64-column rows (1024-byte aligned): 16-byte
     chunk c // 8 of row r at chunk (c // 8) ^ (r % 8), as TMA lands it."""

@@ -9,7 +9,7 @@ cp.async ring, whose every thread both copies and computes.
     r = ring(stages, full, empty, full_count, empty_count, fence=False)   (one per configuration)
 
     r.slot(it)                       (stage, parity) of the ring's it-th fill (pipeline.phase_slot)
-    r.full(stage)                    the full mbarrier's offset: the completion operand of a TMA copy
+    r.full(stage)                    the full mbarrier's offset (a TMA copy's completion operand)
     r.init(smem)                     every stage's full then empty mbarrier, with their counts
     r.init_full(smem, stage), r.init_empty(smem, stage)   one of them (rings whose mbarriers are
                                      made interleaved with another ring's)
