@@ -72,6 +72,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="one timed repeat, no compiled rows")
+    parser.add_argument("--caches", default="dynamic,static", help="generate()'s caches to time")
     args = parser.parse_args(argv)
     import torch
     import transformers
@@ -91,6 +92,8 @@ def main(argv=None):
         for batch, cache, padded in ((1, "dynamic", False), (1, "static", False),
                                      (8, "dynamic", False), (8, "static", False),
                                      (8, "dynamic", True)):
+            if cache not in args.caches.split(","):
+                continue
             r = {attn: tokens_per_s(torch, m, batch, cache, padded) for attn, m in models.items()}
             label = f"generate b={batch} {cache}{' left-padded' if padded else ''} (tok/s)"
             rows.append((label, r[name], r["sdpa"], r[name] / r["sdpa"]))
