@@ -137,3 +137,20 @@ def test_no_function_past_the_limit():
                         long.append(f"{where[0]}:{node.lineno} {node.name}: {n}")
     assert not long, ("functions over the limit (or listed in OVER_THE_LIMIT and now short):\n"
                       + "\n".join(long))
+
+
+def test_the_library_imports_none_of_the_extras():
+    """variants (every front end included) needs only the core dependencies at import: Hydra,
+    OmegaConf, matplotlib, CuPy and torch are extras (pyproject.toml), imported where used."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys\nimport variants, variants.flash_attn, variants.precompile\n"
+            "import variants.integrations.sdpa, variants.integrations.transformers\n"
+            "for n in variants.REGISTRY: variants.get(n)\n"
+            "print(sorted(m for m in ('hydra', 'omegaconf', 'matplotlib', 'cupy', 'torch')"
+            " if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
