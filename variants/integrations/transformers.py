@@ -19,8 +19,9 @@ The name holds no "flash": transformers would then look for the flash-attn packa
   packed sequences (`cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_*` keywords, or position_ids
   that restart) run varlen too;
 - a few query tokens against a longer cache with no padding (a generation step) run the split-KV
-  decode kernel (variants/decoding.py); everything else flash_attn_func's path (fa3 on sm_90,
-  fa2 elsewhere), differentiable;
+  decode kernel (variants/decoding.py) with no read-back; everything else (and every call under
+  torch.compile, which transformers uses for a StaticCache's decode steps) flash_attn_func's path
+  (fa3 on sm_90, fa2 elsewhere, torch custom operators while compiling), differentiable;
 - what the kernels cannot do is refused by name: attention dropout in training, attention sinks
   (`s_aux`), `output_attentions`.
 """
@@ -91,11 +92,27 @@ def _attend(q, k, v, padding, mask, kwargs):
             v.reshape(-1, *v.shape[2:]), *packed, **mask)
         return out.view(b, n_q, *out.shape[1:])
     if q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad \
-            and mask["window_size"] == (-1, -1) and not mask["softcap"]:
-        return flash_attn.flash_attn_with_kvcache(
-            q, k, v, cache_seqlens=k.shape[1], softmax_scale=mask["softmax_scale"],
-            causal=mask["causal"])
+            and mask["window_size"] == (-1, -1) and not mask["softcap"] and not _compiling():
+        return _decode(q, k, v, mask)
     return flash_attn.flash_attn_func(q, k, v, **mask)
+
+
+def _decode(q, k, v, mask):
+    """A generation step: q's few tokens against every key of k, v (the cache as transformers
+    hands it over, all positions filled), by the split-KV kernel. The lengths are k's, made here,
+    so nothing is read back (check=False: no host synchronisation a layer)."""
+    import torch
+
+    from variants.decoding import decode
+    lengths = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+    o, _ = decode(q, k, v, lengths, causal=mask["causal"], softmax_scale=mask["softmax_scale"],
+                  check=False)
+    return o
+
+
+def _compiling():
+    import torch
+    return torch.compiler.is_compiling()
 
 
 def _unpadded(q, k, v, padding, mask):
