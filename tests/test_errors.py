@@ -97,12 +97,35 @@ def test_non_finite_scale(qkv):
         variants.forward(*qkv, variant="fa2", softmax_scale=float("nan"))
 
 
-def test_empty_sequence(rng):
-    q = inputs.to_device(np.zeros((1, 0, 2, 64), dtype=inputs.DTYPES["bfloat16"]),
-                         inputs.default_library())
-    k = device(rng)
-    with pytest.raises(ValueError, match="empty problem"):
-        variants.forward(q, k, k, variant="fa2")
+@pytest.mark.parametrize("q_shape, k_shape", [((1, 0, 2, 64), (1, 16, 2, 64)),   # no query
+                                              ((1, 16, 2, 64), (1, 0, 2, 64)),   # no key
+                                              ((0, 16, 2, 64), (0, 16, 2, 64))],  # no sequence
+                         ids=["no_query", "no_key", "no_batch"])
+@pytest.mark.parametrize("variant", ["standard", "fa2"])
+def test_an_empty_problem_returns_what_flash_attn_does(monkeypatch, variant, q_shape, k_shape):
+    """Nothing to compute launches nothing (flash_attn's empty cases): O = 0 and LSE = -inf (rows
+    that see no key), zero gradients; the packed form too (every key sequence empty)."""
+    from variants import registry
+    monkeypatch.setattr(registry, "get", lambda name: pytest.fail(f"{name} was called"))
+    lib = inputs.default_library()
+    dt = inputs.DTYPES["bfloat16"]
+    q = inputs.to_device(np.ones(q_shape, dtype=dt), lib)
+    k = inputs.to_device(np.ones(k_shape, dtype=dt), lib)
+    o, lse = variants.forward(q, k, k, variant=variant, causal=True)
+    assert inputs.to_host(o).shape == q_shape and (inputs.to_host(o).astype(np.float32) == 0).all()
+    assert inputs.to_host(lse).shape == (q_shape[0], q_shape[2], q_shape[1])
+    assert np.isneginf(inputs.to_host(lse)).all()
+    grads = variants.backward(o, q, k, k, o, lse, variant=variant)
+    for g, x in zip(grads, (q, k, k)):
+        g = inputs.to_host(g)
+        assert g.shape == tuple(x.shape) and (g.astype(np.float32) == 0).all()
+    if q_shape[0]:   # the packed form: q (total_q, H, d), no key in any sequence
+        cu_q = inputs.to_device(np.array([0, q_shape[1]], np.int32), lib)
+        cu_k = inputs.to_device(np.array([0, k_shape[1]], np.int32), lib)
+        o, lse = variants.forward_varlen(q[0], k[0], k[0], cu_q, cu_k, q_shape[1], k_shape[1],
+                                         variant=variant)
+        assert inputs.to_host(lse).shape == (q_shape[2], q_shape[1])
+        assert (inputs.to_host(o).astype(np.float32) == 0).all()
 
 
 @pytest.mark.parametrize("variant", ["standard", "fa1", "fa2"])

@@ -24,9 +24,9 @@ def _function_class():
         @staticmethod
         def forward(ctx, q, k, v, variant, causal, softmax_scale, mask, forward_options,
                     backward_options):
-            o, lse = registry.get(variant).forward(q, k, v, causal=causal,
-                                                   softmax_scale=softmax_scale, **dict(mask),
-                                                   **dict(forward_options))
+            o, lse = registry.forward(q, k, v, variant=variant, causal=causal,
+                                      softmax_scale=softmax_scale, **dict(mask),
+                                      **dict(forward_options))
             ctx.save_for_backward(q, k, v, o, lse)
             ctx.settings = (variant, causal, softmax_scale, dict(mask, **dict(backward_options)))
             ctx.mark_non_differentiable(lse)

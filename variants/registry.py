@@ -1,5 +1,8 @@
 """The one registry of attention variants and the calls that dispatch on it: `forward`,
-`backward` and their packed-batch forms look a variant's module up by name and call it.
+`backward` and their packed-batch forms look a variant's module up by name and call it. A problem
+with nothing to compute (a batch of no sequence, no query, or no key: flash_attn's empty cases)
+launches nothing: the forward returns O = 0 and LSE = -inf (no key) and the backward zero
+gradients, as flash_attn does.
 Everything above the variants (autograd, the torch operators, context parallelism, the
 integrations) calls these, so that no module imports the package face that imports it."""
 from importlib import import_module
@@ -27,7 +30,43 @@ _MODULES = {}
 
 def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention forward with the named variant; options are that variant's tuning knobs."""
+    if _empty(q, k, v, 4):
+        return _empty_forward(q, k, options.get("out"), lse_shape=(q.shape[0], q.shape[2],
+                                                                      q.shape[1]))
     return get(variant).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
+
+
+def _empty(q, k, v, ndim):
+    """True for a well-formed problem with nothing to compute (some axis of length 0); malformed
+    ones go on to the variant, whose checks name the problem."""
+    shapes = [tuple(x.shape) for x in (q, k, v)]
+    if any(len(s) != ndim for s in shapes) or shapes[1] != shapes[2] or \
+            shapes[0][-1] != shapes[1][-1] or not all(min(s) >= 0 for s in shapes):
+        return False
+    heads, heads_kv = shapes[0][-2], shapes[1][-2]
+    if heads_kv and heads % heads_kv:
+        return False
+    return 0 in shapes[0] or 0 in shapes[1]
+
+
+def _empty_forward(q, k, out, lse_shape):
+    """(o, lse) of an empty problem: O = 0, LSE = -inf (no row sees a key)."""
+    from common.host import arrays
+    d = arrays.describe(q, "q")
+    if out is None:
+        out = (arrays.empty(d.library, tuple(q.shape), d.dtype, like=q),
+               arrays.empty(d.library, lse_shape, "float32", like=q))
+    o, lse = out
+    return arrays.fill(o, 0.0), arrays.fill(lse, float("-inf"))
+
+
+def _empty_backward(q, k, v, grads):
+    """Zero gradients like q, k, v (or into `grads`)."""
+    from common.host import arrays
+    if grads is None:
+        d = arrays.describe(q, "q")
+        grads = tuple(arrays.empty(d.library, tuple(x.shape), d.dtype, like=q) for x in (q, k, v))
+    return tuple(arrays.fill(g, 0.0) for g in grads)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -36,6 +75,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     heads, d), k and v (total_k, heads_kv, d), cu_seqlens_q/k int32 device arrays (batch + 1) of
     the sequences' first rows; returns o (total_q, heads, d) and lse (heads, total_q) float32. The
     mask keywords are forward's, applied within each sequence."""
+    if _empty(q, k, v, 3):
+        return _empty_forward(q, k, options.get("out"), lse_shape=(q.shape[1], q.shape[0]))
     module = get(variant)
     if not hasattr(module, "forward_varlen"):
         raise ValueError(f"variant {variant!r} has no variable-length forward; these do: "
@@ -47,6 +88,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     *, variant="fa2", causal=False, softmax_scale=None, **options):
     """The backward of forward_varlen: (dq, dk, dv) like (q, k, v) of the packed batch."""
+    if _empty(q, k, v, 3):
+        return _empty_backward(q, k, v, options.get("grads"))
     module = get(variant)
     if not hasattr(module, "backward_varlen"):
         raise ValueError(f"variant {variant!r} has no variable-length backward; these do: "
@@ -59,6 +102,8 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention backward with the named variant: (dq, dk, dv) like (q, k, v), from the forward's
     inputs and outputs (o, lse) and dO (like o). options: the variant's backward knobs."""
+    if _empty(q, k, v, 4):
+        return _empty_backward(q, k, v, options.get("grads"))
     module = get(variant)
     if not hasattr(module, "backward"):
         raise ValueError(f"variant {variant!r} has no backward pass; these do: "

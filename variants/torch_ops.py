@@ -51,8 +51,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, variant: str, causal: bool,
             softmax_scale: Optional[float], window_left: int, window_right: int, softcap: float,
             align: str, forward_options: str, backward_options: str) -> tuple[Tensor, Tensor]:
     """(o, lse) of variants.forward; backward_options ride along for the derivative."""
-    return registry.get(variant).forward(
-        q, k, v, causal=causal, softmax_scale=softmax_scale,
+    return registry.forward(
+        q, k, v, variant=variant, causal=causal, softmax_scale=softmax_scale,
         **_mask(window_left, window_right, softcap, align),
         **dict(_decode_options(forward_options)))
 

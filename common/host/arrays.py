@@ -390,3 +390,19 @@ def _host_bits(x):
 def _numba_bits(x):
     """Numba copies through the buffer protocol, which refuses ml_dtypes' bfloat16: move its bits."""
     return x.view(np.uint16) if x.dtype == DTYPES["bfloat16"] else x
+
+
+def fill(x, value):
+    """Set every element of device array x to `value` (on the caller's stream for torch and CuPy);
+    returns x."""
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        x.fill_(value)
+        return x
+    if mod.startswith("cupy"):
+        x.fill(value)
+        return x
+    if x.size:
+        full = np.full(x.shape, value, dtype=np.float32).astype(x.dtype)
+        _numba_bits(x).copy_to_device(_host_bits(full))
+    return x
