@@ -84,6 +84,7 @@ path on an H100 (docs/performance.md), so the pre-pass stays the default.
 Still to come: a TMA store of O.
 """
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -92,6 +93,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common.hardware import ptx, sm90, target
 from common.hardware.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
+from common.hardware.stamps import stamper
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm
 from common.host import arrays, configs, replay, tensormaps
 from common.host.launching import launch
@@ -107,6 +109,7 @@ from common.host.problem import (
 )
 from common.tile import masks, softmax, tiles
 from common.tile.mbarrier_ring import ring
+from common.tile.pingpong import turns
 from common.tile.scheduler import divider, divmod_by, tile_scheduler, work_items
 from variants import fp8
 
@@ -439,246 +442,76 @@ default_config = configs.default_config_function("fa3", Config, DEFAULTS, OPTION
 
 LOG2E = float32(softmax.LOG2E)
 LN2 = float32(math.log(2))
+STAMP_PHASES = 13       # build(cfg, stamps=True): a consumer warp's cycles in 13 phases of its
+STAMP_MARK = -12345.0   # tiles, left over its LSE rows after this marker (no LSE is this): the
+                        # record experiments/probes/fa3_phases.py reads
+
+
+# The kernel's parts, each a builder closed over one configuration's constants (Config): where
+# the tiles lie (_layout), the mbarrier rings (_rings), a tile's sequence and K/V blocks
+# (_tile_bounds), the producer's role (_producer), the pieces of a consumer's step (_step_parts)
+# and O_i's store (_epilogue). build(cfg) is the algorithm over them: the roles, the tile loop and
+# the step loops (FA3's Alg.1 and 2, with their line numbers). All inlined into one kernel.
+
+Layout = namedtuple("Layout", "row panel panels wg_q_elems k0 k_elems stage_elems stage_bytes v0 "
+                              "q_bytes k_bytes v_bytes o_room o_pitch wg_o_elems staging0")
 
 
 @lru_cache(maxsize=None)
-def build(cfg):
-    """Compile-time constants of one configuration, closed over by its kernel."""
-    D, BR, BC, STAGES, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
-    HEAD_DIM = cfg.head_dim                     # d: the tiles' columns past it are zeros
-    ELEM, CAUSAL, FP8, K_BLOCK_SCALES = cfg.element.code, cfg.causal, cfg.fp8, cfg.k_block_scales
-    DTYPE, EB, OPERAND = cfg.operand.ptx, cfg.operand.bytes, cfg.operand.code
-    ROW = sm90.SWIZZLE_BYTES // 2               # a 128-byte swizzled row in 16-bit smem elements
-    PANEL = sm90.SWIZZLE_BYTES // EB            # its columns: 64 (16-bit) or 128 (e4m3)
-    PANELS = D // PANEL
-    # columns of the last panel that hold data (0: all of them), for the copies (cp.async) that
-    # zero-fill the rest and for O's store, which leaves them out
-    LAST_PANEL_COLS = HEAD_DIM - (PANELS - 1) * PANEL if HEAD_DIM < D else 0
-    O_COLS = HEAD_DIM if HEAD_DIM < D else 0
-    # the bytes a K_j tile (B_c rows) and a V_j tile (cfg.kv_rows rows: FP8's V^T in whole 128-key
-    # panels) take and their copies land (equal but for FP8 with B_c not a multiple of 128)
-    Q_BYTES, K_BYTES, V_BYTES = BR * D * EB, BC * D * EB, cfg.kv_rows * D * EB
-    V_PANELS_T = cfg.kv_rows // V_UNIT if FP8 else 0   # FP8: V_j^T's panels of 128 keys
-    WG_Q_ELEMS = WG_ROWS * D                    # a warpgroup's room for Q_i (16-bit elements:
-                                                # its O_i is staged there at the end)
-    K0 = NWG * WG_Q_ELEMS                       # 16-bit offset of stage 0's K tile (Q is at 0)
-    K_ELEMS, V_ELEMS = K_BYTES // 2, V_BYTES // 2   # ... in 16-bit elements
-    STAGE_ELEMS = K_ELEMS + V_ELEMS             # a stage: K_j, then V_j K_ELEMS on
-    PRODUCER_WARP = 4 * NWG
-    SETMAXNREG = cfg.setmaxnreg
-    CP_ASYNC, WINDOW, SOFTCAP = cfg.cp_async, cfg.window, cfg.softcap
+def _layout(cfg):
+    """Shared memory past the mbarriers, in 16-bit elements from `tiles0` (its first 1024-aligned
+    byte: the swizzle's period): Q_i at 0 (64 rows a consumer warpgroup), the ring's stages (K_j,
+    then V_j: B_c and cfg.kv_rows rows, FP8's V^T in whole 128-key panels), O_i's own staging room
+    (o_apart), the staging buffers of the producer's transpose of V; every tile in panels of rows
+    of 128 swizzled bytes (`row` elements, `panel` columns). Bytes: what a tile's copies land."""
+    D, EB = cfg.tile_dim, cfg.operand.bytes
+    q_bytes, k_bytes, v_bytes = cfg.block_m * D * EB, cfg.block_n * D * EB, cfg.kv_rows * D * EB
+    wg_q_elems = WG_ROWS * D                    # a warpgroup's room for Q_i (16-bit elements:
+                                                # its O_i may be staged there at the end)
+    k0 = cfg.consumers * wg_q_elems             # stage 0's K tile
+    k_elems, v_elems = k_bytes // 2, v_bytes // 2
+    stage_elems = k_elems + v_elems             # a stage: K_j, then V_j k_elems on
+    panel = sm90.SWIZZLE_BYTES // EB            # a panel's columns: 64 (16-bit) or 128 (e4m3)
+    return Layout(row=sm90.SWIZZLE_BYTES // 2, panel=panel, panels=D // panel,
+                  wg_q_elems=wg_q_elems, k0=k0, k_elems=k_elems, stage_elems=stage_elems,
+                  stage_bytes=2 * stage_elems, v0=k0 + k_elems, q_bytes=q_bytes,
+                  k_bytes=k_bytes, v_bytes=v_bytes, o_room=cfg.ring_bytes() // 2,
+                  o_pitch=cfg.o_pitch, wg_o_elems=WG_ROWS * cfg.o_pitch,
+                  staging0=(cfg.ring_bytes() + cfg.o_room_bytes()) // 2)
+
+
+Rings = namedtuple("Rings", "q k v staged")
+
+
+@lru_cache(maxsize=None)
+def _rings(cfg):
+    """The mbarrier rings (common/tile/mbarrier_ring.py; 8 bytes = 4 elements an mbarrier from
+    shared element 0): Q full, Q empty (Q's ring, one stage: a tile's Q_i), then per stage K full,
+    V full, K empty, V empty (K's and V's rings of cfg.stages, which go round together), then the
+    staging buffers' full and empty ones (transpose_v="producer"). A fill: the TMA thread's
+    arrive.expect_tx (its copies' bytes complete it), or one cp.async.mbarrier.arrive a producer
+    thread, whose generic-proxy writes the consumers fence for wgmma's async proxy after their
+    wait; with the producer's transpose, V_j^T's fill is one arrival a transposer warp (a staging
+    buffer's: TMA's bytes; its release: one arrival a transposer warp). A release: one arrival a
+    consumer warp. K and V are released apart (K once S has landed, V once O has): a turn of the
+    ping-pong and the intra-warpgroup overlap both need K_{j+1} while V_j is still being read. Q
+    is released once the tile's last S has landed (or, when O_i is staged in its room, once O_i is
+    stored), so that the producer loads the next tile's Q."""
+    STAGES, RELEASE, CP_ASYNC = cfg.stages, 4 * cfg.consumers, cfg.cp_async
+    FULL = cfg.producer_threads
+    VS = max(cfg.staging_units, 1)
+    return Rings(ring(1, 0, 4, FULL, RELEASE, CP_ASYNC),
+                 ring(STAGES, 8, 8 + 8 * STAGES, FULL, RELEASE, CP_ASYNC),
+                 ring(STAGES, 8 + 4 * STAGES, 8 + 12 * STAGES,
+                      TRANSPOSERS if cfg.v_in_producer else FULL, RELEASE, CP_ASYNC),
+                 ring(VS, 8 + 16 * STAGES, 8 + 16 * STAGES + 4 * VS, 1, TRANSPOSERS))
+
+
+@lru_cache(maxsize=None)
+def _tile_bounds(cfg):
+    """(sequence, steps): a tile's batch entry (its packed sequence, VARLEN) and K/V blocks."""
+    BR, BC, CAUSAL = cfg.block_m, cfg.block_n, cfg.causal
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
-    PRODUCER_THREADS = cfg.producer_threads
-    # arrivals that fill a stage: the TMA thread's arrive.expect_tx (the bytes complete it), or one
-    # cp.async.mbarrier.arrive a producer thread
-    FULL_COUNT = PRODUCER_THREADS
-    TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
-    GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
-    # mbarriers (8 bytes = 4 elements each): Q full, Q empty, then per stage K full, V full, K
-    # empty, V empty: the rings of common/tile/mbarrier_ring.py, Q's of one stage (a tile's), K's
-    # and V's of STAGES (a block's), their empties one arrival a consumer warp. K and V are
-    # released apart (K once S has landed, V once O has): a turn of the ping-pong and the
-    # intra-warpgroup overlap both need K_{j+1} while V_j is still being read. Q is released once
-    # the tile's last S has landed (or, when O_i is staged in its room, once O_i is stored), so
-    # that the producer loads the next tile's Q. cp.async writes in the generic proxy and wgmma
-    # reads in the async proxy: a consumer's wait for a tile is then followed by a proxy fence.
-    Q_RING = ring(1, 0, 4, FULL_COUNT, 4 * NWG, CP_ASYNC)
-    K_RING = ring(STAGES, 8, 8 + 8 * STAGES, FULL_COUNT, 4 * NWG, CP_ASYNC)
-    # transpose_v="producer" (FP8): V_j comes in V_UNIT-key units, each landed by TMA in a staging
-    # buffer (its "full" mbarrier: the bytes; "empty": one arrival a transposer warp once it has
-    # read it) and transposed by TRANSPOSERS warps into panel u of the stage's V^T tile, whose full
-    # mbarrier then takes one arrival a transposer warp (V_FULL_COUNT) instead of TMA's bytes.
-    # Units a block: V_j^T's whole panels (at B_c = 192 the second unit's last 64 keys are the
-    # next block's, transposed and never read).
-    TRANSPOSE, VS, UNITS = cfg.v_in_producer, max(cfg.staging_units, 1), cfg.kv_rows // V_UNIT
-    AFTER_PREPASS = cfg.after_prepass   # V^T is the pre-pass's, which may still run (PDL)
-    V_FULL_COUNT = TRANSPOSERS if TRANSPOSE else FULL_COUNT
-    V_RING = ring(STAGES, 8 + 4 * STAGES, 8 + 12 * STAGES, V_FULL_COUNT, 4 * NWG, CP_ASYNC)
-    STAGED = ring(VS, 8 + 16 * STAGES, 8 + 16 * STAGES + 4 * VS, 1, TRANSPOSERS)
-    slot = K_RING.slot                          # K's and V's rings go round together
-    wait_q, release_q, acquire_q = Q_RING.wait_full, Q_RING.release, Q_RING.acquire
-    wait_k, release_k, acquire_k = K_RING.wait_full, K_RING.release, K_RING.acquire
-    wait_v, release_v, acquire_v = V_RING.wait_full, V_RING.release, V_RING.acquire
-    init_q, init_staged = Q_RING.init, STAGED.init
-    init_k_full, init_k_empty = K_RING.init_full, K_RING.init_empty
-    init_v_full, init_v_empty = V_RING.init_full, V_RING.init_empty
-    arm_q, q_landed, q_full = Q_RING.arm, Q_RING.arrive_when_landed, Q_RING.full
-    v_transposed = V_RING.arrive_full           # a transposer warp's V_j^T panel is written
-    # the staging buffers of the producer's transpose of V
-    staged_slot, staged_acquire, arm_staged = STAGED.slot, STAGED.acquire, STAGED.arm
-    staged_full, wait_staged, staged_read = STAGED.full, STAGED.wait_full, STAGED.arrive_empty
-    STAGING0 = (cfg.ring_bytes() + cfg.o_room_bytes()) // 2   # 16-bit offset of staging buffer 0
-    UNIT_BYTES = cfg.unit_bytes()
-    TRANSPOSE_UNIT = fp8.unit_transposer(D, TRANSPOSERS) if TRANSPOSE else None
-    O_APART = cfg.o_apart
-    O_ROOM = cfg.ring_bytes() // 2              # 16-bit offset of O's staging room (o_apart)
-    O_BULK = cfg.o_store == "bulk"              # O_i stored by bulk copies, a row each
-    O_TMA = cfg.o_store == "tma"                # ... or by TMA tensor stores, a panel each
-    O_PANEL = sm90.SWIZZLE_BYTES // 2           # O_TMA: a panel of O, 64 16-bit columns (FP8 too),
-    O_PANELS, O_WORDS = D // O_PANEL, O_PANEL // 2   # ... D / 64 of them; its columns as 32-bit words
-    O_PITCH = cfg.o_pitch                       # 16-bit elements from one staged row of O to the next
-    WG_O_ELEMS = WG_ROWS * O_PITCH              # a warpgroup's part of O's room
-    O_ROW_BYTES = 2 * HEAD_DIM                  # a bulk copy: a row of O, its columns past d left out
-    # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
-    # and one panel (rows x 128 bytes) per 64 columns; V (MN-major) one 2 KB row group per 16 keys,
-    # its d/64 panels LBO apart.
-    # FP8: V_j^T (d rows x B_c keys, K-major like K_j), panels of 128 keys d x 128 bytes apart.
-    SBO = 8 * sm90.SWIZZLE_BYTES
-    V_LBO = BC * sm90.SWIZZLE_BYTES
-    K_QK = -(-HEAD_DIM * EB // 32)            # wgmma k-steps of S = Q K^T (32 bytes of d each;
-                                                # none over the zero columns past d)
-    K_PV = BC // cfg.operand.k_step             # ... of O += P~ V (16 or 32 keys each)
-    MMA_S = sm90.wgmma_ss(BC, DTYPE)            # S = Q K^T         (m64 n=B_c k16 / k32)
-    MMA_O = sm90.wgmma_rs(D, DTYPE, not FP8)    # O += P~ V         (m64 n=d, V transposed / V^T)
-    WAIT_S = sm90.wgmma_wait(0, BC // 2)        # S has landed
-    WAIT1_S = sm90.wgmma_wait(1, BC // 2)       # S has landed, the P V issued after it may run on
-    WAIT_OP = sm90.wgmma_wait(0, D // 2, 4 * K_PV)   # O has landed and P~'s registers are free
-    WAIT_ALL = sm90.wgmma_wait(0, BC // 2, D // 2, 4 * K_PV)   # S, O and P~'s registers
-    BACK_TO_BACK = cfg.back_to_back
-    S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, K_PV, 4)
-    P_SHIFT = float32(P_LOG2_SHIFT if FP8 else 0)
-    POLY = cfg.poly_exp2                        # exponentials on the FMA units: softmax.exp2
-    INTRA_OVERLAP = cfg.intra_overlap
-    STAGE_BYTES = 2 * STAGE_ELEMS
-    # Ping-pong (FA3 section 3.1): named barrier TURN + w (of 2 warpgroups' threads) completes when
-    # warpgroup w has asked for its turn (bar.sync) and warpgroup w - 1 has issued its GEMMs
-    # (bar.arrive). Barriers 1..NWG are the epilogue's.
-    PINGPONG = cfg.scheduled
-    TURN = 4
-    TURN_THREADS = 2 * WG_THREADS
-
-    @device_function
-    def scores(s, q_desc, k_desc0, stage):
-        """Issue S = Q_i K_j^T, K_j in ring stage `stage`: d/16 SS-wgmma k-steps (the first
-        overwrites S), one commit group. q_desc, k_desc0: the descriptors of this warpgroup's Q_i
-        and of stage 0's K tile, advanced (one add each) rather than rebuilt a k-step."""
-        k_desc = sm90.descriptor_advance(k_desc0, stage * STAGE_BYTES)
-        for kk in range(K_QK):
-            MMA_S(s, sm90.descriptor_advance(q_desc, (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32),
-                  sm90.descriptor_advance(k_desc, (kk >> 2) * BC * 128 + (kk & 3) * 32), kk)
-        sm90.wgmma_commit()
-
-    @device_function
-    def values(o_acc, p, v_desc0, stage):
-        """Issue O += P~ V_j, V_j in ring stage `stage`: RS-wgmma k-steps (16 or 32 keys each), one
-        commit group. v_desc0: the descriptor of stage 0's V tile."""
-        v_desc = sm90.descriptor_advance(v_desc0, stage * STAGE_BYTES)
-        for kk in range(K_PV):
-            if FP8:
-                desc = sm90.descriptor_advance(v_desc, (kk >> 2) * D * 128 + (kk & 3) * 32)
-            else:
-                desc = sm90.descriptor_advance(v_desc, kk * 16 * 128)
-            MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3], desc, 1)
-        sm90.wgmma_commit()
-
-    @device_function
-    def mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane):
-        """-inf where block j's keys run past n_k or (causal, a window) out of a row's band
-        lo <= key - query <= hi (common/tile/masks.py)."""
-        col0 = j * BC
-        if masks.block_is_partial(wg_row0, WG_ROWS, col0, BC, n_k, CAUSAL, lo, hi, WINDOW):
-            tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lo, hi, lane, WINDOW)
-
-    @device_function
-    def key_factor(k_descale, b, h_kv, j, by_k_blocks):
-        """FP8 with descales per block of keys: block j's descale_k (a scale block holds whole key
-        blocks, by_k_blocks = divider(k_scale_rows / B_c): `_run` checks it). Loaded as S_j's
-        wgmmas are issued, so that its latency passes under the GEMM, not before the softmax."""
-        if K_BLOCK_SCALES:
-            return k_descale[b, h_kv, divmod_by(j, by_k_blocks)[0]]
-        return float32(0)
-
-    @device_function
-    def logits(s, j, n_k, lo, hi, cap, wg_row0, warp_row, lane):
-        """S_j as the softmax takes it: Gemma 2's soft cap on raw scores, then -inf outside the
-        mask. (FP8's per-block K descale joins the softmax's scale: `exponentiate`.)"""
-        if SOFTCAP:
-            softmax.softcap_scores(s, cap)
-        mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
-
-    @device_function
-    def exponentiate(s, f, m_i, l_i, o_acc, sl2):
-        """l.16-17 on S_j: m_i, P~_j = exp(S_j - m_i), l_i, O_i rescaled; with FP8's per-block K
-        descales S_j is f times the wgmmas' S, f folded into the max and the exponent's scale."""
-        if K_BLOCK_SCALES:
-            softmax.online_softmax_scaled(s, f, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
-        else:
-            softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
-
-    @device_function
-    def exponentiate_deferred(s, f, m_i, l_i, alpha, sl2):
-        """`exponentiate` with O's rescale left in alpha (the intra-warpgroup overlap)."""
-        if K_BLOCK_SCALES:
-            softmax.online_softmax_deferred_scaled(s, f, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
-        else:
-            softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
-
-    @device_function
-    def to_a(p, s):
-        """P~ from the S accumulator into the A registers of the P V wgmma."""
-        tiles.accumulator_to_a(p, s, OPERAND)
-
-    @device_function
-    def wait_turn(wg):
-        """Ping-pong: wait until the warpgroup before this one has issued its GEMMs."""
-        if PINGPONG:
-            ptx.bar_sync(TURN + wg, TURN_THREADS)
-
-    @device_function
-    def pass_turn(wg):
-        """Ping-pong: this warpgroup's GEMMs are issued; the next warpgroup may issue its own (and
-        the tensor cores run them while this one computes its softmax)."""
-        if PINGPONG:
-            ptx.bar_arrive(TURN + (wg + 1) % NWG, TURN_THREADS)
-
-    # VARLEN with TMA: a tile's last key block, when it runs past its sequence's n_k keys, holds
-    # the next sequence's rows (TMA zero-fills past the whole packed tensor only). Their scores are
-    # masked (P~ = 0), but 0 x inf = NaN in P V: the consumers zero those V rows before the P V
-    # wgmma. (cp.async zero-fills past n_k itself; FP8 is not taken packed.)
-    CLEAR_V_TAIL = VARLEN and not CP_ASYNC and not FP8
-    V0 = K0 + K_ELEMS                           # 16-bit offset of stage 0's V tile past tiles0
-    V_ROW_WORDS = sm90.SWIZZLE_BYTES // 4       # a 128-byte row of a V panel in 32-bit words
-    V_PANEL_WORDS = BC * V_ROW_WORDS            # a panel: B_c rows (keys) x 64 columns
-
-    @device_function
-    def clear_v_tail(tiles0, stage, key0, n_k, wg, wg_tid):
-        """CLEAR_V_TAIL: if the key block from key0 in ring stage `stage` runs past n_k, zero its
-        V rows n_k - key0 .. B_c - 1 (whole 128-byte rows of each 64-column panel: the swizzle
-        permutes 16-byte chunks inside a row only), then fence the writes for the async proxy and
-        meet the warpgroup, so that its P V wgmma reads the zeros. Every consumer warpgroup zeroes
-        the rows before its own wgmma (the same zeros: a second warpgroup's writes change nothing
-        the first one's wgmma reads); the stage is released after the wgmma, so the producer's next
-        copy into it comes after the writes. Only a tile's last block can run past n_k (`steps`
-        ends at the block of key n_k - 1); key0 < n_k."""
-        if key0 + BC > n_k:
-            f32 = cuda.shared.array(0, float32)
-            first = int32(n_k - key0) * V_ROW_WORDS + 4 * wg_tid
-            zero = float32(0)
-            for panel in range(PANELS):
-                base = ((tiles0 + V0 + stage * STAGE_ELEMS) >> 1) + panel * V_PANEL_WORDS
-                for w in range(first, V_PANEL_WORDS, 4 * WG_THREADS):
-                    ptx.st_shared_v4_f32(f32, base + w, zero, zero, zero, zero)
-            ptx.fence_proxy_async_shared()
-            ptx.bar_sync(1 + wg, WG_THREADS)
-
-    @device_function
-    def softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap,
-                     wg_row0, warp_row, lane):
-        """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
-        V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
-        and P~ into the A registers of the P V wgmma."""
-        release_k(smem, slot(it + j)[0], lane)
-        if j > 0:
-            release_v(smem, slot(it + j - 1)[0], lane)                             # l.19
-        if O_APART and j == t_c - 1:   # Q_i read for the last time
-            release_q(smem, 0, lane)
-        logits(s, j0 + j, n_k, lo, hi, cap, wg_row0, warp_row, lane)
-        exponentiate(s, f, m_i, l_i, o_acc, sl2)
-        to_a(p, s)
-
-    # the persistent tile scheduler (common/tile/scheduler.py; Config.work_items)
-    SCHEDULER = tile_scheduler(BR, cfg.paired, CAUSAL)
-    tile_plan, next_tile = SCHEDULER.plan, SCHEDULER.next_tile
 
     @device_function
     def sequence(b, n_q, n_k, lo, hi, cu_q, cu_k):
@@ -702,6 +535,41 @@ def build(cfg):
             j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
             return j0, max(int32(j1 - j0), int32(0))
         return int32(0), int32((n_k + BC - 1) // BC)
+
+    return sequence, steps
+
+
+@lru_cache(maxsize=None)
+def _producer(cfg):
+    """(produce, ring_blocks, transpose_v): the producer's role (Alg.1 l.3-9)."""
+    D, BR, BC, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.consumers
+    HEAD_DIM, FP8, CP_ASYNC, VARLEN = cfg.head_dim, cfg.fp8, cfg.cp_async, cfg.varlen
+    L = _layout(cfg)
+    ROW, PANEL, PANELS, WG_Q_ELEMS = L.row, L.panel, L.panels, L.wg_q_elems
+    K0, K_ELEMS, STAGE_ELEMS, V0, STAGING0 = L.k0, L.k_elems, L.stage_elems, L.v0, L.staging0
+    Q_BYTES, K_BYTES, V_BYTES = L.q_bytes, L.k_bytes, L.v_bytes
+    # columns of the last panel that hold data (0: all of them), for the copies (cp.async) that
+    # zero-fill the rest
+    LAST_PANEL_COLS = HEAD_DIM - (PANELS - 1) * PANEL if HEAD_DIM < D else 0
+    V_PANELS_T = cfg.kv_rows // V_UNIT if FP8 else 0   # FP8: V_j^T's panels of 128 keys
+    PRODUCER_THREADS = cfg.producer_threads
+    # transpose_v="producer" (FP8): V_j comes in V_UNIT-key units, each landed by TMA in a staging
+    # buffer and transposed by TRANSPOSERS warps into panel u of the stage's V^T tile. Units a
+    # block: V_j^T's whole panels (at B_c = 192 the second unit's last 64 keys are the next
+    # block's, transposed and never read).
+    TRANSPOSE, UNITS = cfg.v_in_producer, cfg.kv_rows // V_UNIT
+    AFTER_PREPASS = cfg.after_prepass   # V^T is the pre-pass's, which may still run (PDL)
+    UNIT_BYTES = cfg.unit_bytes()
+    TRANSPOSE_UNIT = fp8.unit_transposer(D, TRANSPOSERS) if TRANSPOSE else None
+    Q_RING, K_RING, V_RING, STAGED = _rings(cfg)
+    slot, acquire_q, acquire_k, acquire_v = K_RING.slot, Q_RING.acquire, K_RING.acquire, V_RING.acquire
+    arm_q, q_landed, q_full = Q_RING.arm, Q_RING.arrive_when_landed, Q_RING.full
+    v_transposed = V_RING.arrive_full           # a transposer warp's panels of V_j^T are written
+    staged_slot, staged_acquire, arm_staged = STAGED.slot, STAGED.acquire, STAGED.arm
+    staged_full, wait_staged, staged_read = STAGED.full, STAGED.wait_full, STAGED.arrive_empty
+    SCHEDULER = tile_scheduler(BR, cfg.paired, cfg.causal)
+    tile_plan, next_tile = SCHEDULER.plan, SCHEDULER.next_tile
+    sequence, steps = _tile_bounds(cfg)
 
     @device_function
     def panel_cols(p):
@@ -866,6 +734,305 @@ def build(cfg):
                 it = int32(it + 1)
             done = int32(done + 1)
 
+    return produce, ring_blocks, transpose_v
+
+
+StepParts = namedtuple("StepParts", "scores values key_factor logits exponentiate "
+                                    "exponentiate_deferred to_a clear_v_tail softmax_step")
+
+
+@lru_cache(maxsize=None)
+def _step_parts(cfg):
+    """The pieces of a consumer warpgroup's K/V step: the GEMMs issued (scores: S = Q_i K_j^T,
+    values: O += P~ V_j), S_j as the softmax takes it (key_factor, logits), the online softmax
+    (exponentiate, exponentiate_deferred), P~ into the A registers (to_a), a packed sequence's V
+    tail zeroed (clear_v_tail), and a step's releases and softmax back to back (softmax_step)."""
+    D, BC, FP8, K_BLOCK_SCALES = cfg.tile_dim, cfg.block_n, cfg.fp8, cfg.k_block_scales
+    HEAD_DIM, EB, OPERAND = cfg.head_dim, cfg.operand.bytes, cfg.operand.code
+    CAUSAL, WINDOW, SOFTCAP = cfg.causal, cfg.window, cfg.softcap
+    L = _layout(cfg)
+    PANELS, STAGE_ELEMS, STAGE_BYTES, V0 = L.panels, L.stage_elems, L.stage_bytes, L.v0
+    # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
+    # and one panel (rows x 128 bytes) per 64 columns; V (MN-major) one 2 KB row group per 16 keys,
+    # its d/64 panels LBO apart.
+    # FP8: V_j^T (d rows x B_c keys, K-major like K_j), panels of 128 keys d x 128 bytes apart.
+    K_QK = -(-HEAD_DIM * EB // 32)              # wgmma k-steps of S = Q K^T (32 bytes of d each;
+                                                # none over the zero columns past d)
+    K_PV = BC // cfg.operand.k_step             # ... of O += P~ V (16 or 32 keys each)
+    MMA_S = sm90.wgmma_ss(BC, cfg.operand.ptx)  # S = Q K^T         (m64 n=B_c k16 / k32)
+    MMA_O = sm90.wgmma_rs(D, cfg.operand.ptx, not FP8)   # O += P~ V (m64 n=d, V transposed / V^T)
+    P_SHIFT = float32(P_LOG2_SHIFT if FP8 else 0)
+    POLY = cfg.poly_exp2                        # exponentials on the FMA units: softmax.exp2
+    O_APART = cfg.o_apart
+    V_ROW_WORDS = sm90.SWIZZLE_BYTES // 4       # a 128-byte row of a V panel in 32-bit words
+    V_PANEL_WORDS = BC * V_ROW_WORDS            # a panel: B_c rows (keys) x 64 columns
+    Q_RING, K_RING, V_RING, _ = _rings(cfg)
+    slot, release_q, release_k, release_v = (K_RING.slot, Q_RING.release, K_RING.release,
+                                             V_RING.release)
+
+    @device_function
+    def scores(s, q_desc, k_desc0, stage):
+        """Issue S = Q_i K_j^T, K_j in ring stage `stage`: d/16 SS-wgmma k-steps (the first
+        overwrites S), one commit group. q_desc, k_desc0: the descriptors of this warpgroup's Q_i
+        and of stage 0's K tile, advanced (one add each) rather than rebuilt a k-step."""
+        k_desc = sm90.descriptor_advance(k_desc0, stage * STAGE_BYTES)
+        for kk in range(K_QK):
+            MMA_S(s, sm90.descriptor_advance(q_desc, (kk >> 2) * WG_ROWS * 128 + (kk & 3) * 32),
+                  sm90.descriptor_advance(k_desc, (kk >> 2) * BC * 128 + (kk & 3) * 32), kk)
+        sm90.wgmma_commit()
+
+    @device_function
+    def values(o_acc, p, v_desc0, stage):
+        """Issue O += P~ V_j, V_j in ring stage `stage`: RS-wgmma k-steps (16 or 32 keys each), one
+        commit group. v_desc0: the descriptor of stage 0's V tile."""
+        v_desc = sm90.descriptor_advance(v_desc0, stage * STAGE_BYTES)
+        for kk in range(K_PV):
+            if FP8:
+                desc = sm90.descriptor_advance(v_desc, (kk >> 2) * D * 128 + (kk & 3) * 32)
+            else:
+                desc = sm90.descriptor_advance(v_desc, kk * 16 * 128)
+            MMA_O(o_acc, p[0, kk, 0], p[0, kk, 1], p[0, kk, 2], p[0, kk, 3], desc, 1)
+        sm90.wgmma_commit()
+
+    @device_function
+    def mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane):
+        """-inf where block j's keys run past n_k or (causal, a window) out of a row's band
+        lo <= key - query <= hi (common/tile/masks.py)."""
+        col0 = j * BC
+        if masks.block_is_partial(wg_row0, WG_ROWS, col0, BC, n_k, CAUSAL, lo, hi, WINDOW):
+            tiles.mask_scores(s, warp_row, col0, n_k, CAUSAL, lo, hi, lane, WINDOW)
+
+    @device_function
+    def key_factor(k_descale, b, h_kv, j, by_k_blocks):
+        """FP8 with descales per block of keys: block j's descale_k (a scale block holds whole key
+        blocks, by_k_blocks = divider(k_scale_rows / B_c): `_run` checks it). Loaded as S_j's
+        wgmmas are issued, so that its latency passes under the GEMM, not before the softmax."""
+        if K_BLOCK_SCALES:
+            return k_descale[b, h_kv, divmod_by(j, by_k_blocks)[0]]
+        return float32(0)
+
+    @device_function
+    def logits(s, j, n_k, lo, hi, cap, wg_row0, warp_row, lane):
+        """S_j as the softmax takes it: Gemma 2's soft cap on raw scores, then -inf outside the
+        mask. (FP8's per-block K descale joins the softmax's scale: `exponentiate`.)"""
+        if SOFTCAP:
+            softmax.softcap_scores(s, cap)
+        mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
+
+    @device_function
+    def exponentiate(s, f, m_i, l_i, o_acc, sl2):
+        """l.16-17 on S_j: m_i, P~_j = exp(S_j - m_i), l_i, O_i rescaled; with FP8's per-block K
+        descales S_j is f times the wgmmas' S, f folded into the max and the exponent's scale."""
+        if K_BLOCK_SCALES:
+            softmax.online_softmax_scaled(s, f, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
+        else:
+            softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)
+
+    @device_function
+    def exponentiate_deferred(s, f, m_i, l_i, alpha, sl2):
+        """`exponentiate` with O's rescale left in alpha (the intra-warpgroup overlap)."""
+        if K_BLOCK_SCALES:
+            softmax.online_softmax_deferred_scaled(s, f, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
+        else:
+            softmax.online_softmax_deferred(s, m_i, l_i, alpha, sl2, P_SHIFT, POLY)
+
+    @device_function
+    def to_a(p, s):
+        """P~ from the S accumulator into the A registers of the P V wgmma."""
+        tiles.accumulator_to_a(p, s, OPERAND)
+
+    @device_function
+    def clear_v_tail(tiles0, stage, key0, n_k, wg, wg_tid):
+        """CLEAR_V_TAIL: if the key block from key0 in ring stage `stage` runs past n_k, zero its
+        V rows n_k - key0 .. B_c - 1 (whole 128-byte rows of each 64-column panel: the swizzle
+        permutes 16-byte chunks inside a row only), then fence the writes for the async proxy and
+        meet the warpgroup, so that its P V wgmma reads the zeros. Every consumer warpgroup zeroes
+        the rows before its own wgmma (the same zeros: a second warpgroup's writes change nothing
+        the first one's wgmma reads); the stage is released after the wgmma, so the producer's next
+        copy into it comes after the writes. Only a tile's last block can run past n_k (`steps`
+        ends at the block of key n_k - 1); key0 < n_k."""
+        if key0 + BC > n_k:
+            f32 = cuda.shared.array(0, float32)
+            first = int32(n_k - key0) * V_ROW_WORDS + 4 * wg_tid
+            zero = float32(0)
+            for panel in range(PANELS):
+                base = ((tiles0 + V0 + stage * STAGE_ELEMS) >> 1) + panel * V_PANEL_WORDS
+                for w in range(first, V_PANEL_WORDS, 4 * WG_THREADS):
+                    ptx.st_shared_v4_f32(f32, base + w, zero, zero, zero, zero)
+            ptx.fence_proxy_async_shared()
+            ptx.bar_sync(1 + wg, WG_THREADS)
+
+    @device_function
+    def softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap,
+                     wg_row0, warp_row, lane):
+        """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
+        V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
+        and P~ into the A registers of the P V wgmma."""
+        release_k(smem, slot(it + j)[0], lane)
+        if j > 0:
+            release_v(smem, slot(it + j - 1)[0], lane)                             # l.19
+        if O_APART and j == t_c - 1:   # Q_i read for the last time
+            release_q(smem, 0, lane)
+        logits(s, j0 + j, n_k, lo, hi, cap, wg_row0, warp_row, lane)
+        exponentiate(s, f, m_i, l_i, o_acc, sl2)
+        to_a(p, s)
+
+    return StepParts(scores, values, key_factor, logits, exponentiate, exponentiate_deferred,
+                     to_a, clear_v_tail, softmax_step)
+
+
+@lru_cache(maxsize=None)
+def _epilogue(cfg, stamps):
+    """store_o: Alg.1 l.22, O_i (scaled by 1/l, in the accumulator) written to o, staged in
+    shared memory by the warpgroup: by its threads' 16-byte stores, or (o_store) the copy engine's
+    bulk copies (a row each) or TMA tensor stores (a panel each). With `stamps`, the cycles to the
+    end of the staging are summed into phase 8 ("stage O")."""
+    D, BR, HEAD_DIM, VARLEN, ELEM = (cfg.tile_dim, cfg.block_m, cfg.head_dim, cfg.varlen,
+                                     cfg.element.code)
+    L = _layout(cfg)
+    O_ROOM, O_PITCH, WG_O_ELEMS = L.o_room, L.o_pitch, L.wg_o_elems
+    O_COLS = HEAD_DIM if HEAD_DIM < D else 0    # O's columns of d (0: all): the store leaves the
+                                                # tile's zero columns past d out
+    O_BULK = cfg.o_store == "bulk"              # O_i stored by bulk copies, a row each
+    O_TMA = cfg.o_store == "tma"                # ... or by TMA tensor stores, a panel each
+    O_PANEL = sm90.SWIZZLE_BYTES // 2           # O_TMA: a panel of O, 64 16-bit columns (FP8 too),
+    O_PANELS, O_WORDS = D // O_PANEL, O_PANEL // 2   # ... D / 64 of them; its columns as 32-bit words
+    O_ROW_BYTES = 2 * HEAD_DIM                  # a bulk copy: a row of O, its columns past d left out
+    stamp = stamper(stamps)[1]
+
+    @device_function
+    def store_o(o, smem, tmaps, stage32, o_acc, tiles0, o_start, bb, b, h, i, first_q, nq, wg,
+                wg_warp, wg_tid, warp, wg_row0, lane, tl, tl_t):
+        """O_i of this warpgroup's rows (wg_row0.., this warp's from 16 wg_warp) of tile i of
+        batch entry bb (b, h: the map's), staged at o_start (stage32: its 32-bit words); returns
+        tl_t, the last stamp."""
+        if O_BULK:
+            # FA3's store by the copy engine, without a tensor map: a bulk copy a row. A warp
+            # stages its own 16 rows of O (unswizzled, O_PITCH apart) and its lane 0 issues
+            # their copies; the warps go on while they run. (The warpgroup's barriers, not
+            # the warp's: with syncwarps here ptxas took the step loop's descriptor
+            # arithmetic off the uniform datapath, 1 001 -> 1 020 instructions a step.)
+            if lane == 0:
+                ptx.bulk_wait_read(0)   # the warp's last copies have read its rows of the room
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, O_PITCH, False, ELEM)
+            ptx.fence_proxy_async_shared()   # the stores before the copy engine's reads
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tl_t = stamp(tl, 8, tl_t)
+            o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
+            # the warp's index from lane 0, so that ptxas knows it the same in every lane
+            # and builds the copies' operands in uniform registers; the warp's first row
+            # and its address made once, then moved by whole rows
+            bw = int32(ptx.broadcast_u32(uint32(warp)))
+            row0 = int32(i * BR + 16 * bw)   # bw = 4 wg + wg_warp
+            words = int32((((tiles0 + O_ROOM) >> 1) + (bw >> 2) * (WG_O_ELEMS >> 1))
+                          + 16 * (bw & 3) * (O_PITCH >> 1))   # its first staged row
+            if lane == 0:
+                smem32 = cuda.shared.array(0, uint32)
+                address = ptx.global_address(o_h, min(row0, int32(nq - 1)), int32(0))
+                for r in range(16):
+                    if int32(row0 + r) < nq:
+                        ptx.bulk_store(address + r * o_h.strides[0], smem32,
+                                       int32(words + r * (O_PITCH >> 1)), O_ROW_BYTES)
+                ptx.bulk_commit()
+        elif O_TMA:
+            # FA3's epilogue: the warpgroup stages its 64 rows as the O map's boxes (a panel of
+            # 64 columns each, 128-byte swizzled, as TMA lands Q), and one thread issues a
+            # tensor store a panel; the copy engine clips rows past N and columns past d.
+            if wg_tid == 0:
+                ptx.bulk_wait_read(0)   # the last tile's stores have read the room
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tiles.stage_accumulator_panels(stage32, o_acc, 16 * wg_warp, lane, WG_ROWS, ELEM)
+            ptx.fence_proxy_async_shared()   # the stores before the copy engine's reads
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tl_t = stamp(tl, 8, tl_t)
+            if wg_tid == 0:
+                for p_ in range(O_PANELS):
+                    sm90.tma_store_4d(tmaps, 3, p_ * O_WORDS, wg_row0, h, b, smem,
+                                      o_start + p_ * WG_ROWS * O_PANEL)
+                ptx.bulk_commit()
+        else:
+            # 16-byte stores by every thread of the warpgroup (the barrier before: every
+            # thread of it is done reading the room, the previous tile's O or, in Q's room,
+            # the last QK^T wgmma has completed)
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
+            ptx.bar_sync(1 + wg, WG_THREADS)
+            tl_t = stamp(tl, 8, tl_t)
+            o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
+            tiles.store_tile(o_h, stage32, wg_row0, nq, WG_ROWS, D, D, True, wg_tid,
+                             WG_THREADS, O_COLS)
+        return tl_t
+
+    return store_o
+
+
+@device_function
+def stamp_record(lse, tl, bb, h, rec, warp, tiles_done, steps_done):
+    """build(cfg, stamps=True): a consumer warp's record over its 16 LSE rows from row rec of
+    (bb, h): STAMP_MARK; its block, warp and tiles packed (8 + 4 + 12 bits, exact in float32); its
+    K/V steps; the STAMP_PHASES sums of its cycles (experiments/probes/fa3_phases.py)."""
+    lse[bb, h, rec] = float32(STAMP_MARK)
+    lse[bb, h, rec + 1] = float32((cuda.blockIdx.x * 16 + warp) * 4096 + tiles_done)
+    lse[bb, h, rec + 2] = float32(steps_done)
+    for q_ in range(STAMP_PHASES):
+        lse[bb, h, rec + 3 + q_] = float32(tl[q_])
+
+
+@lru_cache(maxsize=None)
+def build(cfg, stamps=False):
+    """The kernel of one configuration: FA3's Alg.1 (the producer, l.3-9; the consumers, l.10-22)
+    over the builders' parts, their compile-time constants closed over. stamps: a probe's timing
+    stamps compiled in (experiments/probes/fa3_phases.py launches `forward` with
+    build(cfg, stamps=True): a consumer warp's cycles in STAMP_PHASES phases of the default step
+    loop and of its tiles, left over its LSE rows at the block's last tile by `stamp_record`);
+    without them the PTX has no trace of them."""
+    D, BR, BC, STAGES, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    FP8, K_BLOCK_SCALES, VARLEN = cfg.fp8, cfg.k_block_scales, cfg.varlen
+    L = _layout(cfg)
+    K0, WG_Q_ELEMS, K_BYTES, O_ROOM, WG_O_ELEMS = L.k0, L.wg_q_elems, L.k_bytes, L.o_room, \
+        L.wg_o_elems
+    PRODUCER_WARP, PRODUCER_THREADS = 4 * NWG, cfg.producer_threads
+    SETMAXNREG, TRANSPOSE = cfg.setmaxnreg, cfg.v_in_producer
+    TAKE_REGISTERS = sm90.setmaxnreg("inc", cfg.registers[0])
+    GIVE_REGISTERS = sm90.setmaxnreg("dec", cfg.registers[1])
+    O_APART, O_BULK, O_TMA = cfg.o_apart, cfg.o_store == "bulk", cfg.o_store == "tma"
+    # wgmma descriptors: K-major Q and K (SBO: 8 rows of 128 bytes), V MN-major (its d/64 panels
+    # V_LBO apart; FP8's V^T K-major)
+    SBO = 8 * sm90.SWIZZLE_BYTES
+    V_LBO = BC * sm90.SWIZZLE_BYTES
+    K_PV = BC // cfg.operand.k_step             # k-steps of O += P~ V (16 or 32 keys each)
+    WAIT_S = sm90.wgmma_wait(0, BC // 2)        # S has landed
+    WAIT1_S = sm90.wgmma_wait(1, BC // 2)       # S has landed, the P V issued after it may run on
+    WAIT_OP = sm90.wgmma_wait(0, D // 2, 4 * K_PV)   # O has landed and P~'s registers are free
+    WAIT_ALL = sm90.wgmma_wait(0, BC // 2, D // 2, 4 * K_PV)   # S, O and P~'s registers
+    S_ACC, O_ACC, P_FRAG = (1, BC // 8, 4), (1, D // 8, 4), (1, K_PV, 4)
+    P_SHIFT = float32(P_LOG2_SHIFT if FP8 else 0)
+    INTRA_OVERLAP, BACK_TO_BACK = cfg.intra_overlap, cfg.back_to_back
+    # VARLEN with TMA: a tile's last key block, when it runs past its sequence's n_k keys, holds
+    # the next sequence's rows (TMA zero-fills past the whole packed tensor only). Their scores are
+    # masked (P~ = 0), but 0 x inf = NaN in P V: the consumers zero those V rows before the P V
+    # wgmma. (cp.async zero-fills past n_k itself; FP8 is not taken packed.)
+    CLEAR_V_TAIL = VARLEN and not cfg.cp_async and not FP8
+    # Ping-pong (FA3 section 3.1, common/tile/pingpong.py): the turns on named barriers 4 + w (1
+    # .. NWG are the epilogue's), when two or more consumer warpgroups take them (cfg.scheduled)
+    begin_turns, wait_turn, pass_turn, hand_on = turns(NWG, 4, cfg.scheduled)
+    Q_RING, K_RING, V_RING, STAGED = _rings(cfg)
+    slot, wait_q, wait_k, wait_v = K_RING.slot, Q_RING.wait_full, K_RING.wait_full, \
+        V_RING.wait_full
+    release_q, release_k, release_v = Q_RING.release, K_RING.release, V_RING.release
+    init_q, init_k_full, init_k_empty = Q_RING.init, K_RING.init_full, K_RING.init_empty
+    init_v_full, init_v_empty, init_staged = V_RING.init_full, V_RING.init_empty, STAGED.init
+    SCHEDULER = tile_scheduler(BR, cfg.paired, cfg.causal)   # common/tile/scheduler.py
+    tile_plan, next_tile = SCHEDULER.plan, SCHEDULER.next_tile
+    sequence, steps = _tile_bounds(cfg)
+    produce, ring_blocks, transpose_v = _producer(cfg)
+    scores, values, key_factor, logits, exponentiate, exponentiate_deferred, to_a, \
+        clear_v_tail, softmax_step = _step_parts(cfg)
+    store_o = _epilogue(cfg, stamps)
+    STAMPS = stamps
+    stamps_begin, stamp = stamper(stamps)
+
     @kernel_for_one_block_per_sm(cfg.threads)
     def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi, cap,
                     softmax_scale, scale_log2, q_descale, k_descale, v_descale, q_scale_rows,
@@ -949,6 +1116,9 @@ def build(cfg):
         it = int32(0)       # K/V blocks through the ring so far (as the producer counts them)
         done = int32(0)     # tiles so far (Q's phases)
         turned = False      # VARLEN: warpgroup 0 has given itself the first turn
+        tl = cuda.local.array(STAMP_PHASES, uint32)   # stamps: each phase's cycles (the probe's)
+        tl_t = stamps_begin(tl)
+        stamped = False     # stamps: the default step loop ran (else no record: not timed)
         for k in range(plan[0]):
             go, i, b, h, final = next_tile(k, plan)
             if go < 0:
@@ -958,16 +1128,14 @@ def build(cfg):
             h_kv = divmod_by(h, plan[5])[0]
             bb, first_q, first_k, nq, nk, lo_b, hi_b = sequence(b, n_q, n_k, lo, hi, cu_q, cu_k)
             if VARLEN:
-                if PINGPONG and wg == 0 and not turned:   # (below, without VARLEN)
-                    ptx.bar_arrive(TURN, TURN_THREADS)
+                begin_turns(wg, not turned)   # (below, without VARLEN)
                 turned = True
                 if i * BR >= nq:
                     # past a packed sequence's end: no Q, no step, no output (the producer skips
                     # it); the turn goes round as for a tile of no step, so that `final` still
                     # names the block's last turn
                     wait_turn(wg)
-                    if wg != NWG - 1 or not final:
-                        pass_turn(wg)
+                    hand_on(wg, final)
                     continue
             wg_row0 = int32(i * BR + wg * WG_ROWS)  # this warpgroup's first query row
             warp_row = int32(wg_row0 + 16 * wg_warp)   # this warp's first row (mask, LSE)
@@ -988,7 +1156,9 @@ def build(cfg):
                 v_scale = v_descale[b, h_kv, 0]
             sl2 = eff_scale * LOG2E if FP8 else scale_log2
 
-            wait_q(smem, 0, done & 1)                                       # l.13
+            tl_t = stamp(tl, 10, tl_t)
+            wait_q(smem, 0, done & 1)                                              # l.13
+            tl_t = stamp(tl, 11, tl_t)
             # Ping-pong: warpgroup 0 takes the first turn; each turn is "O += P~_{j-1} V_{j-1}
             # (or the first S), S_j = Q K_j^T issued", so one warpgroup's GEMMs run while the
             # other's softmax does. The turn goes round without a break from tile to tile: the
@@ -997,8 +1167,8 @@ def build(cfg):
             # next warpgroup took one, and the turns would drift a phase apart). At the block's
             # last tile the last warpgroup passes no turn at the end: nobody waits for it. (A
             # packed batch gives warpgroup 0 its first turn above, before any tile is skipped.)
-            if PINGPONG and not VARLEN and wg == 0 and done == 0:
-                ptx.bar_arrive(TURN, TURN_THREADS)
+            if not VARLEN:
+                begin_turns(wg, done == 0)
             wait_turn(wg)
             if t_c == 0:
                 # no key in its rows' band (bottom-right causal with N_q > N_k): O = 0, LSE = -inf
@@ -1009,8 +1179,7 @@ def build(cfg):
                     # seen this one
                     ptx.syncwarp()
                     release_q(smem, 0, lane)
-                if wg != NWG - 1 or not final:
-                    pass_turn(wg)
+                hand_on(wg, final)
             elif not INTRA_OVERLAP and BACK_TO_BACK:
                 # A turn issues O += P~_{j-1} V_{j-1} and S_j = Q K_j^T back to back (FA3 section
                 # 3.1), so that the tensor cores go from one to the other without waiting for this
@@ -1048,35 +1217,42 @@ def build(cfg):
                 sm90.wgmma_fence()
                 values(o_acc, p, v_desc0, stage)                               # l.18, the last
                 WAIT_OP(o_acc, p)
-                release_v(smem, stage, lane)                            # l.19
-                if wg != NWG - 1 or not final:
-                    pass_turn(wg)
+                release_v(smem, stage, lane)                                       # l.19
+                hand_on(wg, final)
             elif not INTRA_OVERLAP:
                 # The same with O waited for inside the turn, before S_{j+1} is issued.
+                tl_t = stamp(tl, 12, tl_t)
+                stamped = True
                 for j in range(t_c):                                               # l.14
                     stage, parity = slot(it + j)
                     wait_k(smem, stage, parity)
+                    tl_t = stamp(tl, 0, tl_t)
                     sm90.wgmma_fence()
-                    scores(s, q_desc, k_desc0, stage)                          # l.15
+                    scores(s, q_desc, k_desc0, stage)                              # l.15
                     f = key_factor(k_descale, b, h_kv, j0 + j, by_k_blocks)
                     pass_turn(wg)
+                    tl_t = stamp(tl, 1, tl_t)
                     WAIT_S(s)
+                    tl_t = stamp(tl, 2, tl_t)
                     release_k(smem, stage, lane)
                     if O_APART and j == t_c - 1:
                         release_q(smem, 0, lane)
                     logits(s, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
-                    exponentiate(s, f, m_i, l_i, o_acc, sl2)                            # l.16-17
+                    exponentiate(s, f, m_i, l_i, o_acc, sl2)                       # l.16-17
                     to_a(p, s)
+                    tl_t = stamp(tl, 3, tl_t)
                     wait_v(smem, stage, parity)
                     if CLEAR_V_TAIL:
                         clear_v_tail(tiles0, stage, (j0 + j) * BC, nk, wg, wg_tid)
+                    tl_t = stamp(tl, 4, tl_t)
                     wait_turn(wg)
+                    tl_t = stamp(tl, 5, tl_t)
                     sm90.wgmma_fence()
-                    values(o_acc, p, v_desc0, stage)                           # l.18
+                    values(o_acc, p, v_desc0, stage)                               # l.18
                     WAIT_OP(o_acc, p)
-                    release_v(smem, stage, lane)                        # l.19
-                if wg != NWG - 1 or not final:
-                    pass_turn(wg)
+                    release_v(smem, stage, lane)                                   # l.19
+                    tl_t = stamp(tl, 6, tl_t)
+                hand_on(wg, final)
             else:
                 # FA3 Alg.2 (intra-warpgroup overlap): S_{j} = Q K_j^T is issued together with
                 # O += P~_{j-1} V_{j-1}, and the softmax of S_j runs while the tensor cores do the
@@ -1125,8 +1301,7 @@ def build(cfg):
                 values(o_acc, p, v_desc0, last)
                 WAIT_OP(o_acc, p)
                 release_v(smem, last, lane)
-                if wg != NWG - 1 or not final:
-                    pass_turn(wg)
+                hand_on(wg, final)
             it = int32(it + t_c)
 
             # l.20-21: O_i = diag(l_i)^-1 O_i, L_i = m_i + log(l_i).
@@ -1136,60 +1311,9 @@ def build(cfg):
                     inv_l[r] *= v_scale
                     lse_rows[r] -= P_SHIFT * LN2
             tiles.scale_rows(o_acc, inv_l)
-            # l.22: write O_i, staged in shared memory.
-            if O_BULK:
-                # FA3's store by the copy engine, without a tensor map: a bulk copy a row. A warp
-                # stages its own 16 rows of O (unswizzled, O_PITCH apart) and its lane 0 issues
-                # their copies; the warps go on while they run. (The warpgroup's barriers, not
-                # the warp's: with syncwarps here ptxas took the step loop's descriptor
-                # arithmetic off the uniform datapath, 1 001 -> 1 020 instructions a step.)
-                if lane == 0:
-                    ptx.bulk_wait_read(0)   # the warp's last copies have read its rows of the room
-                ptx.bar_sync(1 + wg, WG_THREADS)
-                tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, O_PITCH, False, ELEM)
-                ptx.fence_proxy_async_shared()   # the stores before the copy engine's reads
-                ptx.bar_sync(1 + wg, WG_THREADS)
-                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
-                # the warp's index from lane 0, so that ptxas knows it the same in every lane
-                # and builds the copies' operands in uniform registers; the warp's first row
-                # and its address made once, then moved by whole rows
-                bw = int32(ptx.broadcast_u32(uint32(warp)))
-                row0 = int32(i * BR + 16 * bw)   # bw = 4 wg + wg_warp
-                words = int32((((tiles0 + O_ROOM) >> 1) + (bw >> 2) * (WG_O_ELEMS >> 1))
-                              + 16 * (bw & 3) * (O_PITCH >> 1))   # its first staged row
-                if lane == 0:
-                    smem32 = cuda.shared.array(0, uint32)
-                    address = ptx.global_address(o_h, min(row0, int32(nq - 1)), int32(0))
-                    for r in range(16):
-                        if int32(row0 + r) < nq:
-                            ptx.bulk_store(address + r * o_h.strides[0], smem32,
-                                           int32(words + r * (O_PITCH >> 1)), O_ROW_BYTES)
-                    ptx.bulk_commit()
-            elif O_TMA:
-                # FA3's epilogue: the warpgroup stages its 64 rows as the O map's boxes (a panel of
-                # 64 columns each, 128-byte swizzled, as TMA lands Q), and one thread issues a
-                # tensor store a panel; the copy engine clips rows past N and columns past d.
-                if wg_tid == 0:
-                    ptx.bulk_wait_read(0)   # the last tile's stores have read the room
-                ptx.bar_sync(1 + wg, WG_THREADS)
-                tiles.stage_accumulator_panels(stage32, o_acc, 16 * wg_warp, lane, WG_ROWS, ELEM)
-                ptx.fence_proxy_async_shared()   # the stores before the copy engine's reads
-                ptx.bar_sync(1 + wg, WG_THREADS)
-                if wg_tid == 0:
-                    for p_ in range(O_PANELS):
-                        sm90.tma_store_4d(tmaps, 3, p_ * O_WORDS, wg_row0, h, b, smem,
-                                          o_start + p_ * WG_ROWS * O_PANEL)
-                    ptx.bulk_commit()
-            else:
-                # 16-byte stores by every thread of the warpgroup (the barrier before: every
-                # thread of it is done reading the room, the previous tile's O or, in Q's room,
-                # the last QK^T wgmma has completed)
-                ptx.bar_sync(1 + wg, WG_THREADS)
-                tiles.stage_accumulator(stage32, o_acc, 16 * wg_warp, lane, D, True, ELEM)
-                ptx.bar_sync(1 + wg, WG_THREADS)
-                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
-                tiles.store_tile(o_h, stage32, wg_row0, nq, WG_ROWS, D, D, True, wg_tid,
-                                 WG_THREADS, O_COLS)
+            tl_t = stamp(tl, 7, tl_t)
+            tl_t = store_o(o, smem, tmaps, stage32, o_acc, tiles0, o_start, bb, b, h, i, first_q,
+                           nq, wg, wg_warp, wg_tid, warp, wg_row0, lane, tl, tl_t)         # l.22
             if not O_APART:   # O_i has left Q's room: the next Q may land there
                 ptx.bar_sync(1 + wg, WG_THREADS)
                 release_q(smem, 0, lane)
@@ -1199,6 +1323,11 @@ def build(cfg):
                     if row < nq:
                         lse[bb, h, first_q + row] = lse_rows[r]
             done = int32(done + 1)
+            tl_t = stamp(tl, 9, tl_t)
+            if STAMPS:   # one record a warp, at the block's last tile: no store in a timed phase
+                ptx.syncwarp()   # the warp's LSE stores above land before lane 0 writes over them
+                if final and stamped and lane == 0 and warp_row + 16 <= nq:   # its 16 LSE rows
+                    stamp_record(lse, tl, bb, h, first_q + warp_row, warp, done, it)
         if (O_BULK and lane == 0) or (O_TMA and wg_tid == 0):
             ptx.bulk_wait(0)   # the last tile's copies done while the block's shared memory lives
 

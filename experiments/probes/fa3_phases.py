@@ -1,7 +1,8 @@
-"""(Probe.) Where a consumer warpgroup's K/V step goes in fa3's forward, in SM cycles: a copy of
-variants/fa3.py with %clock stamps in the default step loop (no intra-warpgroup overlap, not back
-to back: the loop FP8 and bf16 run by default), built as a module of its own with the kernel cache
-off (so no stamped cubin is kept), one call timed after warm-up:
+"""(Probe.) Where a consumer warpgroup's K/V step goes in fa3's forward, in SM cycles: the
+forward's kernel built with its timing stamps compiled in (variants/fa3.py: build(cfg,
+stamps=True), %clock reads from common/hardware/stamps.py in the default step loop: no
+intra-warpgroup overlap, not back to back, the loop FP8 and bf16 run by default), with the kernel
+cache off (so no stamped cubin is kept), one call timed after warm-up:
 
     python experiments/probes/fa3_phases.py SEQLEN CAUSAL(0|1) [fp8|bf16] ['{"option": value}']
 
@@ -10,9 +11,11 @@ clock is the host's nanoseconds, a check of the plumbing only.) Per consumer war
 step spends in each phase, summed over the call:
 
     wait K     the wait for K_j's full barrier (and the loop's own overhead since the last stamp)
-    S issue    S_j = Q K_j^T issued (fence, descriptors, wgmma) and the turn passed on
+    S issue    S_j = Q K_j^T issued (fence, descriptors, wgmma; FP8's per-block K scale loaded)
+               and the turn passed on
     wait S     until S_j has landed
-    softmax    logits (mask, FP8's K scales), the online softmax, P~ into the A registers
+    softmax    logits (softcap, mask), the online softmax (FP8's K scales folded in), P~ into the
+               A registers
     wait V     the wait for V_j's full barrier
     wait turn  the ping-pong's turn (the other warpgroup's GEMMs issued)
     P V        O += P~ V_j issued and waited for, V_j released
@@ -30,18 +33,17 @@ step spends in each phase, summed over the call:
     turn       from Q_i to the step loop: the ping-pong's first turn of the tile
 
 Each warp leaves its totals in its own 16 LSE rows of the block's last tile, over the LSE the
-epilogue wrote there (a marker, the block, warp and tiles packed, steps, the 13 sums; the call's
-LSE is therefore not the attention's). Stamps order only
+epilogue wrote there (fa3.stamp_record: a marker, the block, warp and tiles packed, steps, the 13
+sums; the call's LSE is therefore not the attention's). Stamps order only
 with the instructions that have side effects (barrier waits, wgmma issue and waits): ptxas may
 move some pure arithmetic of the softmax across the softmax's own two stamps. The stamps add ~40
-instructions to a step of ~1 000 (FP8, d=128; causal, ptxas also spills 8 bytes). d=128,
+instructions to a step of ~1 000 (FP8, d=128; causal, ptxas also spills a few bytes). d=128,
 batch x seqlen = 16k, 16 heads (the FA2 paper's shapes). docs/results/fa3_phases_h100.txt ran
 the first version, whose one "tile" column is the sum of the last six here; fa3_tile_h100.txt
 this one (the versions between wrote a record every tile, timed in the next tile's "schedule")."""
 import json
 import os
 import sys
-import types
 
 os.environ["FA_KERNEL_CACHE"] = ""   # the stamped kernels must not meet the real ones' cubins
 sys.path.insert(0, os.getcwd())
@@ -50,155 +52,24 @@ import common  # noqa: E402
 MODE = common.select_backend()
 import numpy as np  # noqa: E402
 
+from variants import fa3  # noqa: E402
+
 PHASES = ("wait K", "S issue", "wait S", "softmax", "wait V", "wait turn", "P V",
           "finalize", "stage O", "store O", "schedule", "wait Q", "turn")
+assert len(PHASES) == fa3.STAMP_PHASES
 TILE_PHASES = 6   # the last six: a tile's, outside the step loop
-MARK = -12345.0   # a record's first word (no LSE is this)
+MARK = fa3.STAMP_MARK   # a record's first word (no LSE is this)
 
-s = open(os.path.join("variants", "fa3.py")).read()
-
-
-def sub(old, new):
-    global s
-    assert s.count(old) == 1, old
-    s = s.replace(old, new, 1)
+_build = fa3.build
 
 
-# the clock: %clock (32 bits, SM cycles); in the simulator the host's nanoseconds
-sub('''
-def work_items(n_blocks, batch_heads, paired):''', '''
-if target.SIMULATOR:
-    import time as _time
-
-    def probe_clock():
-        return uint32(_time.perf_counter_ns() & 0xFFFFFFFF)
-else:
-    from numba.cuda.extending import intrinsic as _intr
-    from common.hardware._inline_asm import _asm as _asm2, _i32 as _i32b
-
-    @_intr
-    def probe_clock(typingctx):
-        sig = types.uint32()
-
-        def codegen(context, builder, sig, args):
-            # %clock plus the lane's index, which the differences cancel: a value that differs
-            # across the warp keeps ptxas from reading the clock on the uniform datapath (S2UR),
-            # whose reads it moved across barriers and stores
-            return _asm2(builder, _i32b, [], "{ .reg .u32 t; mov.u32 $0, %clock; "
-                         "mov.u32 t, %laneid; add.u32 $0, $0, t; }", "=r,~{memory}",
-                         side_effect=True)
-        return sig, codegen
+def stamped_build(cfg):
+    """fa3's kernel of cfg with the stamps compiled in: fa3.forward's launch (fa3._run) builds
+    its kernel by the name fa3.build, which this probe points here."""
+    return _build(cfg, stamps=True)
 
 
-@device_function
-def probe_add(tl, k, t0):
-    """tl[k] += now - t0 (uint32, wraps); returns now."""
-    t1 = probe_clock()
-    tl[k] += uint32(t1 - t0)
-    return t1
-
-
-def work_items(n_blocks, batch_heads, paired):''')
-sub('''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
-''', '''        turned = False      # VARLEN: warpgroup 0 has given itself the first turn
-        tl = cuda.local.array(13, uint32)
-        for q_ in range(13):
-            tl[q_] = uint32(0)
-        tl_t = probe_clock()
-        stamped = False     # the default step loop ran (else no record: its phases were not timed)
-''')
-sub('''            wait_full(smem, BAR_Q, done & 1)                                       # l.13
-''', '''            tl_t = probe_add(tl, 10, tl_t)
-            wait_full(smem, BAR_Q, done & 1)                                       # l.13
-            tl_t = probe_add(tl, 11, tl_t)
-''')
-sub('''                # The same with O waited for inside the turn, before S_{j+1} is issued.
-                for j in range(t_c):                                               # l.14
-                    stage, parity = slot(it + j)
-                    wait_full(smem, BAR_K + 4 * stage, parity)
-                    sm90.wgmma_fence()
-                    scores(s, q_desc, k_desc0, stage)                          # l.15
-                    pass_turn(wg)
-                    WAIT_S(s)
-''', '''                # The same with O waited for inside the turn, before S_{j+1} is issued.
-                tl_t = probe_add(tl, 12, tl_t)
-                stamped = True
-                for j in range(t_c):                                               # l.14
-                    stage, parity = slot(it + j)
-                    wait_full(smem, BAR_K + 4 * stage, parity)
-                    tl_t = probe_add(tl, 0, tl_t)
-                    sm90.wgmma_fence()
-                    scores(s, q_desc, k_desc0, stage)                          # l.15
-                    pass_turn(wg)
-                    tl_t = probe_add(tl, 1, tl_t)
-                    WAIT_S(s)
-                    tl_t = probe_add(tl, 2, tl_t)
-''')
-sub('''                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
-                    to_a(p, s)
-                    wait_full(smem, BAR_V + 4 * stage, parity)
-                    if CLEAR_V_TAIL:
-                        clear_v_tail(tiles0, stage, (j0 + j) * BC, nk, wg, wg_tid)
-                    wait_turn(wg)
-                    sm90.wgmma_fence()
-                    values(o_acc, p, v_desc0, stage)                           # l.18
-                    WAIT_OP(o_acc, p)
-                    release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
-''', '''                    softmax.online_softmax(s, m_i, l_i, o_acc, sl2, P_SHIFT, POLY)      # l.16-17
-                    to_a(p, s)
-                    tl_t = probe_add(tl, 3, tl_t)
-                    wait_full(smem, BAR_V + 4 * stage, parity)
-                    if CLEAR_V_TAIL:
-                        clear_v_tail(tiles0, stage, (j0 + j) * BC, nk, wg, wg_tid)
-                    tl_t = probe_add(tl, 4, tl_t)
-                    wait_turn(wg)
-                    tl_t = probe_add(tl, 5, tl_t)
-                    sm90.wgmma_fence()
-                    values(o_acc, p, v_desc0, stage)                           # l.18
-                    WAIT_OP(o_acc, p)
-                    release(smem, BAR_EMPTY_V, stage, lane)                        # l.19
-                    tl_t = probe_add(tl, 6, tl_t)
-''')
-sub('''            tiles.scale_rows(o_acc, inv_l)
-            # l.22: write O_i, staged in shared memory.
-''', '''            tiles.scale_rows(o_acc, inv_l)
-            tl_t = probe_add(tl, 7, tl_t)
-            # l.22: write O_i, staged in shared memory.
-''')
-s = s.replace('''                ptx.bar_sync(1 + wg, WG_THREADS)
-                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
-''', '''                ptx.bar_sync(1 + wg, WG_THREADS)
-                tl_t = probe_add(tl, 8, tl_t)
-                o_h = o[bb, h, first_q:first_q + nq] if VARLEN else o[b, h]
-''')   # both stores' paths (o_store)
-s = s.replace('''                ptx.bar_sync(1 + wg, WG_THREADS)
-                if wg_tid == 0:
-                    for p_ in range(O_PANELS):
-''', '''                ptx.bar_sync(1 + wg, WG_THREADS)
-                tl_t = probe_add(tl, 8, tl_t)
-                if wg_tid == 0:
-                    for p_ in range(O_PANELS):
-''')   # and o_store="tma"'s
-assert s.count("tl_t = probe_add(tl, 8, tl_t)") == 3
-sub('''                        lse[bb, h, first_q + row] = lse_rows[r]
-            done = int32(done + 1)
-''', '''                        lse[bb, h, first_q + row] = lse_rows[r]
-            done = int32(done + 1)
-            tl_t = probe_add(tl, 9, tl_t)
-            ptx.syncwarp()   # the warp's LSE stores above land before lane 0 writes over them
-            # one record a warp, at the block's last tile: none of its stores in a timed phase
-            if final and stamped and lane == 0 and warp_row + 16 <= nq:   # its 16 LSE rows
-                rec = first_q + warp_row
-                lse[bb, h, rec] = float32(-12345.0)
-                lse[bb, h, rec + 1] = float32((cuda.blockIdx.x * 16 + warp) * 4096 + done)
-                lse[bb, h, rec + 2] = float32(it)
-                for q_ in range(13):
-                    lse[bb, h, rec + 3 + q_] = float32(tl[q_])
-''')
-
-fa3 = types.ModuleType("fa3_stamped")
-fa3.__file__ = "variants/fa3.py (stamped)"
-exec(compile(s, fa3.__file__, "exec"), fa3.__dict__)
+fa3.build = stamped_build
 
 
 def records(lse):
