@@ -96,7 +96,12 @@ def test_with_kvcache_appends_and_attends(rng):
      "window_size=(8, 0)"),
     (lambda a: fa.flash_attn_func(a[:, :, :, :20], a[:, :, :, :20], a[:, :, :, :20]), ValueError,
      "head_dim 20"),
-], ids=["dropout", "alibi", "block_table", "rotary", "kvcache_window", "unpadded_head_dim"])
+    (lambda a: fa.flash_attn_func(a, a, a, attention_chunk=64), NotImplementedError,
+     "attention_chunk=64"),
+    (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, seqused_k=a), NotImplementedError,
+     "seqused_k"),
+], ids=["dropout", "alibi", "block_table", "rotary", "kvcache_window", "unpadded_head_dim",
+        "attention_chunk", "seqused_k"])
 def test_what_is_refused_is_named(call, error, words):
     """Nothing is launched: the argument is refused before any kernel, by name (a CuPy or Numba
     array whose head_dim the kernels do not take must come padded; torch tensors are padded

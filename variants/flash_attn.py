@@ -17,8 +17,9 @@ sum has one order (fa2's dQ by a separate query-block-outer kernel, `dq="separat
 that is FA2's backward kernels); `return_attn_probs=True` returns (out, softmax_lse, None) (the
 third, flash_attn's dropout-mask debug tensor, is only filled there when dropout_p > 0).
 What they refuse, naming the argument: `dropout_p > 0`, `alibi_slopes`, a `block_table` in the
-varlen forward, and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx`
-and `cache_leftpad` (variants.decode does not take them yet).
+varlen forward, FA3's `qv`, `attention_chunk`, `seqused_q` / `seqused_k` and `num_splits` > 1,
+and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx` and
+`cache_leftpad` (variants.decode does not take them yet).
 """
 from functools import lru_cache
 
@@ -69,6 +70,16 @@ def _refuse(dropout_p=0.0, alibi_slopes=None, **others):
     for name, value in others.items():
         if value is not None:
             raise NotImplementedError(f"{name}: not supported by variants' flash_attn functions yet")
+
+
+def _refuse_fa3(attention_chunk, num_splits):
+    """NotImplementedError for FA3's options the kernels cannot honour yet."""
+    if attention_chunk:
+        raise NotImplementedError(f"attention_chunk={attention_chunk} (chunked local attention): "
+                                  "not built yet")
+    if num_splits not in (0, 1):
+        raise NotImplementedError(f"num_splits={num_splits}: the forward splits no keys (the "
+                                  "split-KV kernel is flash_attn_with_kvcache's)")
 
 
 def _backward_options(variant, deterministic):
@@ -136,6 +147,7 @@ def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, q_descale=None, k_descale=None, v_descale=None,
+                    qv=None, attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0,
                     variant=None):
     """out = softmax(softmax_scale q k^T + mask) v: q (B, N_q, H, d), k and v (B, N_k, H_kv, d)
     with H a multiple of H_kv (MQA / GQA); fp16 or bf16 (e4m3 with the descales: fa3).
@@ -144,8 +156,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     right): query i sees keys i + N_k - N_q - left .. i + N_k - N_q + right (-1: unbounded);
     softcap > 0: scores become softcap tanh(scores / softcap). A row that sees no key is 0.
     Returns out (B, N_q, H, d), or with return_attn_probs (out, softmax_lse (B, H, N_q) fp32,
-    None)."""
-    _refuse(dropout_p, alibi_slopes)
+    None). FA3's keywords: the descales (e4m3 inputs); `qv`, `attention_chunk` and `num_splits`
+    other than 0 / 1 are refused by name; `pack_gqa` and `sm_margin` (scheduling hints) are
+    accepted and ignored."""
+    _refuse(dropout_p, alibi_slopes, qv=qv)
+    _refuse_fa3(attention_chunk, num_splits)
     descales = {name: x for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
                                         ("v_descale", v_descale)) if x is not None}
     return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
@@ -181,12 +196,17 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None, *, variant=None):
+                           return_attn_probs=False, block_table=None, *, seqused_q=None,
+                           seqused_k=None, qv=None, attention_chunk=0, num_splits=1,
+                           pack_gqa=None, sm_margin=0, variant=None):
     """flash_attn_func over a packed batch of sequences: q (total_q, H, d), k and v (total_k,
     H_kv, d), cu_seqlens_q / cu_seqlens_k int32 (batch + 1) each sequence's first row, and the
     longest sequences' lengths. The mask applies within each sequence. Returns out (total_q, H,
-    d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None)."""
-    _refuse(dropout_p, alibi_slopes, block_table=block_table)
+    d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None). FA3's `seqused_q`,
+    `seqused_k`, `qv` and `attention_chunk` are refused by name."""
+    _refuse(dropout_p, alibi_slopes, block_table=block_table, seqused_q=seqused_q,
+            seqused_k=seqused_k, qv=qv)
+    _refuse_fa3(attention_chunk, num_splits)
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,
