@@ -562,7 +562,8 @@ def _producer(cfg):
     UNIT_BYTES = cfg.unit_bytes()
     TRANSPOSE_UNIT = fp8.unit_transposer(D, TRANSPOSERS) if TRANSPOSE else None
     Q_RING, K_RING, V_RING, STAGED = _rings(cfg)
-    slot, acquire_q, acquire_k, acquire_v = K_RING.slot, Q_RING.acquire, K_RING.acquire, V_RING.acquire
+    slot, acquire_q = K_RING.slot, Q_RING.acquire   # K's and V's rings go round together
+    acquire_k, acquire_v = K_RING.acquire, V_RING.acquire
     arm_q, q_landed, q_full = Q_RING.arm, Q_RING.arrive_when_landed, Q_RING.full
     v_transposed = V_RING.arrive_full           # a transposer warp's panels of V_j^T are written
     staged_slot, staged_acquire, arm_staged = STAGED.slot, STAGED.acquire, STAGED.arm
