@@ -62,7 +62,7 @@ def test_sdpa_flash_backend_forward_and_backward(torch, sdpa_active, rng, n_q, n
     do = rng.standard_normal((2, n_q, 4, head_dim)).astype(q.dtype)
     out.backward(inputs.to_device(do, "torch").transpose(1, 2))
     assert sdpa_active.count("forward") == 1 and sdpa_active.count("backward") == 1
-    mask = dict(causal=causal, align="top_left")
+    mask = dict(causal=causal)   # square when causal: either diagonal
     ref_o, _ = reference.attention(q, k, v, **mask)
     got = inputs.to_host(out.transpose(1, 2))
     assert checks.compare(got, np.zeros((2, 4, n_q)), ref_o, np.zeros((2, 4, n_q)), DTYPE)["ok"]
@@ -71,13 +71,29 @@ def test_sdpa_flash_backend_forward_and_backward(torch, sdpa_active, rng, n_q, n
     assert checks.compare_gradients(grads, ref, DTYPE)["ok"]
 
 
+def test_sdpa_flash_backend_lower_right_and_contiguous_inputs(torch, sdpa_active, rng):
+    """torch's CausalBias sends a rectangular lower-right causal mask to the flash operator as
+    is_causal=True: the bottom-right diagonal. Inputs (B, H, N, d)-contiguous (not transposed
+    views) come back with the strides torch's meta function promises; GQA through enable_gqa is
+    torch's to route, so the K/V heads here equal the query heads."""
+    from torch.nn.attention.bias import causal_lower_right
+    q, k, v = inputs.random_qkv(rng, 2, 96, 4, 64, DTYPE, seqlen_k=256)
+    tq, tk, tv = (inputs.to_device(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), "torch")
+                  for x in (q, k, v))
+    out = _sdpa(torch, tq, tk, tv, attn_mask=causal_lower_right(96, 256))
+    assert out.stride() == torch.empty_like(tq).stride() and "forward" in sdpa_active
+    ref_o, _ = reference.attention(q, k, v, causal=True)      # bottom-right
+    got = inputs.to_host(out.transpose(1, 2))
+    assert checks.compare(got, np.zeros((2, 4, 96)), ref_o, np.zeros((2, 4, 96)), DTYPE)["ok"]
+
+
 def test_sdpa_flash_backend_under_torch_compile(torch, sdpa_active, rng):
     q, k, v = inputs.random_qkv(rng, 2, 256, 4, 64, DTYPE)
     tq, tk, tv = (inputs.to_device(x, "torch").transpose(1, 2) for x in (q, k, v))
     f = torch.compile(lambda a, b, c: _sdpa(torch, a, b, c, is_causal=True), fullgraph=True)
     got = inputs.to_host(f(tq, tk, tv).transpose(1, 2))
     assert "forward" in sdpa_active
-    ref_o, _ = reference.attention(q, k, v, causal=True, align="top_left")
+    ref_o, _ = reference.attention(q, k, v, causal=True)
     assert checks.compare(got, np.zeros((2, 4, 256)), ref_o, np.zeros((2, 4, 256)), DTYPE)["ok"]
 
 
@@ -172,16 +188,19 @@ def test_transformers_training_losses_follow_sdpa(torch):
     assert np.abs(losses[0] - losses[1]).max() < 2e-2 * losses[1].max(), losses
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["left_padded", "unpadded"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_transformers_generation_teacher_forced(torch, family, cache):
-    """Greedy generation of 12 tokens through our kernels (prefill, then the decode kernel a
-    step; a left-padded batch): each step's logits against SDPA's logits of the same sequence
-    read at once (teacher-forced)."""
+def test_transformers_generation_teacher_forced(torch, family, cache, padded):
+    """Greedy generation of 12 tokens through our kernels (prefill, then a step at a time: a
+    left-padded batch through the packed kernels, an unpadded one through the decode kernel):
+    each step's logits against SDPA's logits of the same sequence read at once
+    (teacher-forced)."""
     ours, sdpa = _pair(torch, family)
     ids = torch.randint(0, 512, (2, 40), device="cuda")
     mask = torch.ones_like(ids)
-    mask[1, :11] = 0
+    if padded:
+        mask[1, :11] = 0
     with torch.no_grad():
         out = ours.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
                             cache_implementation=cache, output_logits=True,

@@ -117,6 +117,9 @@ def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, 
                return_lse, variant, forward_options=None):
     """The one path of every dense and packed function: (o, lse) or o, head dims padded."""
     variant = variant or default_variant(q)
+    if _is_torch(q):   # flash_attn's maybe_contiguous: a head_dim axis with a stride is copied
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    softcap = max(softcap or 0.0, 0.0)   # flash_attn: <= 0 means off
     q, k, v, d = _pad_head_dims(q, k, v)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     mask = dict(causal=causal, softmax_scale=scale, window_size=tuple(window_size),

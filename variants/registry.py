@@ -1,8 +1,8 @@
 """The one registry of attention variants and the calls that dispatch on it: `forward`,
 `backward` and their packed-batch forms look a variant's module up by name and call it. A problem
 with nothing to compute (a batch of no sequence, no query, or no key: flash_attn's empty cases)
-launches nothing: the forward returns O = 0 and LSE = -inf (no key) and the backward zero
-gradients, as flash_attn does.
+launches nothing: the forward returns O = 0 and the backward zero gradients, as flash_attn does,
+and LSE = -inf, this codebase's value for a row that sees no key (flash_attn fills +inf there).
 Everything above the variants (autograd, the torch operators, context parallelism, the
 integrations) calls these, so that no module imports the package face that imports it."""
 from importlib import import_module
@@ -36,17 +36,26 @@ def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **optio
     return get(variant).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
 
 
+_EMPTY_DTYPES = ("float16", "bfloat16")
+
+
 def _empty(q, k, v, ndim):
-    """True for a well-formed problem with nothing to compute (some axis of length 0); malformed
-    ones go on to the variant, whose checks name the problem."""
+    """True for a well-formed 16-bit problem with nothing to compute (some axis of length 0);
+    anything else (FP8 and its KMajorV, a malformed call) goes on to the variant, whose checks
+    name the problem (an empty one: "empty problem")."""
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (q, k, v)):
+        return False
     shapes = [tuple(x.shape) for x in (q, k, v)]
     if any(len(s) != ndim for s in shapes) or shapes[1] != shapes[2] or \
-            shapes[0][-1] != shapes[1][-1] or not all(min(s) >= 0 for s in shapes):
+            shapes[0][-1] != shapes[1][-1] or shapes[0][:-3] != shapes[1][:-3]:
         return False
-    heads, heads_kv = shapes[0][-2], shapes[1][-2]
-    if heads_kv and heads % heads_kv:
+    if not 0 in shapes[0] + shapes[1]:
         return False
-    return 0 in shapes[0] or 0 in shapes[1]
+    if any(str(x.dtype).removeprefix("torch.") not in _EMPTY_DTYPES for x in (q, k, v)) or \
+            len({str(x.dtype) for x in (q, k, v)}) != 1:
+        return False
+    heads, heads_kv, head_dim = shapes[0][-2], shapes[1][-2], shapes[0][-1]
+    return heads_kv > 0 and heads % heads_kv == 0 and 0 < head_dim <= 256
 
 
 def _empty_forward(q, k, out, lse_shape):

@@ -346,6 +346,7 @@ def _allocations_mode():
 
 _REFUSALS = []   # why recent recordings made no plan (read by tests/test_call_path.py)
 _first_use = None   # the thread running the first use of a dispatch mode (_first_use_apart)
+_first_use_lock = threading.Lock()
 
 
 def _dispatch_ready():
@@ -354,12 +355,21 @@ def _dispatch_ready():
     thread of its own and returns False while it runs: the first use imports torch._dynamo (and
     through it torch.fx, sympy, torch.distributed: ~4-5 s), which torch defers to then, and a call
     that waited for it would stall a training loop's second step. Calls go the ordinary path
-    (every check, ~ms of host time) until it is done, and the next one is recorded."""
+    (every check, ~ms of host time) until it is done, and the next one is recorded. Where
+    torch._dynamo is imported already (torch.compile ran), there is nothing to wait for. The
+    thread is not a daemon: a process that ends during the import waits for it (at most the
+    import's few seconds) rather than tearing it down half done."""
     global _first_use
     if _first_use is None:
-        _first_use = threading.Thread(target=_first_use_apart, args=(_allocations_mode,),
-                                      name="replay: first dispatch mode")
-        _first_use.start()
+        with _first_use_lock:
+            if _first_use is None:
+                if "torch._dynamo" in sys.modules:
+                    _first_use = threading.Thread(target=lambda: None)
+                else:
+                    _first_use = threading.Thread(target=_first_use_apart,
+                                                  args=(_allocations_mode,),
+                                                  name="replay: first dispatch mode")
+                _first_use.start()
     return not _first_use.is_alive()
 
 

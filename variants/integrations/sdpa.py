@@ -11,12 +11,15 @@ tensors: every call SDPA sends to its flash backend (its own choice, or
 `sdpa_kernel(SDPBackend.FLASH_ATTENTION)`) runs `variants.forward` / `variants.backward` with
 the generation for the GPU (fa3 on sm_90, fa2 elsewhere), and the autograd formula torch already
 has connects the two. q, k, v arrive as (B, H, N, d) and are handed over as (B, N, H, d) views
-(no copy when they were made by transposing such tensors, as attention layers do); is_causal is
-SDPA's top-left diagonal (`align="top_left"`); head dims that are not a multiple of 8 are padded
-as flash_attn does. What the kernels do not take (dropout, a debug mask, other dtypes) goes to
-the kernel that was there before (`torch.library.get_kernel`), or, where this torch has no way to
-reach it, raises naming the argument. Nothing happens on import: registering is opt-in and
-activating is the user's (torch asks providers never to activate themselves).
+(no copy when they were made by transposing such tensors, as attention layers do); this aten
+op's is_causal is the bottom-right diagonal (torch's CausalBias sends `causal_lower_right` to it
+so; SDPA's own is_causal reaches it only for square problems, where the two agree); head dims
+that are not a multiple of 8 are padded as flash_attn does. The output has the strides torch's
+meta function gives it (those of `empty_like(query)`). What the kernels do not take (dropout, a
+debug mask, other dtypes) goes to the kernel that was there before (`torch.library.get_kernel`),
+or, where this torch has no way to reach it, raises naming the argument. Nothing happens on
+import: registering is opt-in and activating is the user's (torch asks providers never to
+activate themselves).
 """
 NAME = "flash_numba"
 FORWARD = "_scaled_dot_product_flash_attention"
@@ -115,10 +118,11 @@ def _forward(run, query, key, value, dropout_p=0.0, is_causal=False, return_debu
     q, k, v, d = flash_attn._pad_head_dims(_bnhd(query), _bnhd(key), _bnhd(value))
     scale = d ** -0.5 if scale is None else scale
     o, lse = registry.forward(q, k, v, variant=flash_attn.default_variant(query),
-                              causal=is_causal, align="top_left", softmax_scale=scale)
-    out = o[..., :d].transpose(1, 2)
-    empty = torch.empty(0, dtype=torch.uint64, device=query.device)
-    return (out, lse, None, None, query.shape[2], key.shape[2], empty, empty,
+                              causal=is_causal, softmax_scale=scale)
+    out = _strided_like(o[..., :d].transpose(1, 2), query)
+    seed = torch.zeros(2, dtype=torch.uint64, device=query.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    return (out, lse, None, None, query.shape[2], key.shape[2], seed, offset,
             torch.empty(0, dtype=query.dtype, device=query.device))
 
 
@@ -134,5 +138,14 @@ def _backward(run, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
     scale = d ** -0.5 if scale is None else scale
     dq, dk, dv = registry.backward(do.contiguous(), q, k, v, o, logsumexp,
                                    variant=flash_attn.default_variant(query), causal=is_causal,
-                                   align="top_left", softmax_scale=scale)
-    return tuple(g[..., :d].transpose(1, 2) for g in (dq, dk, dv))
+                                   softmax_scale=scale)
+    return tuple(_strided_like(g[..., :d].transpose(1, 2), x)
+                 for g, x in ((dq, query), (dk, key), (dv, value)))
+
+
+def _strided_like(x, like):
+    """x with the strides of torch.empty_like(like), which torch's meta functions give these
+    operators' outputs (a copy only when they differ: a (B, H, N, d)-contiguous input)."""
+    import torch
+    want = torch.empty_like(like)
+    return x if x.stride() == want.stride() else want.copy_(x)

@@ -9,8 +9,9 @@
 mask or None; without a registered mask function transformers would drop the padding silently).
 The name holds no "flash": transformers would then look for the flash-attn package. Each call:
 - q, k, v arrive as (B, H, N, d) and go to the kernels as (B, N, H, d) views; float32 ones (RoPE
-  computed in fp32, a model kept in fp32) run in the autocast dtype or bf16 and come back in
-  their own dtype;
+  computed in fp32, a model kept in fp32) run in the autocast dtype, else the model's 16-bit
+  weight dtype, else bf16, and come back in their own dtype; a V head dim narrower than Q's
+  (MLA) is padded and O cropped, as transformers does;
 - causal attention is flash_attn's bottom-right diagonal (a query block of a generation step
   sees the whole cache), `sliding_window=w` is `window_size=(w - 1, 0)` (w keys including the
   query's own), `softcap` is Gemma 2's cap, `scaling` the softmax scale;
@@ -23,7 +24,9 @@ The name holds no "flash": transformers would then look for the flash-attn packa
   torch.compile, which transformers uses for a StaticCache's decode steps) flash_attn_func's path
   (fa3 on sm_90, fa2 elsewhere, torch custom operators while compiling), differentiable;
 - what the kernels cannot do is refused by name: attention dropout in training, attention sinks
-  (`s_aux`), `output_attentions`.
+  (`s_aux`), `output_attentions`, chunked attention (Llama 4's `attention_chunk_size`; its mask
+  function is not transformers' to apply here). Padded batches and packed detection read
+  values back (as transformers' own flash path does), so they break a `fullgraph=True` compile.
 """
 NAME = "fa_numba"
 DECODE_MAX_QUERIES = 16   # at most this many new tokens a sequence go to the split-KV kernel
@@ -41,13 +44,20 @@ def register(name=NAME):
     return name
 
 
-def _compute_dtype(query):
+def _compute_dtype(query, module):
+    """What the kernels run in: q's own 16-bit dtype; for float32 q (RoPE in fp32, a model kept
+    in fp32) the autocast dtype, else the model's 16-bit weight dtype (as transformers' flash
+    path picks it), else bf16."""
     import torch
-    if query.dtype in (torch.float16, torch.bfloat16):
+    half = (torch.float16, torch.bfloat16)
+    if query.dtype in half:
         return query.dtype
     device = query.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
+    linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    if linear is not None and linear.weight.dtype in half:
+        return linear.weight.dtype
     return torch.bfloat16
 
 
@@ -63,14 +73,24 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError("output_attentions=True: the kernels never form the "
                                   "attention matrix; use attn_implementation='eager'")
     causal = module.is_causal if is_causal is None else is_causal
-    dtype = _compute_dtype(query)
+    chunk = getattr(getattr(module, "config", None), "attention_chunk_size", None)
+    if chunk and key.shape[2] > chunk:
+        raise NotImplementedError(f"chunked attention (attention_chunk_size={chunk}, Llama 4): "
+                                  "not built yet; its layers would attend to every key")
+    dtype = _compute_dtype(query, module)
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (query, key, value))
+    head_dim, v_head_dim = q.shape[-1], v.shape[-1]
+    if v_head_dim != head_dim:   # MLA (V narrower than Q, K): pad V, crop O, as transformers does
+        import torch.nn.functional as F
+        v = F.pad(v, (0, head_dim - v_head_dim))
     window = (-1, -1)
     if sliding_window is not None and k.shape[1] > sliding_window:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     mask = dict(softmax_scale=scaling, causal=causal, window_size=window,
                 softcap=softcap or 0.0)
     out = _attend(q, k, v, attention_mask, mask, kwargs)
+    if v_head_dim != head_dim:
+        out = out[..., :v_head_dim]
     return out.to(query.dtype), None
 
 
@@ -91,10 +111,21 @@ def _attend(q, k, v, padding, mask, kwargs):
             q.reshape(b * n_q, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
             v.reshape(-1, *v.shape[2:]), *packed, **mask)
         return out.view(b, n_q, *out.shape[1:])
-    if q.shape[1] <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad \
-            and mask["window_size"] == (-1, -1) and not mask["softcap"] and not _compiling():
+    if _decodes(q, k, mask):
         return _decode(q, k, v, mask)
     return flash_attn.flash_attn_func(q, k, v, **mask)
+
+
+def _decodes(q, k, mask):
+    """Whether a call is a generation step the split-KV decode kernel takes: a few new tokens
+    against a longer cache, no window or softcap, a head dim and query-head group it has tiles
+    for, nothing to differentiate, not under torch.compile."""
+    from variants import decoding
+    n_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    return (n_q <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad
+            and mask["window_size"] == (-1, -1) and not mask["softcap"]
+            and head_dim in decoding.HEAD_DIMS
+            and (heads // k.shape[2]) * n_q <= decoding.MAX_ROWS and not _compiling())
 
 
 def _decode(q, k, v, mask):
@@ -141,17 +172,21 @@ def _packed_lengths(q, kwargs):
     keywords transformers passes (DataCollatorWithFlattening) or from position_ids that restart
     at 0; None for an ordinary batch."""
     import torch
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None:
-        return (cu_q.to(torch.int32), cu_k.to(torch.int32), int(kwargs["max_length_q"]),
-                int(kwargs["max_length_k"]))
+    given = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                     "max_length_k")]
+    if all(x is not None for x in given):
+        cu_q, cu_k, max_q, max_k = given
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k)
     position_ids = kwargs.get("position_ids")
     if position_ids is None or q.shape[0] != 1 or q.shape[1] < 2:
         return None
+    # transformers' rule (_is_packed_sequence, prepare_fa_kwargs_from_position_ids): one row whose
+    # positions are not one increasing run; every sequence restarts at the smallest position
     flat = position_ids.reshape(-1)
-    starts = (flat == 0).nonzero().flatten()
-    if starts.numel() <= 1 or flat[0] != 0:
+    first = flat.min()
+    if not bool(((torch.arange(flat.numel(), device=flat.device) + first) != flat).any()):
         return None
+    starts = (flat == first).nonzero().flatten()
     cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
     longest = int(cu.diff().max())
     return cu, cu, longest, longest
