@@ -1,10 +1,12 @@
-"""The layer every variant is built on: PTX intrinsics with simulator stand-ins (`ptx`), shared-memory
-tiles, fragments and warp GEMMs (`tiles`), online-softmax row operations and their backward
-(`softmax`), what every backward pass shares (`backward`), the float64 reference and its gradients
-(`reference`), array adapters (`arrays`), inputs, FLOP counts and timing.
+"""The layers every variant is built on, one sub-package each, imports pointing down only
+(docs/architecture.md; tests/test_layers.py checks it):
+  common/hardware/  PTX instructions beside their simulator stand-ins, element types, decorators
+  common/tile/      the device functions kernels are made of: tiles, softmax, masks, pipelines
+  common/host/      a call's host side: checks and views, configs, launch, kernel cache, replay
 
 This package's own import is deliberately light (no numba): call `select_backend()` before anything
-imports numba when the choice between GPU and simulator should be made automatically.
+imports numba when the choice between GPU and simulator should be made automatically (`gpu_count()`
+asks the driver, without numba).
 """
 import os
 

@@ -11,9 +11,10 @@ to the first). Shapes follow the FA2 paper's grid (batch * seqlen = 16k, hidden 
 
 A shape's peers and configurations are timed together in --rounds interleaved rounds (default 5;
 `timing.interleaved`: each round's order a Williams design's, since what runs just before a kernel
-moves its time, docs/performance.md): TFLOP/s and median_ms are medians over the rounds, the ratio
-in brackets the median of the rounds' ratios to the first row; a comment line after each shape
-gives each row's TFLOP/s round by round and the range of its ratio.
+moves its time, docs/performance/fp8.md, "FP8 tiles between panels"): TFLOP/s and median_ms are
+medians over the rounds, the ratio in brackets the median of the rounds' ratios to the first row;
+a comment line after each shape gives each row's TFLOP/s round by round and the range of its
+ratio.
 
 --pass bwd times the backward alone instead (the configurations are the variant's backward
 options; o and lse from fa2's forward, made once), the papers' FLOPs (2.5x the forward's); each

@@ -26,8 +26,8 @@ quant + fp8 block, the figure to compare with bf16 when the inputs start in bf16
 2026-11-27, evening: "fp8 block" and "fp8 e2e" included V's pre-pass, and "fp8 kernel" was fp8 less
 an event-timed v_prep, which counted host time.) Every column is timed in `--rounds` interleaved
 rounds (`timing.interleaved`: each round's order a Williams design's, since what runs just before a
-kernel moves its time, docs/performance.md); the figures are medians over rounds, the ratios to
-bf16 medians of the rounds' ratios.
+kernel moves its time, docs/performance/fp8.md, "FP8 tiles between panels"); the figures are
+medians over rounds, the ratios to bf16 medians of the rounds' ratios.
 """
 import argparse
 import csv

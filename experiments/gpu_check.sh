@@ -42,8 +42,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# Compiled kernels kept between processes (common/hardware/target.py): a sweep compiles each configuration
-# once, not once per job. Keyed by the source, so an edit never loads a stale kernel.
+# Compiled kernels kept between processes (common/host/kernel_cache.py, docs/compile_cache.md): a
+# sweep compiles each configuration once, not once per job. The cache is on by default (in
+# ~/.cache/flash-numba); the check keeps its own in .kcache/ unless FA_KERNEL_CACHE says otherwise.
+# Keyed by the source, so an edit never loads a stale kernel.
 export FA_KERNEL_CACHE=${FA_KERNEL_CACHE:-$PWD/.kcache}
 steps=${*:-tests compile quick grid}
 status=0

@@ -4,7 +4,8 @@ bf16 tensors of the FA2 paper's shape, for a profiler:
     ncu --clock-control none -k regex:"fa1_forward|fa2_forward" --csv --metrics <...> \
         python3 experiments/ladder_profile.py <head_dim> <seqlen> <causal 0|1>
 
-(docs/results/ladder_ncu_h200.txt lists the metrics read for docs/performance.md.)
+(docs/results/ladder_ncu_h200.txt lists the metrics read for docs/performance/ladder.md and
+io_model.md.)
 """
 import sys
 from pathlib import Path

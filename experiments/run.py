@@ -20,6 +20,7 @@ backward, dq, dk, dv of batch 0's first K/V head (and its query heads) are check
 too, and with torch inputs the peak device memory a call allocates beyond its inputs is recorded.
 """
 import csv
+import dataclasses
 import fcntl
 import math
 import os
@@ -48,7 +49,8 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            "fwd_tflops", "gpu", "seqlen_k", "heads_kv", "fwd_ms_min", "fwd_ms_max", "reps",
            "rel_err", "max_err", "lse_err", "check", "status", "mode", "library", "options",
            "label", "seed", "job",
-           # the forward's configuration as it ran: the options above over the variant's defaults
+           # the forward's configuration as it ran: every option of the Config its call resolved
+           # (common/host/configs.py recorded), the options above over the variant's defaults
            "config",
            # the pass timed (fwd, bwd, fwd_bwd) and its times (fwd_* above: pass=fwd only)
            "pass", "ms", "tflops", "ms_min", "ms_max", "dq_err", "dk_err", "dv_err", "peak_mem_mib",
@@ -247,12 +249,11 @@ def run_job(cfg, mode):
         else options
     if fp8_run:
         shown = dict(shown, **{f"fp8.{k}": v for k, v in cfg.fp8.items()})
-    config = resolved_config(module, prob, dtype, options, cfg.fp8.scaling == "block")
-    if config:
-        print(f"{cfg.variant.name} configuration: {config}")
-    rows = [dict(measure(cfg.variant.name, pass_fn(pass_, ours_forward, ours_backward, sets), ctx,
-                         options=shown, workspace=_workspace(module, prob, backward)),
-                 config=config)]
+    rows = [measure(cfg.variant.name, pass_fn(pass_, ours_forward, ours_backward, sets), ctx,
+                    options=shown, workspace=_workspace(module, prob, backward),
+                    config_of=lambda ran: ran_config(module, ran))]
+    if rows[0].get("config"):   # the forward's Config as the call resolved it (configs.recorded)
+        print(f"{cfg.variant.name} configuration: {rows[0]['config']}")
     peer_jobs = cfg.bench.peer_variants
     if fp8_run and cfg.bench.peers:
         print("dtype=fp8: no SDPA peers (they would run in fp16; experiments/fp8.py speed times "
@@ -357,35 +358,79 @@ def _workspace(module, prob, backward):
     return total
 
 
-def resolved_config(module, prob, dtype, options, k_block_scales=False, backward=False):
-    """The forward's configuration for this problem (backward=True: the backward's) as
-    'name=value;...' over the variant's OPTIONS (BACKWARD_OPTIONS), its defaults where the config
-    left an option null, or '' for a variant without one (default_config, default_backward_config)."""
-    default_config = getattr(module, "default_backward_config" if backward else "default_config",
-                             None)
-    if default_config is None:
-        return ""
-    problem = (("fp8", True), ("k_block_scales", k_block_scales)) if dtype == FP8 else ()
+def ran_config(module, ran):
+    """The forward's configuration in a job's log and CSV (`config`): 'name=value;...' over the
+    variant's OPTIONS of the first of its Configs among `ran`, the configurations the job's first
+    calls resolved themselves (common/host/configs.py recorded); '' for a variant without options,
+    or a call that failed before it resolved one."""
+    config_class = getattr(module, "Config", None)
+    chosen = next((c for c in ran if config_class is not None and isinstance(c, config_class)),
+                  None)
+    return "" if chosen is None else ";".join(f"{k}={getattr(chosen, k)}" for k in module.OPTIONS)
+
+
+def call_config(module, prob, dtype, options, fp8_cfg, backward=False):
+    """dry_run's resolution of the job's forward (backward=True: backward) the way its call
+    resolves it, or None for a variant without options (standard): a dict of `config` (the
+    Config), `names` (its options), `default_config`, `head_dims` (those it takes), `flags` (the
+    problem fields with defaults of their own) and `chosen` (a choice the call makes before any
+    Config: fa3's backward kernel, as (value, how)). The problem's fields as the call derives them
+    from its inputs: the band of common/tile/masks.py (configs.mask_fields), fa3's FP8 fields as
+    its forward reads them from the descales (K's by block when the block scaling gives it more
+    than one), the element the call computes in (FP8 runs write fp16, _quantise_fp8).
+    tests/test_config.py holds this to the Config a job's call resolved."""
+    from types import SimpleNamespace
+
+    from common.host import configs
     from common.tile import masks
+    from variants import fa2_backward
+    scale = prob["softmax_scale"] if prob["softmax_scale"] is not None \
+        else 1.0 / math.sqrt(prob["head_dim"])
     band = masks.band(prob["causal"], prob["window_size"], prob["align"], prob["seqlen"],
-                      prob["seqlen_k"], prob["softcap"], 1.0)
-    problem += tuple((f, True) for f, on in (("window", band.windowed), ("softcap", band.softcap))
-                     if on and hasattr(module.Config, f))   # (a variant without the field
-    #                                                             refuses the mask when called)
-    element = "float16" if dtype == FP8 else dtype   # FP8 runs write fp16 (_quantise_fp8)
-    if backward:
-        problem = tuple(p for p in problem if p[0] in ("window", "softcap"))
-    chosen = default_config(prob["head_dim"], element, band.banded, problem, **options)
-    names = module.BACKWARD_OPTIONS if backward else module.OPTIONS
-    return ";".join(f"{k}={getattr(chosen, k)}" for k in names)
+                      prob["seqlen_k"], prob["softcap"], scale)
+    fields = configs.mask_fields(SimpleNamespace(band=band, softcapped=band.softcap > 0,
+                                                 varlen=None))
+    element = "float16" if dtype == FP8 else dtype
+    head_dims, chosen, options = list(module.HEAD_DIMS), {}, dict(options)
+    if not backward:
+        default_config = getattr(module, "default_config", None)
+        names, defaults = getattr(module, "OPTIONS", ()), getattr(module, "DEFAULTS", {})
+        if dtype == FP8:   # fa3's FP8 forward: e4m3 inputs and their descales
+            k_scales = fp8_cfg.scaling == "block" and \
+                -(-prob["seqlen_k"] // int(fp8_cfg.block)) > 1
+            fields = (("fp8", True), ("k_block_scales", k_scales)) + fields
+    elif hasattr(module, "BACKWARD_KERNELS"):   # fa3: its own backward kernel, or FA2's
+        from variants import fa3_backward
+        kernel = options.pop("kernel", None)
+        how = "set"
+        if kernel is None:   # as fa3.backward picks it
+            kernel = "wgmma" if prob["head_dim"] in fa3_backward.HEAD_DIMS and \
+                not prob["softcap"] else "fa2"
+            own = fa3_backward.HEAD_DIMS
+            how = f"null  (default: wgmma at d={own[0]}..{own[-1]} without softcap; else fa2)"
+        chosen["kernel"] = (kernel, how)
+        target = fa3_backward if kernel == "wgmma" else fa2_backward
+        default_config, names = target.default_backward_config, target.BACKWARD_OPTIONS
+        defaults = target.BACKWARD_DEFAULTS
+        head_dims = [d for d in head_dims if d in target.HEAD_DIMS]
+    else:   # fa2's backward kernels (fa1: in Algorithm 4's schedule)
+        default_config = getattr(module, "default_backward_config", None)
+        names, defaults = getattr(module, "BACKWARD_OPTIONS", ()), fa2_backward.BACKWARD_DEFAULTS
+    if default_config is None:
+        return None
+    config = default_config(prob["head_dim"], element, band.banded, fields, **options)
+    return dict(config=config, names=tuple(names), default_config=default_config,
+                head_dims=head_dims, flags=configs.default_flags(defaults), chosen=chosen)
 
 
 def dry_run(cfg, mode):
-    """dry_run=true: the job's problem and its resolved configuration (the variant's defaults
-    where the variant file leaves an option null; the backward's too with pass=bwd or fwd_bwd),
-    printed; nothing is drawn, compiled or run. The problem is the GPU's (device=sim: the
-    simulator's small one)."""
+    """dry_run=true: the job's problem and the Config its call resolves (call_config; the
+    backward's too with pass=bwd or fwd_bwd), every field: the problem's, and each option's value
+    and where it came from (null in the variant file: the code's default; or set), with its
+    default over the head dims: the one statement of the defaults, made from the code. Nothing
+    is drawn, compiled or run. The problem is the GPU's (device=sim: the simulator's small one)."""
     import variants
+    from common.host import configs
     prob = resolve_problem(cfg, mode)
     pass_ = cfg.get("pass") or "fwd"
     module = variants.get(cfg.variant.name)
@@ -393,15 +438,39 @@ def dry_run(cfg, mode):
     passes = [("forward", False)] + ([("backward", True)] if pass_ in ("bwd", "fwd_bwd") else [])
     for name, backward in passes:
         options = _options(cfg.variant.get("backward_options" if backward else "options"))
-        config = resolved_config(module, prob, cfg.dtype.name, options,
-                                 cfg.fp8.scaling == "block", backward=backward)
-        print(f"{name} configuration: " + (config.replace(";", " ") if config else
-                                           "(no options)" if not options else str(options)))
+        found = call_config(module, prob, cfg.dtype.name, options, cfg.fp8, backward=backward)
+        if found is None:
+            print(f"{name} configuration: " + ("(no options)" if not options else str(options)))
+            continue
+        config, names = found["config"], found["names"]
+        print(f"{name} configuration: " + " ".join(
+            [f"{k}={v}" for k, (v, _) in found["chosen"].items()] +
+            [f"{k}={getattr(config, k)}" for k in names]))
+        everywhere = configs.resolved_defaults(found["default_config"], found["head_dims"],
+                                               found["flags"])
+        lines = [(k, v, how) for k, (v, how) in found["chosen"].items()]
+        for f in dataclasses.fields(config):
+            if f.name in names:
+                default = configs.describe_default(f.name, everywhere, found["head_dims"])
+                how = ("set" if f.name in options else "null") + f"  (default: {default})"
+            elif f.name in configs.PROBLEM_FIELDS:
+                how = "the problem's"
+            else:
+                how = "fixed by the variant (not an option)"
+            lines.append((f.name, configs.show_value(getattr(config, f.name)), how))
+        print(f"  {type(config).__module__}.{type(config).__qualname__}, every field:")
+        width = max(len(k) for k, _, _ in lines)
+        value_width = max(len(str(v)) for _, v, _ in lines)
+        for k, v, how in lines:
+            print(f"    {k:<{width}}  {str(v):<{value_width}}  {how}")
 
 
-def measure(name, fn, ctx, options=None, workspace=0):
+def measure(name, fn, ctx, options=None, workspace=0, config_of=None):
     """Check fn on the first input set, then time it rotating over all sets: one CSV row.
-    fn(i) -> (o, lse or None, (dq, dk, dv) or None), see pass_fn."""
+    fn(i) -> (o, lse or None, (dq, dk, dv) or None), see pass_fn. config_of(ran): the row's
+    `config` from the configurations the first calls (the check's, and pass=bwd's forwards)
+    resolved (configs.recorded; not the timed calls, so that recording costs them nothing)."""
+    from common.host import configs
     from experiments.measure import checks, flops, inputs, timing
 
     prob, bench, pass_ = ctx["prob"], ctx["bench"], ctx["pass_"]
@@ -418,13 +487,15 @@ def measure(name, fn, ctx, options=None, workspace=0):
     if workspace and free is not None and workspace > free:
         row["status"] = f"skipped: needs {workspace / 2**30:.1f} GiB of work memory"
         return row
+    ran = []   # the configurations the first calls resolved (configs.recorded)
     try:
-        if pass_ == "bwd":
-            fn.prime()   # the forwards the backward starts from, outside memory and timing
-        started = time.perf_counter()
-        with _peak_memory(ctx["library"]) as peak:
-            o, lse, grads = fn(0)
-        first_ms = (time.perf_counter() - started) * 1e3
+        with configs.recorded() as ran:
+            if pass_ == "bwd":
+                fn.prime()   # the forwards the backward starts from, outside memory and timing
+            started = time.perf_counter()
+            with _peak_memory(ctx["library"]) as peak:
+                o, lse, grads = fn(0)
+            first_ms = (time.perf_counter() - started) * 1e3
         if peak.mib is not None:
             row["peak_mem_mib"] = f"{peak.mib:.1f}"
         has_lse = lse is not None   # torch SDPA does not return the log-sum-exp
@@ -465,6 +536,8 @@ def measure(name, fn, ctx, options=None, workspace=0):
             traceback.print_exc()
             row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         _release_memory(ctx["library"])
+    if config_of is not None:
+        row["config"] = config_of(ran)
     return row
 
 

@@ -159,7 +159,8 @@ def test_no_spills_in_the_kv_loop(report):
     block. Inside the loop the only local traffic allowed is the d=128 kernels': they keep the four
     row sums l_i in local memory, 4 loads and 4 stores a step against 256 HMMA, and the non-causal
     one (one K/V buffer, refilled inside the step) reloads the copies' addresses, 4 a refill
-    (docs/performance.md: each measured faster than its spill-free alternative)."""
+    (docs/performance/compile.md and fa2.md: each measured faster than its spill-free
+    alternative)."""
     if "registers" not in report[0]:
         pytest.skip("ptxas not installed (pip install -e '.[test]' brings it)")
     for r in report:
@@ -199,7 +200,7 @@ def test_no_spills_in_the_kv_loop(report):
         elif "loop_local" in r and r["kernel"].startswith("fa1"):
             # Split-K holds a 16 x d partial P~ V a warp (64 registers at d=128) next to the
             # exchange's addresses: at d=128 ptxas parks loop-invariant shared-memory addresses in
-            # local memory, reloaded a few times a step (docs/performance.md, the ladder).
+            # local memory, reloaded a few times a step (docs/performance/ladder.md, compile.md).
             assert r["loop_local"] <= (40 if "d=128" in r["kernel"] else 0), r
             assert r["loop_HMMA"] == r["expected_loop_mma"], r
         elif "producer=cp_async" in r["kernel"]:
@@ -225,8 +226,8 @@ def test_no_spills_in_the_kv_loop(report):
         elif r["kernel"].startswith("fa3"):
             # no spills at all (with too few registers ptxas also serialises the wgmma: C7512),
             # wgmmas left asynchronous (a branch between two of them serialises every one: the
-            # back-to-back turn measured at 0.6x, docs/performance.md), every wgmma an HGMMA
-            # (QGMMA for e4m3), setmaxnreg kept (one USETMAXREG a role), TMA
+            # back-to-back turn measured at 0.6x, docs/performance/fa3_forward.md), every wgmma an
+            # HGMMA (QGMMA for e4m3), setmaxnreg kept (one USETMAXREG a role), TMA
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
             assert r["wgmma_serialized"] == 0, r
             if "sass_HGMMA" in r:

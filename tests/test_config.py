@@ -61,85 +61,75 @@ def test_variant_configs_name_registered_variants_and_real_options():
         f.name for f in dataclasses.fields(fa2_backward.BackwardConfig)}
 
 
-def annotated_defaults(path):
-    """{(section, option): the text of its `[default: ...]`, or None} of every null option of a
-    variant file (section: options, backward_options); a comment may continue on the lines below
-    its option's, indented."""
-    found, section, option = {}, None, None
-    comments = {}
-    for line in path.read_text().splitlines():
-        top = re.match(r"^(\w+):", line)
-        if top:
-            section, option = top.group(1), None
-            continue
-        entry = re.match(r"^  (\w+): null\s*(?:#(.*))?$", line)
-        if entry and section in ("options", "backward_options"):
-            option = (section, entry.group(1))
-            comments[option] = entry.group(2) or ""
-            continue
-        more = re.match(r"^\s{3,}#(.*)$", line)
-        if more and option:
-            comments[option] += " " + more.group(1)
-        else:
-            option = None
-    for key, text in comments.items():
-        m = re.search(r"\[default: ([^\]]*)\]", " ".join(text.split()))
-        found[key] = m.group(1) if m else None
-    return found
-
-
 # Variants whose backward_options (beside `kernel`, which picks the backward) are another module's
 # BackwardConfig: fa3's own backward kernel.
 BACKWARD_KERNEL_OF = {"fa3": "variants.fa3_backward"}
 
 
-def resolved_defaults_of(name):
-    """{(section, option): its default over the variant's head dims, causal or not, and the
-    problem fields with defaults of their own, in the variant file's words} from the code."""
-    from common.host import configs
+def written_options(name):
+    """{section: {option: value}} of conf/variant/<name>.yaml as the file writes them (options,
+    backward_options), not composed."""
+    from omegaconf import OmegaConf
+    node = OmegaConf.load(CONF / "variant" / f"{name}.yaml")
+    return {section: OmegaConf.to_container(node[section]) if node.get(section) is not None
+            else {} for section in ("options", "backward_options")}
+
+
+def config_fields(name, section):
+    """The fields of the Config a variant's section sets: its forward's Config, or the
+    BackwardConfig its backward resolves (fa1, fa2: fa2's backward; fa3: its own)."""
     from variants import fa2_backward
     module = variants.get(name)
-    sections = []
-    if hasattr(module, "default_config"):
-        sections.append(("options", module.default_config, module.OPTIONS,
-                         configs.default_flags(module.DEFAULTS)))
-    if hasattr(module, "default_backward_config"):   # fa1, fa2: fa2's backward kernels
-        sections.append(("backward_options", module.default_backward_config,
-                         module.BACKWARD_OPTIONS,
-                         configs.default_flags(fa2_backward.BACKWARD_DEFAULTS)))
-    if name in BACKWARD_KERNEL_OF:                    # fa3: its own backward kernel's
-        kernel = importlib.import_module(BACKWARD_KERNEL_OF[name])
-        sections.append(("backward_options", kernel.default_backward_config,
-                         kernel.BACKWARD_OPTIONS, configs.default_flags(kernel.BACKWARD_DEFAULTS)))
-    want = {}
-    for section, default_config, options, flags in sections:
-        # fa3's own backward takes fewer head dims than its forward (d=256: FA2's backward)
-        head_dims = [d for d in module.HEAD_DIMS
-                     if section == "options" or name not in BACKWARD_KERNEL_OF
-                     or d in importlib.import_module(BACKWARD_KERNEL_OF[name]).HEAD_DIMS]
-        resolved = configs.resolved_defaults(default_config, head_dims, flags)
-        for option in options:
-            want[section, option] = configs.describe_default(option, resolved,
-                                                             list(module.HEAD_DIMS))
-    return want
+    if section == "options":
+        config_class = getattr(module, "Config", None)
+    elif name in BACKWARD_KERNEL_OF:
+        config_class = importlib.import_module(BACKWARD_KERNEL_OF[name]).BackwardConfig
+    else:
+        config_class = fa2_backward.BackwardConfig if hasattr(module, "BACKWARD_OPTIONS") else None
+    return set() if config_class is None else {f.name for f in dataclasses.fields(config_class)}
 
 
 @pytest.mark.parametrize("name", group("variant"))
-def test_variant_files_state_the_real_defaults(name):
-    """Every option a variant file leaves null says, as `[default: ...]` in its comment, what the
-    code resolves it to (per head dim, causal, fp8: common/host/configs.py: describe_default), so the file
-    and the DEFAULTS cannot drift apart; the backward's too where the variant resolves it."""
-    stated = annotated_defaults(CONF / "variant" / f"{name}.yaml")
-    want = resolved_defaults_of(name)
-    wrong = {f"{s}.{o}": (stated.get((s, o)), text) for (s, o), text in want.items()
-             if stated.get((s, o)) != text and (s, o) in stated}
-    assert not wrong, "variant file's [default: ...] (stated, resolved): " + repr(wrong)
-    assert all(text is not None for (s, o), text in stated.items() if (s, o) in want), \
-        [k for k, text in stated.items() if text is None and k in want]
+def test_variant_files_leave_every_default_to_the_code(name):
+    """One source for each default, the code's: every option a variant file lists is a field of
+    the Config it sets (an option, not a problem field; fa3's backward `kernel`: the switch of its
+    backward) and is null, so that no value is written twice; and no comment restates one
+    (`dry_run=true` prints them, from the code)."""
+    from common.host import configs
+    written = written_options(name)
+    for section, options in written.items():
+        fields = config_fields(name, section) - set(configs.PROBLEM_FIELDS)
+        extra = {"kernel"} if section == "backward_options" and name in BACKWARD_KERNEL_OF else set()
+        assert set(options) <= fields | extra, (name, section, set(options) - fields - extra)
+        assert not fields or set(options) >= (fields if section == "options" or name != "fa1"
+                                              else set(variants.get(name).BACKWARD_OPTIONS)), \
+            (name, section, "options missing from the file")
+        set_ = {k: v for k, v in options.items() if v is not None}
+        assert not set_, f"conf/variant/{name}.yaml {section} sets {set_}: leave them null"
+    text = (CONF / "variant" / f"{name}.yaml").read_text()
+    assert "[default" not in text and not re.search(r"#.*\bdefault: ", text), \
+        f"conf/variant/{name}.yaml restates a default"
 
 
-def test_stated_defaults_follow_the_code(monkeypatch):
-    """The check above sees a change of default: fa2's kv_stages at d=128 non-causal made 2."""
+def test_variant_file_check_sees_a_written_default(tmp_path, monkeypatch):
+    """The check above fails on a value written into a variant file, and on a comment that
+    restates a default."""
+    text = (CONF / "variant" / "fa2.yaml").read_text()
+    for bad in (text.replace("block_m: null", "block_m: 128", 1),
+                text.replace("# B_r: query rows per thread block",
+                             "# B_r: query rows per thread block [default: 128]", 1)):
+        assert bad != text
+        (tmp_path / "variant").mkdir(exist_ok=True)
+        (tmp_path / "variant" / "fa2.yaml").write_text(bad)
+        monkeypatch.setattr(sys.modules[__name__], "CONF", tmp_path)
+        with pytest.raises(AssertionError):
+            test_variant_files_leave_every_default_to_the_code("fa2")
+        monkeypatch.undo()
+
+
+def test_stated_defaults_follow_the_code():
+    """dry_run's statement of a default over the head dims (configs.describe_default) is made from
+    the resolved Configs: fa2's kv_stages at d=128 non-causal made 2 changes it."""
     from common.host import configs
     fa2 = variants.get("fa2")
     resolved = configs.resolved_defaults(fa2.default_config, fa2.HEAD_DIMS)
@@ -165,6 +155,119 @@ def test_dry_run_prints_the_resolved_configuration(tmp_path):
     assert "backward configuration: " + " ".join(
         f"{k}={getattr(backward, k)}" for k in fa2.BACKWARD_OPTIONS) in out.stdout
     assert "'head_dim': 128" in out.stdout and not (tmp_path / "run" / "results.csv").exists()
+    assert "Numba CUDA simulator" not in out.stdout and "rows written" not in out.stdout
+
+
+def test_dry_run_shows_every_field_and_runs_no_kernel(monkeypatch, capsys):
+    """dry_run's Config, field by field: the problem's fields (a causal window with a softcap
+    here), each option's value, whether the variant file left it null or the job set it, and its
+    default over the head dims; with every path to a kernel of fa2's (forward, backward, build,
+    launch) made to fail."""
+    from experiments import run as job
+    from variants import fa2_backward
+    fa2 = variants.get("fa2")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dry_run reached a kernel")
+
+    for module, attr in ((fa2, "forward"), (fa2, "backward"), (fa2, "build"), (fa2, "launch"),
+                         (fa2_backward, "build_backward"), (fa2_backward, "run_backward")):
+        monkeypatch.setattr(module, attr, refuse)
+    cfg = composed("variant=fa2", "dry_run=true", "pass=fwd_bwd", "problem.head_dim=96",
+                   "problem.causal=true", "problem.window=[64,0]", "problem.softcap=30",
+                   "variant.options.warps=8", "variant.backward_options.dq=separate")
+    job.dry_run(cfg, "gpu")
+    out = capsys.readouterr().out
+    want = fa2.default_config(96, "bfloat16", True, (("window", True), ("softcap", True)), warps=8)
+    assert "forward configuration: " + " ".join(
+        f"{k}={getattr(want, k)}" for k in fa2.OPTIONS) + "\n" in out
+    lines = {line.split()[0]: line.split(None, 2)[1:] for line in out.splitlines()
+             if line.startswith("    ")}
+    forward_part = out[:out.index("backward configuration")]
+    forward_lines = {line.split()[0]: line.split(None, 2)[1:] for line in forward_part.splitlines()
+                     if line.startswith("    ")}
+    assert set(forward_lines) == {f.name for f in dataclasses.fields(fa2.Config)}
+    for f in dataclasses.fields(fa2.Config):
+        value, how = forward_lines[f.name]
+        assert value == configs_show(getattr(want, f.name)), f.name
+        assert how.startswith("the problem's" if f.name not in fa2.OPTIONS else
+                              "set" if f.name == "warps" else "null  (default: "), (f.name, how)
+    assert forward_lines["window"][0] == forward_lines["softcap"][0] == "true"
+    assert forward_lines["kv_stages"][1] == "null  (default: 1 at d=128 non-causal; else 2)"
+    assert forward_lines["warps"][1] == "set  (default: 4 at d=32..128; else 8)"
+    backward = fa2.default_backward_config(96, "bfloat16", True,
+                                           (("window", True), ("softcap", True)), dq="separate")
+    assert "backward configuration: " + " ".join(
+        f"{k}={getattr(backward, k)}" for k in fa2.BACKWARD_OPTIONS) + "\n" in out
+    assert lines["dq"] == ["separate", "set  (default: atomic)"]
+
+
+def test_dry_run_follows_fa3s_choice_of_backward_kernel(capsys):
+    """fa3's backward: its own wgmma kernel where it takes the head dim, else FA2's, each with its
+    own BackwardConfig (fa3.backward's kernel=None)."""
+    from experiments import run as job
+    from variants import fa2_backward, fa3_backward
+    for head_dim, kernel, module in ((128, "wgmma", fa3_backward), (256, "fa2", fa2_backward)):
+        job.dry_run(composed("variant=fa3", "pass=bwd", f"problem.head_dim={head_dim}"), "gpu")
+        out = capsys.readouterr().out
+        want = module.default_backward_config(head_dim, "bfloat16", False)
+        assert f"backward configuration: kernel={kernel} " + " ".join(
+            f"{k}={getattr(want, k)}" for k in module.BACKWARD_OPTIONS) + "\n" in out, out
+        assert f"{module.__name__}.BackwardConfig, every field" in out
+
+
+def configs_show(value):
+    from common.host import configs
+    return configs.show_value(value)
+
+
+SMALL_JOB = ("problem.seqlen=16", "problem.heads=1", "problem.batch=1", "sim.problem.seqlen=16",
+             "sim.problem.heads=1", "sim.problem.batch=1", "bench.peers=[]", "seed=0")
+
+
+def test_job_logs_the_config_its_call_ran(monkeypatch, capsys):
+    """The job's logged configuration (its printed line and the CSV's `config`) is the Config the
+    variant's call resolved, read from the call (common/host/configs.py recorded), not resolved a
+    second time beside it: a forward that resolves another configuration than the job's options
+    say (block_n=32 added inside the call) is logged as it ran."""
+    from experiments import run as job
+    fa2 = variants.get("fa2")
+    real = fa2.forward
+    monkeypatch.setattr(fa2, "forward", lambda *a, **kw: real(*a, **dict(kw, block_n=32)))
+    rows = job.run_job(composed("variant=fa2", *SMALL_JOB), MODE)
+    ours = rows[0]
+    assert ours["check"] == "ok", ours
+    want = fa2.default_config(int(ours["head_dim"]), "bfloat16", False, block_n=32)
+    assert ours["config"] == ";".join(f"{k}={getattr(want, k)}" for k in fa2.OPTIONS)
+    assert "block_n=32" in ours["config"]
+    assert f"fa2 configuration: {ours['config']}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("fa2", ()),
+    ("fa2", ("problem.causal=true", "problem.seqlen_k=24",
+             "problem.window=[8,0]", "problem.softcap=4", "variant.options.warps=8")),
+    ("fa1", ("problem.causal=true",))])
+def test_dry_run_resolves_what_the_job_ran(name, overrides, capsys):
+    """dry_run's Config for a job is the one the job's call resolved (every field, the problem's
+    window and softcap too), and its one-line form is the job's logged `config`."""
+    from common.host import configs
+    from experiments import run as job
+    cfg = composed(f"variant={name}", *SMALL_JOB, *overrides)
+    module = variants.get(name)
+    with configs.recorded() as ran:
+        rows = job.run_job(cfg, MODE)
+    assert rows[0]["check"] == "ok", rows[0]
+    called = [c for c in ran if isinstance(c, module.Config)]
+    options = job._options(cfg.variant.options)
+    found = job.call_config(module, job.resolve_problem(cfg, MODE), cfg.dtype.name, options,
+                            cfg.fp8)
+    assert called == [found["config"]]
+    capsys.readouterr()
+    job.dry_run(cfg, MODE)
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("forward configuration: "))
+    assert line == "forward configuration: " + rows[0]["config"].replace(";", " ")
 
 
 def test_fa2_grid_sweeps_the_paper_grid():

@@ -1,6 +1,6 @@
 """FlashAttention-1 forward (Dao et al. 2022, Algorithm 1) on the tile layer of `common/`, with
 switches that turn it, one FA2 change at a time, into FA2's algorithm (the FA1 -> FA2 ladder:
-conf/experiment/ladder.yaml, docs/performance.md).
+conf/experiment/ladder.yaml, docs/performance/ladder.md).
 
     l.1   B_c = ceil(M / 4d), B_r = min(B_c, d)                     (DEFAULTS: the sizes used, and why)
     l.2   O = 0, l = 0, m = -inf in HBM

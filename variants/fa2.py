@@ -19,7 +19,8 @@ which frees the registers for two m16 tiles a warp. K_j and V_j arrive by cp.asy
 two buffers each (`kv_stages=2`, the default: K_{j+1} and V_{j+1} are issued at the top of step j,
 a whole step before they are needed, one barrier a step) or into one tile each (`kv_stages=1`, FA2's
 own kernels: K_{j+1} overlaps softmax and P V, V_{j+1} the next Q K^T, four barriers a step);
-`pipeline=False` waits for every copy. Defaults and what each switch is worth: docs/performance.md.
+`pipeline=False` waits for every copy. Defaults and what each switch is worth:
+docs/performance/fa2.md (other head dims: head_dims.md).
 """
 import math
 from dataclasses import dataclass
@@ -127,13 +128,13 @@ class Config:
 
 OPTIONS = configs.options_of(Config)
 
-# Defaults by head_dim, chosen by measurement on an H200 (docs/performance.md; sweeps in
-# conf/experiment/fa2_tiles.yaml and fa2_ablations.yaml). Both use B_r = 128 with 4 warps, i.e. two
-# m16 tiles a warp, so every K/V fragment a warp loads from shared memory feeds two MMAs, and
-# double-buffered K/V (a full step for each copy to land, one barrier a step). At d=128 the O
-# accumulator alone is 128 registers a thread, so Q_i is re-read from shared memory each step (as in
-# FA2's kernels) instead of held in 64 more registers. Except at d=128 non-causal, where one K/V
-# buffer (FA2's own: K_{j+1} copied while P V runs) measured 2-4% faster (H100 2k-8k,
+# Defaults by head_dim, chosen by measurement on an H200 (docs/performance/fa2.md, head_dims.md;
+# sweeps in conf/experiment/fa2_tiles.yaml and fa2_ablations.yaml). Both use B_r = 128 with 4
+# warps, i.e. two m16 tiles a warp, so every K/V fragment a warp loads from shared memory feeds two
+# MMAs, and double-buffered K/V (a full step for each copy to land, one barrier a step). At d=128
+# the O accumulator alone is 128 registers a thread, so Q_i is re-read from shared memory each step
+# (as in FA2's kernels) instead of held in 64 more registers. Except at d=128 non-causal, where one
+# K/V buffer (FA2's own: K_{j+1} copied while P V runs) measured 2-4% faster (H100 2k-8k,
 # docs/results/fwd_kv_stages_h100.csv; +3% on the H200) and two buffers 4-5% faster causal.
 # The other head dims take the nearer of the two up to 128; past it, where two m16 tiles of O would
 # be 2 * d / 2 registers a thread, a warp owns one m16 tile and B_r = 128 takes 8 warps (FA2's

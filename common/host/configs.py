@@ -1,7 +1,10 @@
 """From a caller's keyword options to a variant's compile-time configuration, the same way for every
 variant: unknown options and head dims are refused by name, `None` means "the default", defaults
 come per head_dim (refined per (head_dim, causal) where a measurement asked for it), and each
-distinct configuration is built and validated once (it keys the kernel caches)."""
+distinct configuration is built and validated once (it keys the kernel caches). `recorded` hands
+a caller the configurations its calls resolved (what experiments/run.py logs as a job's)."""
+import threading
+from contextlib import contextmanager
 from dataclasses import fields, replace
 from functools import lru_cache, wraps
 
@@ -58,16 +61,44 @@ def default_config_function(variant, config_class, defaults, option_names, head_
         elements.Element or its name."""
         element = elements.element(element)
         if not options and head_dim in head_dims:   # the common call: no options, no checks
-            return build(head_dim, element, causal, (), tuple(problem))
+            return _record(build(head_dim, element, causal, (), tuple(problem)))
         unknown = set(options) - set(option_names)
         if unknown:
             raise ValueError(f"{variant} has no option {', '.join(sorted(unknown))}; its options: "
                              f"{', '.join(option_names)}")
         tiles.check_head_dim(head_dim, variant, head_dims)
         chosen = {k: v for k, v in options.items() if v is not None}
-        return build(head_dim, element, causal, tuple(sorted(chosen.items())), tuple(problem))
+        return _record(build(head_dim, element, causal, tuple(sorted(chosen.items())),
+                             tuple(problem)))
 
     return default_config
+
+
+_recording = threading.local()   # .open: the lists of this thread's open `recorded` blocks
+
+
+@contextmanager
+def recorded():
+    """The configurations the default_config functions (default_config_function) return inside
+    the block, on this thread: a list, each configuration once, in the order first returned. A
+    variant's call launches the Config its default_config returned, so this is what the calls
+    in the block ran (experiments/run.py logs a job's forward from it rather than resolving it a
+    second time). A call that resolves none adds none: a replayed one (common/host/replay.py), and
+    one through a cache above default_config after its first (fa1's backward)."""
+    seen = []
+    blocks = _recording.__dict__.setdefault("open", [])
+    blocks.append(seen)
+    try:
+        yield seen
+    finally:
+        blocks.pop()
+
+
+def _record(config):
+    for seen in getattr(_recording, "open", ()):
+        if config not in seen:
+            seen.append(config)
+    return config
 
 
 def mask_fields(prob):
@@ -106,8 +137,10 @@ def default_flags(defaults):
 
 
 def describe_default(option, configs, head_dims):
-    """One option's default over `configs` (resolved_defaults) in a line, as the variant files
-    state it: "128", or the exceptions and then the rest, "1 at d=128 non-causal, else 2"."""
+    """One option's default over `configs` (resolved_defaults) in a line, as `python
+    experiments/run.py dry_run=true` prints it beside the job's value (the variant files leave every
+    option null and state no default): "128", or the exceptions and then the rest, "1 at d=128
+    non-causal; else 2"."""
     values = {key: show_value(getattr(cfg, option)) for key, cfg in configs.items()}
     counts = {}
     for v in values.values():

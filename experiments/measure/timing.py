@@ -67,11 +67,12 @@ def interleaved(fns, *, rounds=5, target_ms=60.0, warmup=3, settle_ms=30.0):
     """Time every fn(i) in turn, round after round, each one's `benchmark` of about target_ms a
     round: a GPU's clocks follow its power and temperature over seconds, and the calls compared
     within one round ran under the same clocks. What runs just before a function moves its time
-    too (docs/performance.md: the option timed right after fa3 bf16 measured 1-4% low even after a
-    settle, ~9% without one), so each round takes the order `williams_order` gives (no function
-    always after the same other one) and each function first runs untimed for about settle_ms
-    (its duration known from an untimed first pass). Returns, per fn, the list of its rounds'
-    Timings (a ratio of two fns is best taken round by round)."""
+    too (docs/performance/fp8.md, "FP8 tiles between panels": the option timed right after fa3
+    bf16 measured 1-4% low even after a settle, ~9% without one), so each round takes the order
+    `williams_order` gives (no function always after the same other one) and each function
+    first runs untimed for about settle_ms (its duration known from an untimed first pass).
+    Returns, per fn, the list of its rounds' Timings (a ratio of two fns is best taken round by
+    round)."""
     last = []
     for fn in fns:   # compiled, warmed, and each one's duration for its settle
         last.append(benchmark(fn, warmup=warmup, min_reps=1, max_reps=3, target_ms=0).median_ms)
