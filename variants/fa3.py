@@ -36,7 +36,7 @@ Scheduling (FA3 section 3.1-3.2), each a switch:
   computing exponentials at once with the tensor cores idle.
 - `intra_overlap` (FA3's Alg.2): the softmax of block j while the P V wgmma of block j-1 runs in
   the same warpgroup. With ping-pong on it gains nothing on average at d=64 and 128
-  (docs/performance.md, "fa3"), so it is off there; at d=256 it is what pays (+10-24%), on.
+  (docs/performance/fa3_forward.md, "fa3: the Hopper forward"), so it is off there; at d=256 it is what pays (+10-24%), on.
 FP8 (FA3 section 3.3; e4m3 q, k, v with descale factors, `forward(..., q_descale=...)`): the same
 kernel with k32 e4m3 wgmmas (twice the tensor-core rate), P~ converted to e4m3 in registers
 (`tiles.accumulator_to_a_e4m3`) and V read K-major from V^T made by a pre-pass
@@ -80,7 +80,7 @@ both overlaps; d=192: three panels a tile, B_c = 112, FA3's own. fa3's own backw
 V^T without the pre-pass (`transpose_v="producer"`, FA3's in-kernel transpose): TMA brings V_j as it
 is into staging buffers and three producer warps write V_j^T into the ring (ldmatrix.trans, PRMT,
 stmatrix: `fp8.unit_transposer`; d=128), bit for bit the pre-pass's tile; 0.91-1.02x the pre-pass
-path on an H100 (docs/performance.md), so the pre-pass stays the default.
+path on an H100 (docs/performance/fp8.md, "V transposed in the kernel"), so the pre-pass stays the default.
 Still to come: a TMA store of O.
 """
 import math

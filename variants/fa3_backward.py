@@ -38,7 +38,7 @@ fills zeros past the ends; rows past N_k are not stored). GQA: the block loops o
 The order above is `early_dv` (d=128's default): dV issued as soon as P^T is ready, so that it
 runs while dS is computed. Off (d=64's default, FA3's order), dV is issued with dK once dS is done:
 P^T's registers are not live beside S^T's and dP^T's, which at B_r = 128 is what keeps ptxas from
-serialising every wgmma (docs/performance.md, "fa3's backward").
+serialising every wgmma (docs/performance/fa3_backward.md).
 `dq_deferred` issues step i's dQ product with step i+1's S^T and dP^T instead (the dQ terms are
 written out while dP^T runs): +1-3% at d=64, B_r=64; it holds 32 more registers, and ptxas spills
 in the other configurations (docs/results/fa3_backward_h200.txt), so it is off by default.

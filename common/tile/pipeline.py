@@ -1,8 +1,8 @@
 """The stage ring of a cp.async pipeline (sm_80-style): a tile's copies for step j+1 land in one
 buffer while step j computes on another, every thread of the block both producing (issuing copies)
 and consuming (reading the tiles). fa3's ring (TMA copies into stages guarded by full/empty
-mbarriers, a producer warp) is variants/fa3.py's and fa3_backward.py's, over common/hardware/sm90.py's
-instructions; they take the step arithmetic of such a ring from `phase_slot`.
+mbarriers, a producer warp) is common/tile/mbarrier_ring.py, over common/hardware/sm90.py's
+instructions; it takes the step arithmetic of such a ring from `phase_slot`.
 
     slot(j, stages), slot_start(start, j, stages, size)    which buffer step j uses, where it starts
     commit()                   produce: the copies issued since the last commit are one group

@@ -96,7 +96,7 @@ def exp2(x, n, poly_every):
     """2^x for a score of n-tile n: on the MUFU unit (ex2.approx), or, for one n-tile in every
     `poly_every` (0: none), by a polynomial on the FMA units (ptx.ex2_poly, FA4's software
     exponential, for a softmax bound by the MUFU's 16 a clock an SM; on an H100 fa3's FP8 softmax
-    is not, and it measured slower: docs/performance.md). n is a constant of the unrolled loops,
+    is not, and it measured slower: docs/performance/fp8.md, "Exponentials on the FMA units"). n is a constant of the unrolled loops,
     so the choice is made at compile time."""
     if poly_every > 0 and n % poly_every == poly_every - 1:
         return ptx.ex2_poly(x)

@@ -594,7 +594,7 @@ def atomic_add_accumulator_f32(dst, acc, row0, col0, n_rows, lane):
     adding into the same rows: FA2's dQ accumulation). A lane's registers (j, j+1) hold two
     neighbouring columns, so each pair is one red.global.add.v2.f32: half the reductions of one add
     an element, and the address is computed without the bounds and wrap-around arithmetic of
-    `cuda.atomic.add` (which cost ~20 instructions an element; docs/performance.md). The lane's
+    `cuda.atomic.add` (which cost ~20 instructions an element; docs/performance/fa2_backward.md, "dQ: atomics or a separate kernel"). The lane's
     first address is computed once (global_address) and every other one is that plus whole row
     pitches and a constant column offset: indexing dst per row cost ~17 integer instructions a
     row (the 4-D accumulator's index rebuilt from its shape each time)."""
