@@ -403,9 +403,8 @@ def call_config(module, prob, dtype, options, fp8_cfg, backward=False):
         from variants import fa3_backward
         kernel = options.pop("kernel", None)
         how = "set"
-        if kernel is None:   # as fa3.backward picks it
-            kernel = "wgmma" if prob["head_dim"] in fa3_backward.HEAD_DIMS and \
-                not prob["softcap"] else "fa2"
+        if kernel is None:   # fa3.backward's own choice
+            kernel = module.backward_kernel(prob["head_dim"], prob["softcap"])
             own = fa3_backward.HEAD_DIMS
             how = f"null  (default: wgmma at d={own[0]}..{own[-1]} without softcap; else fa2)"
         chosen["kernel"] = (kernel, how)

@@ -1492,6 +1492,15 @@ def _fp8_scales(prob, descales, block):
 BACKWARD_KERNELS = ("wgmma", "fa2")
 
 
+def backward_kernel(head_dim, softcap=0.0, kernel=None):
+    """The backward `backward` runs: `kernel` if given, else "wgmma" (fa3's own) where it takes
+    the problem (its head dims, no softcap), else "fa2"."""
+    if kernel is not None:
+        return kernel
+    from variants import fa3_backward
+    return "wgmma" if head_dim in fa3_backward.HEAD_DIMS and not softcap else "fa2"
+
+
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=None, **options):
     """fa3's backward from its o and lse: `kernel="wgmma"` (variants/fa3_backward.py: FA2's
     Algorithm 2 with wgmma, TMA and a producer warp, head_dim 32 to 128; options: its
@@ -1499,10 +1508,7 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
     every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the problem, else
     "fa2" (head dims past 128, softcap: fa3 has a forward only for them)."""
     from variants import fa3_backward
-    if kernel is None:
-        head_dim = arrays.describe(q, "q").shape[-1]
-        own = head_dim in fa3_backward.HEAD_DIMS and not options.get("softcap")
-        kernel = "wgmma" if own else "fa2"
+    kernel = backward_kernel(arrays.describe(q, "q").shape[-1], options.get("softcap"), kernel)
     if kernel == "fa2":
         from variants import fa2_backward
         return fa2_backward.backward(do, q, k, v, o, lse, causal=causal,
