@@ -146,6 +146,8 @@ def _backward(run, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
 def _strided_like(x, like):
     """x with the strides of torch.empty_like(like), which torch's meta functions give these
     operators' outputs (a copy only when they differ: a (B, H, N, d)-contiguous input)."""
+    if x.stride() == like.stride():   # (no allocation on the usual path: transposed views)
+        return x
     import torch
     want = torch.empty_like(like)
     return x if x.stride() == want.stride() else want.copy_(x)
