@@ -82,14 +82,16 @@ def parts(do, q, k, v, o, lse, causal, path):
     grid = ((prob.n_k + cfg.block_n - 1) // cfg.block_n, prob.batch, prob.heads_kv)
     out[f"kv_{path}"] = median_ms(lambda: launch(
         fa2_backward.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
-        prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales, *cu))
+        prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales, *cu,
+        *prob.score_args()))
     if atomic:
         out[f"convert_{path}"] = median_ms(lambda: bwd.convert_dq(g))
     else:
         grid = ((prob.n_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         out["dqk"] = median_ms(lambda: launch(
             fa2_backward.build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
-            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales, *cu))
+            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales, *cu,
+            *prob.score_args()))
     return out
 
 

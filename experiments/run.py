@@ -57,7 +57,9 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            # root-mean-square error of O against float64 (the FA3 paper's FP8 measure)
            "rmse",
            # the mask beyond `causal` (common/tile/masks.py): window_size "left,right", softcap, align
-           "window", "softcap", "align"]
+           "window", "softcap", "align",
+           # the score terms (fa2, fa3): ALiBi's slopes (geometric, as its paper's) and sinks
+           "alibi", "sinks"]
 PASSES = ("fwd", "bwd", "fwd_bwd", "decode")
 # pass=decode (experiments/decode.py): GB/s of K and V read, and their fraction of the run's copy
 # bandwidth; the paged cache's page size
@@ -133,7 +135,21 @@ def resolve_problem(cfg, mode):
                 heads_kv=int(p.get("heads_kv") or heads), softmax_scale=p.get("softmax_scale"),
                 outliers=float(p.get("outliers") or 0.0),
                 window_size=tuple(p.get("window") or (-1, -1)),
-                softcap=float(p.get("softcap") or 0.0), align=p.get("align") or "bottom_right")
+                softcap=float(p.get("softcap") or 0.0), align=p.get("align") or "bottom_right",
+                alibi=bool(p.get("alibi")), sinks=bool(p.get("sinks")))
+
+
+def score_terms(prob, rng):
+    """The host arrays of a problem's score terms (problem.alibi, problem.sinks): ALiBi's slopes
+    2^(-8 h / H) for heads h = 1..H (its paper's), sinks N(0, 1) a head; {} for none."""
+    terms = {}
+    heads = prob["heads"]
+    if prob.get("alibi"):
+        terms["alibi_slopes"] = (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(
+            np.float32)
+    if prob.get("sinks"):
+        terms["sinks"] = rng.standard_normal(heads).astype(np.float32)
+    return terms
 
 
 def mask_of(prob):
@@ -146,6 +162,7 @@ def sdpa_takes(prob):
     """SDPA's masks: is_causal is top-left; no window, no softcap."""
     mask = mask_of(prob)
     plain = not mask or mask == dict(window_size=(-1, -1), softcap=0.0, align="top_left")
+    plain = plain and not prob.get("alibi") and not prob.get("sinks")
     return plain and (not prob["causal"] or prob["seqlen"] == prob["seqlen_k"]
                       or mask.get("align") == "top_left")
 
@@ -202,15 +219,18 @@ def run_job(cfg, mode):
         check_rows = np.unique(np.concatenate([[0, n_q - 1], rng.choice(n_q, cfg.bench.check_rows,
                                                                         replace=False)]))
     mask = mask_of(prob)
+    host_terms = score_terms(prob, rng)
+    terms = {name: inputs.to_device(x, library) for name, x in host_terms.items()}
     ref = reference.attention(*host[:3], causal=prob["causal"], softmax_scale=prob["softmax_scale"],
-                              rows=check_rows, **mask)
+                              rows=check_rows, **mask, **host_terms)
     grad_ref = None
     if backward:   # batch 0, K/V head 0 and the query heads that share it
         group = prob["heads"] // prob["heads_kv"]
         q, k, v, do = host
         grad_ref = reference.attention_backward(q[:1, :, :group], k[:1, :, :1], v[:1, :, :1],
                                                 do[:1, :, :group], causal=prob["causal"],
-                                                softmax_scale=prob["softmax_scale"], **mask)
+                                                softmax_scale=prob["softmax_scale"], **mask,
+                                                **{n: x[:group] for n, x in host_terms.items()})
 
     lse_tol = checks.fp8_lse_tolerance(host[0], host[1], prob["softmax_scale"]) if fp8_run \
         else checks.LSE_TOL
@@ -239,11 +259,12 @@ def run_job(cfg, mode):
             q, k, v, descales = quantised[id(q)]
             return module.forward(q, k, v, causal=causal, softmax_scale=scale, **descales,
                                   **mask, **options)
-        return module.forward(q, k, v, causal=causal, softmax_scale=scale, **mask, **options)
+        return module.forward(q, k, v, causal=causal, softmax_scale=scale, **mask, **terms,
+                              **options)
 
     def ours_backward(q, k, v, do, o, lse):
         return module.backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale, **mask,
-                               **backward_options)
+                               **terms, **backward_options)
 
     shown = dict(options, **{f"bwd.{k}": v for k, v in backward_options.items()}) if backward \
         else options
@@ -259,8 +280,9 @@ def run_job(cfg, mode):
         print("dtype=fp8: no SDPA peers (they would run in fp16; experiments/fp8.py speed times "
               "FP8 beside them)")
     elif cfg.bench.peers and not sdpa_takes(prob):
-        print(f"mask {mask_of(prob)}: no SDPA peers (SDPA has no sliding window or softcap, and "
-              "its causal diagonal is top-left)")
+        print(f"mask {mask_of(prob)}{' with ' + ', '.join(terms) if terms else ''}: no SDPA "
+              "peers (SDPA has no sliding window, softcap, ALiBi or sinks, and its causal "
+              "diagonal is top-left)")
     elif peers.available() and mode == "gpu" and library == "torch" and (
             peer_jobs is None or cfg.variant.name in peer_jobs):
         for name in cfg.bench.peers:
@@ -389,7 +411,9 @@ def call_config(module, prob, dtype, options, fp8_cfg, backward=False):
     band = masks.band(prob["causal"], prob["window_size"], prob["align"], prob["seqlen"],
                       prob["seqlen_k"], prob["softcap"], scale)
     fields = configs.mask_fields(SimpleNamespace(band=band, softcapped=band.softcap > 0,
-                                                 varlen=None))
+                                                 varlen=None, alibi=prob.get("alibi") or None,
+                                                 sinks=prob.get("sinks") or None),
+                                 backward=backward)
     element = "float16" if dtype == FP8 else dtype
     head_dims, chosen, options = list(module.HEAD_DIMS), {}, dict(options)
     if not backward:
@@ -480,7 +504,7 @@ def measure(name, fn, ctx, options=None, workspace=0, config_of=None):
                options=";".join(f"{k}={v}" for k, v in (options or {}).items()),
                label=ctx["label"], seed=ctx["seed"], job=ctx["job"], check="", status="ok",
                window="{},{}".format(*prob["window_size"]), softcap=prob["softcap"],
-               align=prob["align"],
+               align=prob["align"], alibi=prob.get("alibi", False), sinks=prob.get("sinks", False),
                **{"pass": pass_})
     free = _free_device_bytes(ctx)
     if workspace and free is not None and workspace > free:

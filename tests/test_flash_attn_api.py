@@ -87,7 +87,8 @@ def test_with_kvcache_appends_and_attends(rng):
 
 @pytest.mark.parametrize("call, error, words", [
     (lambda a: fa.flash_attn_func(a, a, a, dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
-    (lambda a: fa.flash_attn_func(a, a, a, alibi_slopes=a), NotImplementedError, "alibi_slopes"),
+    (lambda a: fa.flash_attn_with_kvcache(a, a, a, alibi_slopes=a), NotImplementedError,
+     "alibi_slopes"),
     (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, block_table=a), NotImplementedError,
      "block_table"),
     (lambda a: fa.flash_attn_with_kvcache(a, a, a, rotary_cos=a, rotary_sin=a),
@@ -100,7 +101,7 @@ def test_with_kvcache_appends_and_attends(rng):
      "attention_chunk=64"),
     (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, seqused_k=a), NotImplementedError,
      "seqused_k"),
-], ids=["dropout", "alibi", "block_table", "rotary", "kvcache_window", "unpadded_head_dim",
+], ids=["dropout", "kvcache_alibi", "block_table", "rotary", "kvcache_window", "unpadded_head_dim",
         "attention_chunk", "seqused_k"])
 def test_what_is_refused_is_named(call, error, words):
     """Nothing is launched: the argument is refused before any kernel, by name (a CuPy or Numba

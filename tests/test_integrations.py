@@ -103,7 +103,11 @@ MODELS = {
     "mistral": ("MistralConfig", dict(sliding_window=48)),
     "gemma2": ("Gemma2Config", dict(sliding_window=48, attn_logit_softcapping=50.0,
                                     query_pre_attn_scalar=64)),
+    # attention sinks (s_aux: the kernels' learnable sinks), sliding and full layers, MoE
+    "gpt_oss": ("GptOssConfig", dict(sliding_window=48, num_local_experts=4,
+                                     num_experts_per_tok=2)),
 }
+BASELINE = {"gpt_oss": "eager"}   # what the logits are checked against (else SDPA)
 
 
 def _model(torch, family, attn, dtype):
@@ -123,9 +127,10 @@ def _model(torch, family, attn, dtype):
 
 
 def _pair(torch, family, dtype=None):
-    """Our model and SDPA's, with the same weights."""
+    """Our model and SDPA's (BASELINE's), with the same weights."""
     dtype = dtype or torch.float32
-    ours, sdpa = _model(torch, family, "ours", dtype), _model(torch, family, "sdpa", dtype)
+    ours = _model(torch, family, "ours", dtype)
+    sdpa = _model(torch, family, BASELINE.get(family, "sdpa"), dtype)
     sdpa.load_state_dict(ours.state_dict())
     return ours, sdpa
 

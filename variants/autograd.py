@@ -6,7 +6,9 @@
 
 q: (batch, seqlen_q, heads, head_dim), k and v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
 bf16, as in flash_attn_func. The forward saves q, k, v, O and L = LSE (nothing N x N); the backward
-runs the same variant's backward pass, which recomputes P from them. `forward_options` and
+runs the same variant's backward pass, which recomputes P from them. alibi_slopes ((H,) or (B, H)
+fp32, no gradient) and sinks ((H,) fp32, differentiable: gpt-oss's learnable sinks) are fa2's and
+fa3's score terms (common/host/problem.py: with_score_terms). `forward_options` and
 `backward_options` are the variant's knobs (e.g. backward_options={"dq": "separate"}).
 torch is imported only when this is called. Under torch.compile the same calls go to the custom
 operators of variants/torch_ops.py instead, which the compiler can trace.
@@ -22,34 +24,37 @@ def _function_class():
 
     class FlashAttentionFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, variant, causal, softmax_scale, mask, forward_options,
-                    backward_options):
+        def forward(ctx, q, k, v, alibi_slopes, sinks, variant, causal, softmax_scale, mask,
+                    forward_options, backward_options):
+            terms = _terms(alibi_slopes, sinks)
             o, lse = registry.forward(q, k, v, variant=variant, causal=causal,
-                                      softmax_scale=softmax_scale, **dict(mask),
+                                      softmax_scale=softmax_scale, **dict(mask), **terms,
                                       **dict(forward_options))
-            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks)
             ctx.settings = (variant, causal, softmax_scale, dict(mask, **dict(backward_options)))
             ctx.mark_non_differentiable(lse)
             return o, lse
 
         @staticmethod
         def backward(ctx, do, _dlse):
-            q, k, v, o, lse = ctx.saved_tensors
+            q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
             variant, causal, softmax_scale, options = ctx.settings
-            dq, dk, dv = registry.backward(do.contiguous(), q, k, v, o, lse, variant=variant,
-                                           causal=causal, softmax_scale=softmax_scale, **options)
-            return dq, dk, dv, None, None, None, None, None, None
+            grads = registry.backward(do.contiguous(), q, k, v, o, lse, variant=variant,
+                                      causal=causal, softmax_scale=softmax_scale,
+                                      **_terms(alibi_slopes, sinks), **options)
+            return tuple(grads[:3]) + (None, _sink_grad(grads, sinks)) + (None,) * 6
 
     class FlashAttentionVarlenFunction(torch.autograd.Function):
         """The same over a packed batch (flash_attn_varlen_func): forward_varlen, backward_varlen."""
 
         @staticmethod
-        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, variant, causal, softmax_scale, mask,
-                    forward_options, backward_options):
+        def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, sinks, variant, causal,
+                    softmax_scale, mask, forward_options, backward_options):
             o, lse = registry.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, variant=variant,
                                              causal=causal, softmax_scale=softmax_scale,
-                                             **dict(mask), **dict(forward_options))
-            ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+                                             **dict(mask), **_terms(alibi_slopes, sinks),
+                                             **dict(forward_options))
+            ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, alibi_slopes, sinks)
             ctx.settings = (variant, max_q, max_k, causal, softmax_scale,
                             dict(mask, **dict(backward_options)))
             ctx.mark_non_differentiable(lse)
@@ -57,14 +62,43 @@ def _function_class():
 
         @staticmethod
         def backward(ctx, do, _dlse):
-            q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+            q, k, v, o, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
             variant, max_q, max_k, causal, softmax_scale, options = ctx.settings
-            dq, dk, dv = registry.backward_varlen(do.contiguous(), q, k, v, o, lse, cu_q, cu_k,
-                                                  max_q, max_k, variant=variant, causal=causal,
-                                                  softmax_scale=softmax_scale, **options)
-            return (dq, dk, dv) + (None,) * 10
+            grads = registry.backward_varlen(do.contiguous(), q, k, v, o, lse, cu_q, cu_k,
+                                             max_q, max_k, variant=variant, causal=causal,
+                                             softmax_scale=softmax_scale,
+                                             **_terms(alibi_slopes, sinks), **options)
+            return tuple(grads[:3]) + (None,) * 5 + (_sink_grad(grads, sinks),) + (None,) * 6
 
     return FlashAttentionFunction, FlashAttentionVarlenFunction
+
+
+def _terms(alibi_slopes, sinks):
+    """The score-term keywords of a call: only those given (so a call without them keeps the
+    variants' plain signatures and their replay)."""
+    terms = {}
+    if alibi_slopes is not None:
+        terms["alibi_slopes"] = alibi_slopes
+    if sinks is not None:
+        terms["sinks"] = sinks
+    return terms
+
+
+def _sink_grad(grads, sinks):
+    """d sinks, in the sinks' dtype, where they were given (the backward's fourth gradient)."""
+    if sinks is None:
+        return None
+    return grads[3].to(sinks.dtype)
+
+
+def _fp32(x, name):
+    """A score term as the kernels take it: a contiguous fp32 tensor (differentiable: the cast
+    passes sinks' gradient back), or None."""
+    if x is None:
+        return None
+    if not hasattr(x, "contiguous"):
+        raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
+    return x.float().contiguous()
 
 
 def _mask(window_size, softcap, align):
@@ -82,6 +116,13 @@ def _compiling():
     return torch.compiler.is_compiling()
 
 
+def _no_terms_compiled(alibi_slopes, sinks):
+    if alibi_slopes is not None or sinks is not None:
+        raise NotImplementedError("alibi_slopes and sinks under torch.compile: the custom "
+                                  "operators (variants/torch_ops.py) do not take them yet; call "
+                                  "outside the compiled region (torch.compiler.disable)")
+
+
 def _check_torch(q, name):
     if type(q).__module__.split(".")[0] != "torch":
         raise TypeError(f"{name}() is the torch autograd wrapper; q is a {type(q).__name__}. "
@@ -90,13 +131,14 @@ def _check_torch(q, name):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
-                     softcap=0.0, align="bottom_right", forward_options=None,
-                     backward_options=None, return_lse=False):
+                     softcap=0.0, align="bottom_right", alibi_slopes=None, sinks=None,
+                     forward_options=None, backward_options=None, return_lse=False):
     """attention() over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
-    k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v. Returns o,
-    or (o, lse (H, total_q)) with return_lse (lse carries no gradient)."""
+    k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v (and sinks).
+    Returns o, or (o, lse (H, total_q)) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention_varlen")
-    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
+    if _compiling():
+        _no_terms_compiled(alibi_slopes, sinks)   # torch.compile traces the custom operators (variants/torch_ops.py)
         from variants import torch_ops
         return torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant=variant,
@@ -104,26 +146,30 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             align=align, forward_options=forward_options, backward_options=backward_options,
             return_lse=return_lse)
     o, lse = _function_class()[1].apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                        int(max_seqlen_k), variant, causal, softmax_scale,
+                                        int(max_seqlen_k), _fp32(alibi_slopes, "alibi_slopes"),
+                                        _fp32(sinks, "sinks"), variant, causal, softmax_scale,
                                         _mask(window_size, softcap, align),
                                         _options(forward_options), _options(backward_options))
     return (o, lse) if return_lse else o
 
 
 def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
-              softcap=0.0, align="bottom_right", forward_options=None, backward_options=None,
-              return_lse=False):
-    """O = softmax(softmax_scale Q K^T) V with the named variant, differentiable in q, k, v; the
-    mask (causal, window_size, softcap, align) as flash_attn_func's (common/tile/masks.py).
-    Returns o, or (o, lse (B, H, N_q) fp32) with return_lse (lse carries no gradient)."""
+              softcap=0.0, align="bottom_right", alibi_slopes=None, sinks=None,
+              forward_options=None, backward_options=None, return_lse=False):
+    """O = softmax(softmax_scale Q K^T) V with the named variant, differentiable in q, k, v (and
+    sinks); the mask (causal, window_size, softcap, align) as flash_attn_func's
+    (common/tile/masks.py), the score terms alibi_slopes and sinks (fa2, fa3). Returns o, or
+    (o, lse (B, H, N_q) fp32) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention")
-    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
+    if _compiling():
+        _no_terms_compiled(alibi_slopes, sinks)   # torch.compile traces the custom operators (variants/torch_ops.py)
         from variants import torch_ops
         return torch_ops.attention(q, k, v, variant=variant, causal=causal,
                                    softmax_scale=softmax_scale, window_size=window_size,
                                    softcap=softcap, align=align, forward_options=forward_options,
                                    backward_options=backward_options, return_lse=return_lse)
-    o, lse = _function_class()[0].apply(q, k, v, variant, causal, softmax_scale,
+    o, lse = _function_class()[0].apply(q, k, v, _fp32(alibi_slopes, "alibi_slopes"),
+                                        _fp32(sinks, "sinks"), variant, causal, softmax_scale,
                                         _mask(window_size, softcap, align),
                                         _options(forward_options), _options(backward_options))
     return (o, lse) if return_lse else o

@@ -5,13 +5,16 @@ FA2 Algorithm 2 (and FA1 Algorithm 4) take the forward's O and L = LSE with dO a
 dV. Around the variant's own kernels:
   preprocess   D_i = rowsum(dO_i o O_i) (fp32, one warp a row: FA2 Alg. 2 l.4), and dQ's fp32
                accumulator set to 0 when the variant adds into it (atomics or read-modify-write);
-  convert_dq   dQ = softmax_scale * accumulator, rounded to the input dtype, in q's layout.
+  convert_dq   dQ = softmax_scale * accumulator, rounded to the input dtype, in q's layout;
+  sink_grad    with attention sinks (gpt-oss), d s_h = -sum_i exp(s_h - L_i) D_i over head h's
+               rows: the sink's share of each row times its D (a sink has no value, so its dP is 0).
 The accumulator is (B, H, rows, d') fp32, row-major, or, for a kernel that adds whole query blocks
 with bulk reductions, one contiguous block of B_r x d' floats per query block in that kernel's
 fragment order (`DqLayout`, rows padded to whole blocks); d' = tiles.tile_columns(d), the kernels'
 tile width (d itself when a multiple of 16; the columns past d stay 0 and are not converted).
 `prepare_backward` validates everything with errors that name the problem and returns the views.
 """
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -296,6 +299,48 @@ def build_convert_dq_fragments(layout, element, head_dim):
     return convert_dq_fragments
 
 
+SINK_THREADS = 256
+
+
+@lru_cache(maxsize=None)
+def build_sink_grad():
+    """d s_h = -sum over batches and rows of exp(s_h - L) D, one thread block a head, summed in a
+    fixed order (bitwise reproducible)."""
+    WARPS_ = SINK_THREADS // 32
+
+    @kernel
+    def sink_grad(lse, d_vec, sinks, dsinks, n_q):
+        tid = int32(cuda.threadIdx.x)
+        h = cuda.blockIdx.x
+        sink = sinks[h]
+        acc = float32(0)
+        for b in range(lse.shape[0]):
+            for r in range(tid, n_q, SINK_THREADS):
+                acc += math.exp(sink - lse[b, h, r]) * d_vec[b, h, r]
+        for offset in (16, 8, 4, 2, 1):
+            acc += ptx.shfl_xor_f32(acc, offset)
+        part = cuda.shared.array(WARPS_, float32)
+        if tid & 31 == 0:
+            part[tid >> 5] = acc
+        cuda.syncthreads()
+        if tid == 0:
+            total = float32(0)
+            for w in range(WARPS_):
+                total += part[w]
+            dsinks[h] = -total
+
+    return sink_grad
+
+
+def sink_grad(g):
+    """d sinks (H,) fp32, in q's library, after `preprocess` (it reads D)."""
+    prob = g.prob
+    dsinks = arrays.empty(prob.library, (prob.heads,), "float32", like=prob.like)
+    launch(build_sink_grad(), (prob.heads,), SINK_THREADS, 0, prob.stream, prob.lse, g.d_vec,
+           prob.sinks, arrays.bits_view(arrays.describe(dsinks), np.float32), np.int32(prob.n_q))
+    return dsinks
+
+
 def _row_grid(prob, rows=None):
     return (((rows or prob.n_q) + WARPS - 1) // WARPS, prob.view_batch, prob.heads)
 
@@ -343,3 +388,5 @@ def compile_targets():
             (OUT_TYPE, OUT_TYPE, LSE_TYPE, f32_4, types.int32, types.int32), 0
         yield f"backward convert_dq d={head_dim} bf16", build_convert_dq(head_dim, BFLOAT16), \
             (f32_4, OUT_TYPE, types.int32, types.float32), 0
+    f32 = types.Array(types.float32, 1, "C")
+    yield "backward sink_grad", build_sink_grad(), (LSE_TYPE, LSE_TYPE, f32, f32, types.int32), 0

@@ -39,9 +39,11 @@ from common.host.problem import (
     MASK_TYPES,
     OUT_TYPE,
     QKV_TYPE,
+    SCORE_TYPES,
     SEQS_TYPE,
     prepare,
     prepare_varlen,
+    with_score_terms,
 )
 from common.host.replay import replayed
 from common.tile import masks, pipeline, softmax, tiles
@@ -64,6 +66,8 @@ class Config:
     causal: bool            # a band mask (causal and/or sliding window, common/tile/masks.py)
     window: bool = False    # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False   # scores soft-capped (Gemma 2)
+    alibi: bool = False     # ALiBi's bias by distance (alibi_slopes)
+    sinks: bool = False     # an attention sink a head (gpt-oss): a logit in each row's softmax
     block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
     block_n: int = 64       # B_c: keys per inner step
     warps: int = 4          # split-Q: each warp owns block_m / warps query rows
@@ -166,6 +170,7 @@ def build(cfg):
     ELEM, BANDED, PIPELINE, SWIZZLE = cfg.element.code, cfg.causal, cfg.pipeline, cfg.swizzle
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
+    ALIBI, SINKS = cfg.alibi, cfg.sinks
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -203,11 +208,14 @@ def build(cfg):
 
     @kernel_with_launch_bounds(THREADS, cfg.min_blocks_per_sm)
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
-                    scale_log2, cu_q, cu_k):
+                    scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
         lo, hi: the band of keys a query sees (lo <= key - query <= hi, when BANDED); softcap: the
         cap on raw scores (when SOFTCAP). VARLEN: B = 1 and batch b of the grid is the sequence of
-        rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k), lo and hi relative to its top-left corner."""
+        rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k), lo and hi relative to its top-left corner.
+        alibi, alibi_stride, alibi_shift: ALiBi's slopes (when ALIBI), slope alibi[b *
+        alibi_stride + h], distances from key query + alibi_shift; sinks: a sink logit a head
+        (when SINKS). (common/host/problem.py: score_args.)"""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
@@ -222,12 +230,14 @@ def build(cfg):
                 return
             if SHIFT:
                 lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
+                alibi_shift = int32(n_k - n_q)
             q_i = q[0, h, first_q:first_q + n_q]
             k_h = k[0, h // kv_group, first_k:first_k + n_k]
             v_h = v[0, h // kv_group, first_k:first_k + n_k]
         else:
             q_i, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
         warp_row = warp * 16 * M            # first row of this warp's part of Q_i (split-Q)
+        slope = alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0)
 
         smem = cuda.shared.array(0, uint16)   # Q_i | STAGES x (K, V) | P~ (p_in_registers=False)
         q_s = smem[Q_START:Q_START + Q_TILE]
@@ -258,7 +268,10 @@ def build(cfg):
         tiles.fill(o_acc, float32(0))
         m_i = cuda.local.array(ROWS, float32)
         l_i = cuda.local.array(ROWS, float32)
-        softmax.init_rows(m_i, l_i)
+        if SINKS:   # the sink as a column already seen: m_i = s_h, l_i = 1
+            softmax.init_rows_with_sink(m_i, l_i, sinks[h] / softmax_scale, lane)
+        else:
+            softmax.init_rows(m_i, l_i)
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
 
@@ -287,6 +300,8 @@ def build(cfg):
                                             lane, STRIDE, SWIZZLE, ELEM)
             if SOFTCAP:
                 softmax.softcap_scores(s, softcap)
+            if ALIBI:
+                tiles.add_alibi(s, row0 + warp_row + alibi_shift, col0, slope, lane)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
@@ -336,20 +351,21 @@ def build(cfg):
 
 @replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-            align=masks.BOTTOM_RIGHT, out=None, **options):
+            align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or
     bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and lse (B, H, N_q) fp32.
-    causal, window_size, softcap, align: the mask, as flash_attn_func (common/tile/masks.py).
-    options: see Config and OPTIONS."""
+    causal, window_size, softcap, align: the mask, as flash_attn_func (common/tile/masks.py);
+    alibi_slopes ((H,) or (B, H) fp32) and sinks ((H,) fp32): the score terms of
+    problem.with_score_terms. options: see Config and OPTIONS."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,
                    align=align)
-    return _run(prob, options)
+    return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                   align=masks.BOTTOM_RIGHT, out=None, **options):
+                   align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, **options):
     """FA2 forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
     k, v (total_k, H_kv, d), sequence b being rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32
     device arrays, batch + 1 entries). Returns o (total_q, H, d) and lse (H, total_q) fp32. The
@@ -359,7 +375,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                           causal=causal, softmax_scale=softmax_scale, out=out,
                           head_dims=HEAD_DIMS, variant="fa2", window_size=window_size,
                           softcap=softcap, align=align)
-    return _run(prob, options)
+    return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
 def _run(prob, options):
@@ -373,7 +389,7 @@ def _run(prob, options):
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), *prob.mask_args(), np.float32(prob.softmax_scale),
-           np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k)
+           np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k, *prob.score_args())
     return prob.result()
 
 
@@ -386,7 +402,8 @@ def compile_targets():
     """(name, kernel, argument types, mma count in its PTX) of every configuration `forward`
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
-                types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE)
+                types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE) + \
+        SCORE_TYPES
     for head_dim in REPORTED_HEAD_DIMS:
         for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):
@@ -399,4 +416,8 @@ def compile_targets():
                 mma = cfg.m_tiles * head_dim * cfg.block_n // 64
                 yield f"fa2 d={head_dim} {element.tag} causal={causal}", \
                     build(cfg), argtypes, mma
+    # the score terms (ALiBi and sinks) at d=128, causal
+    cfg = default_config(128, BFLOAT16, True, (("alibi", True), ("sinks", True)))
+    yield "fa2 d=128 bf16 causal=True alibi sinks", build(cfg), argtypes, \
+        cfg.m_tiles * 128 * cfg.block_n // 64
     yield from fa2_backward.compile_targets()   # Algorithm 2's kernels

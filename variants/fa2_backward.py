@@ -14,7 +14,15 @@ from common.hardware.elements import BFLOAT16, Element
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel
 from common.host import arrays, configs
 from common.host.launching import launch
-from common.host.problem import LSE_TYPE, MASK_TYPES, OUT_TYPE, QKV_TYPE, SEQS_TYPE
+from common.host.problem import (
+    LSE_TYPE,
+    MASK_TYPES,
+    OUT_TYPE,
+    QKV_TYPE,
+    SCORE_TYPES,
+    SEQS_TYPE,
+    with_score_terms,
+)
 from common.host.replay import replayed
 from common.tile import masks, pipeline, softmax, tiles
 from common.tile.smem import SharedLayout
@@ -69,6 +77,7 @@ class BackwardConfig:
     causal: bool               # a band mask (causal and/or sliding window, common/tile/masks.py)
     window: bool = False       # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False      # scores soft-capped (Gemma 2): dS times 1 - tanh^2
+    alibi: bool = False        # ALiBi's bias in the recomputed S (no term in dS)
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
@@ -304,6 +313,7 @@ def build_backward(cfg):
     BULK = cfg.bulk
     SEQUENTIAL = cfg.kv_blocks == "sequential"
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
+    ALIBI = cfg.alibi
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     QW, TWO_D, STAGED_DS = cfg.query_warps, cfg.query_warps > 1, cfg.staged_ds
     QC, DC = BR // QW, D // QW      # a warp's queries of S^T, dP^T and columns of dK_j, dV_j
@@ -389,9 +399,11 @@ def build_backward(cfg):
 
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
-                 lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k):
+                 lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k, alibi,
+                 alibi_stride, alibi_shift):
         """l.6-17 for K/V block j of batch b, K/V head h_kv (VARLEN: of sequence b, whose rows
-        start at first_q and first_k of the packed batch)."""
+        start at first_q and first_k of the packed batch); ALiBi's slopes and shift as the
+        forward's (fa2.py)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         key0 = int32(j * BC)
@@ -490,6 +502,9 @@ def build_backward(cfg):
                                             lane, STRIDE, SWIZZLE, ELEM, warp_q)
             if SOFTCAP:
                 softmax.softcap_scores_with_grad(s, cap_grad, softcap)
+            if ALIBI:   # the forward's bias, S^T[key, query] -= slope |query + shift - key|
+                tiles.add_alibi_transposed(s, key0 + warp_key - alibi_shift, q0 + warp_q,
+                                           alibi[b * alibi_stride + h] / softmax_scale, lane)
             if int32(q0 + BR) > n_q or masks.block_is_partial(q0, BR, key0, BC, n_k, BANDED, lo,
                                                               hi, WINDOW):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, BANDED,
@@ -562,11 +577,13 @@ def build_backward(cfg):
 
     @kernel
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
-                        softcap, softmax_scale, scale_log2, cu_q, cu_k):
+                        softcap, softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride,
+                        alibi_shift, sinks):
         """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, D)
         fp32 (D = tiles.tile_columns(d)); dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py).
         VARLEN: B = 1, and batch b of the grid is the sequence of rows cu_q[b] .. cu_q[b+1] - 1
-        (keys: cu_k), lo and hi relative to its top-left corner."""
+        (keys: cu_k), lo and hi relative to its top-left corner. alibi..sinks: the forward's
+        score terms (sinks unread: L holds them)."""
         b, h_kv = uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)   # unsigned: no index wrap
         first_q, first_k = int32(0), int32(0)
         if VARLEN:   # sequence b of the packed batch: its rows, and its own band
@@ -576,14 +593,17 @@ def build_backward(cfg):
                 return
             if SHIFT:
                 lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
+                alibi_shift = int32(n_k - n_q)
         if SEQUENTIAL:   # FA1 Alg. 4: one thread block walks every K/V block j in turn
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
-                         kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k)
+                         kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
+                         alibi, alibi_stride, alibi_shift)
                 cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
         else:            # l.5: "for 1 <= j <= T_c" is the grid
             kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
-                     n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k)
+                     n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
+                     alibi, alibi_stride, alibi_shift)
 
     return fa2_backward_kv
 
@@ -606,10 +626,12 @@ def build_backward_dq(cfg):
     ROWS = 2 * M
     CAP_GRAD = S_ACC if SOFTCAP else (1, 1, 1)
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
+    ALIBI = cfg.alibi
 
     @kernel
     def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, lo, hi, softcap,
-                        softmax_scale, scale_log2, cu_q, cu_k):
+                        softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift,
+                        sinks):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         i = masks.query_block(BANDED)   # with a band, the blocks with the most K/V blocks first
@@ -623,6 +645,7 @@ def build_backward_dq(cfg):
                 return
             if SHIFT:
                 lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
+                alibi_shift = int32(n_k - n_q)
             k_h = k[0, h // kv_group, first_k:first_k + n_k]
             v_h = v[0, h // kv_group, first_k:first_k + n_k]
             q_h, do_h = q[0, h, first_q:first_q + n_q], do[0, h, first_q:first_q + n_q]
@@ -631,6 +654,7 @@ def build_backward_dq(cfg):
             k_h, v_h = k[b, h // kv_group], v[b, h // kv_group]
             q_h, do_h, lse_h, d_h = q[b, h], do[b, h], lse[b, h], d_vec[b, h]
         warp_row = warp * 16 * M
+        slope = alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0)
         smem = cuda.shared.array(0, uint16)
         q_s = smem[Q0:Q0 + Q_TILE]
         do_s = smem[DO0:DO0 + Q_TILE]
@@ -680,6 +704,8 @@ def build_backward_dq(cfg):
                                     ELEM)
             if SOFTCAP:
                 softmax.softcap_scores_with_grad(s, cap_grad, softcap)
+            if ALIBI:
+                tiles.add_alibi(s, row0 + warp_row + alibi_shift, col0, slope, lane)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             softmax.recompute_p_rows(s, lse2, scale_log2)
@@ -707,21 +733,24 @@ def build_backward_dq(cfg):
 
 @replayed(6)
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-             softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
+             softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, grads=None,
+             **options):
     """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs
-    (o, lse) and dO = dLoss/dO (like o); the mask as the forward's. options: see BackwardConfig
-    and BACKWARD_OPTIONS."""
+    (o, lse) and dO = dLoss/dO (like o); the mask and score terms as the forward's (with sinks,
+    a fourth gradient: d sinks (H,) fp32). options: see BackwardConfig and BACKWARD_OPTIONS."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa2",
                              window_size=window_size, softcap=softcap, align=align)
+    with_score_terms(g.prob, alibi_slopes, sinks, align)
     cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
-                                  configs.mask_fields(g.prob), **options)
+                                  configs.mask_fields(g.prob, backward=True), **options)
     return run_backward(g, cfg)
 
 
 def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    align=masks.BOTTOM_RIGHT, grads=None, **options):
+                    align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, grads=None,
+                    **options):
     """FA2 backward of a packed batch (fa2.forward_varlen): (dq, dk, dv) shaped like (q, k, v),
     from the forward's inputs, o (total_q, H, d), lse (H, total_q) and dO like o. dQ is added by
     vector atomics into a row-major accumulator (dq_reduce="red", the default here) or computed
@@ -729,18 +758,21 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     return run_backward_varlen(
         (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-             align=align, grads=grads), options, "fa2", default_backward_config)
+             align=align, grads=grads), options, "fa2", default_backward_config,
+        (alibi_slopes, sinks))
 
 
-def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_function):
+def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_function,
+                        score_terms=(None, None)):
     """A packed batch's backward through this module's kernels, for fa2 and fa1 (which differ in
     the variant's name and its configuration function): checked, dQ by vector atomics unless
     options say otherwise (the bulk reduction's staging is per query block of one sequence)."""
     g = bwd.prepare_backward_varlen(*arrays_and_lengths, head_dims=HEAD_DIMS, variant=variant,
                                     **mask)
+    with_score_terms(g.prob, *score_terms, mask.get("align", masks.BOTTOM_RIGHT))
     options.setdefault("dq_reduce", "red")
     cfg = config_function(g.prob.head_dim, g.prob.element, g.prob.banded,
-                          configs.mask_fields(g.prob), **options)
+                          configs.mask_fields(g.prob, backward=True), **options)
     return run_backward(g, cfg)
 
 
@@ -757,19 +789,20 @@ def run_backward(g, cfg):
     rows_q, rows_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
     cu = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
         (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
+    terms = prob.score_args()
     kv_blocks = 1 if cfg.kv_blocks == "sequential" else (rows_k + cfg.block_n - 1) // cfg.block_n
     grid = (kv_blocks, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
-           scale, scale_log2, *cu)
+           scale, scale_log2, *cu, *terms)
     if atomic:
         bwd.convert_dq(g)
     else:
         grid = ((rows_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         launch(build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
                prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2,
-               *cu)
-    return g.result()
+               *cu, *terms)
+    return g.result() if prob.sinks is None else g.result() + (bwd.sink_grad(g),)
 
 
 def backward_compile_targets(cfg, tag):
@@ -778,7 +811,8 @@ def backward_compile_targets(cfg, tag):
     backward.py's compile_targets)."""
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
     sizes = (types.int32, types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32,
-                                                                     SEQS_TYPE, SEQS_TYPE)
+                                                                     SEQS_TYPE, SEQS_TYPE) + \
+        SCORE_TYPES
     # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
     # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
     # atomics dQ's product appears twice (in the loop and for the last step):

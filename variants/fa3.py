@@ -103,9 +103,11 @@ from common.host.problem import (
     LSE_TYPE,
     OUT_TYPE,
     QKV_TYPE,
+    SCORE_TYPES,
     SEQS_TYPE,
     prepare,
     prepare_varlen,
+    with_score_terms,
 )
 from common.tile import masks, softmax, tiles
 from common.tile.mbarrier_ring import ring
@@ -160,6 +162,8 @@ class Config:
                                  # when they land: cp.async.mbarrier.arrive)
     window: bool = False         # the band has a left edge (a sliding window): its test compiled in
     softcap: bool = False        # scores soft-capped (Gemma 2): S <- cap tanh(S / cap) (16-bit)
+    alibi: bool = False          # ALiBi's bias by distance (alibi_slopes; 16-bit)
+    sinks: bool = False          # an attention sink a head (gpt-oss; 16-bit)
     varlen: bool = False         # a packed batch of sequences (forward_varlen): bounds per tile
     bottom_right: bool = True    # varlen: the band's diagonal at each sequence's bottom-right
     transpose_v: str = "prepass" # FP8: who makes V^T, the K-major V that the e4m3 P V wgmma
@@ -344,6 +348,8 @@ class Config:
             raise ValueError(f"producer must be one of {PRODUCERS}, got {self.producer!r}")
         if self.softcap and self.fp8:
             raise ValueError("fa3 in FP8 takes no softcap (the cap applies to descaled scores)")
+        if (self.alibi or self.sinks) and self.fp8:
+            raise ValueError("fa3 in FP8 takes no alibi_slopes or sinks yet (16-bit inputs do)")
         if self.transpose_v not in TRANSPOSE_V:
             raise ValueError(f"transpose_v must be one of {TRANSPOSE_V}, got {self.transpose_v!r}")
         if self.transpose_v == "producer" and not self.fp8:
@@ -750,7 +756,7 @@ def _step_parts(cfg):
     tail zeroed (clear_v_tail), and a step's releases and softmax back to back (softmax_step)."""
     D, BC, FP8, K_BLOCK_SCALES = cfg.tile_dim, cfg.block_n, cfg.fp8, cfg.k_block_scales
     HEAD_DIM, EB, OPERAND = cfg.head_dim, cfg.operand.bytes, cfg.operand.code
-    CAUSAL, WINDOW, SOFTCAP = cfg.causal, cfg.window, cfg.softcap
+    CAUSAL, WINDOW, SOFTCAP, ALIBI = cfg.causal, cfg.window, cfg.softcap, cfg.alibi
     L = _layout(cfg)
     PANELS, STAGE_ELEMS, STAGE_BYTES, V0 = L.panels, L.stage_elems, L.stage_bytes, L.v0
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
@@ -813,11 +819,15 @@ def _step_parts(cfg):
         return float32(0)
 
     @device_function
-    def logits(s, j, n_k, lo, hi, cap, wg_row0, warp_row, lane):
-        """S_j as the softmax takes it: Gemma 2's soft cap on raw scores, then -inf outside the
-        mask. (FP8's per-block K descale joins the softmax's scale: `exponentiate`.)"""
+    def logits(s, j, n_k, lo, hi, terms, wg_row0, warp_row, lane):
+        """S_j as the softmax takes it: Gemma 2's soft cap on raw scores, ALiBi's bias, then -inf
+        outside the mask; terms: (cap, ALiBi's slope on raw scores, its diagonal's shift). (FP8's
+        per-block K descale joins the softmax's scale: `exponentiate`.)"""
+        cap, slope, shift = terms
         if SOFTCAP:
             softmax.softcap_scores(s, cap)
+        if ALIBI:
+            tiles.add_alibi(s, warp_row + shift, j * BC, slope, lane)
         mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
 
     @device_function
@@ -864,7 +874,7 @@ def _step_parts(cfg):
             ptx.bar_sync(1 + wg, WG_THREADS)
 
     @device_function
-    def softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, cap,
+    def softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, n_k, lo, hi, terms,
                      wg_row0, warp_row, lane):
         """Back to back, once S_j (and O += P~_{j-1} V_{j-1}) have landed: release K_j (and
         V_{j-1}; Q after the last S), then l.16-17: m_i, P~_i = exp(S - m_i), l_i, O_i rescaled,
@@ -874,7 +884,7 @@ def _step_parts(cfg):
             release_v(smem, slot(it + j - 1)[0], lane)                             # l.19
         if O_APART and j == t_c - 1:   # Q_i read for the last time
             release_q(smem, 0, lane)
-        logits(s, j0 + j, n_k, lo, hi, cap, wg_row0, warp_row, lane)
+        logits(s, j0 + j, n_k, lo, hi, terms, wg_row0, warp_row, lane)
         exponentiate(s, f, m_i, l_i, o_acc, sl2)
         to_a(p, s)
 
@@ -990,6 +1000,7 @@ def build(cfg, stamps=False):
     without them the PTX has no trace of them."""
     D, BR, BC, STAGES, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     FP8, K_BLOCK_SCALES, VARLEN = cfg.fp8, cfg.k_block_scales, cfg.varlen
+    ALIBI, SINKS, SHIFT_ALIBI = cfg.alibi, cfg.sinks, cfg.varlen and cfg.bottom_right
     L = _layout(cfg)
     K0, WG_Q_ELEMS, K_BYTES, O_ROOM, WG_O_ELEMS = L.k0, L.wg_q_elems, L.k_bytes, L.o_room, \
         L.wg_o_elems
@@ -1037,7 +1048,7 @@ def build(cfg, stamps=False):
     @kernel_for_one_block_per_sm(cfg.threads)
     def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi, cap,
                     softmax_scale, scale_log2, q_descale, k_descale, v_descale, q_scale_rows,
-                    k_scale_rows, cu_q, cu_k):
+                    k_scale_rows, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks):
         """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T), read by producer="tma", and with
         o_store="tma" a fourth, of o (32-bit words: 16-bit pairs); q, k, v:
         (B, H, N, d) uint16 views, read by producer="cp_async" (FP8: unread); o: (B, H, N_q, d/2)
@@ -1048,7 +1059,8 @@ def build(cfg, stamps=False):
         block a tile, or (persistent) fewer, each looping over tiles (`tile`). VARLEN: B = 1 and
         batch entry b of the tiles is the sequence of rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k),
         n_q the longest (the tiles cover it), lo and hi relative to its top-left corner; a tile
-        past its sequence's end is skipped."""
+        past its sequence's end is skipped. alibi, alibi_stride, alibi_shift, sinks: the score
+        terms (16-bit; common/host/problem.py: score_args), as fa2's forward reads them."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
 
@@ -1143,7 +1155,13 @@ def build(cfg, stamps=False):
             j0, t_c = steps(int32(i * BR), nq, nk, lo_b, hi_b)
 
             tiles.fill(o_acc, float32(0))                                          # l.11
-            softmax.init_rows(m_i, l_i)
+            if SINKS:   # the sink as a column already seen: m_i = s_h, l_i = 1
+                softmax.init_rows_with_sink(m_i, l_i, sinks[h] / softmax_scale, lane)
+            else:
+                softmax.init_rows(m_i, l_i)
+            # the score terms of this tile's head: (cap, ALiBi's slope, its diagonal's shift)
+            terms = (cap, alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0),
+                     int32(nk - nq) if VARLEN and SHIFT_ALIBI else alibi_shift)
             # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per
             # block: in the loop, `exponentiate`), V's joins 1/l at the end (loaded here, with
             # the others, before the wait for Q: no descale load's latency is waited out).
@@ -1195,7 +1213,7 @@ def build(cfg, stamps=False):
                 pass_turn(wg)
                 WAIT_S(s)
                 softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, 0, j0, t_c, nk, lo_b, hi_b,
-                             cap, wg_row0, warp_row, lane)                         # l.16-17
+                             terms, wg_row0, warp_row, lane)                       # l.16-17
                 for j in range(1, t_c):                                            # l.14
                     stage, parity = slot(it + j)
                     prev, prev_parity = slot(it + j - 1)
@@ -1209,7 +1227,7 @@ def build(cfg, stamps=False):
                     pass_turn(wg)
                     WAIT_ALL(s, o_acc, p)     # S_j and O += P~_{j-1} V_{j-1} have landed
                     softmax_step(smem, s, f, o_acc, p, m_i, l_i, sl2, it, j, j0, t_c, nk, lo_b,
-                                 hi_b, cap, wg_row0, warp_row, lane)               # l.16-17
+                                 hi_b, terms, wg_row0, warp_row, lane)             # l.16-17
                 stage, parity = slot(it + t_c - 1)
                 wait_v(smem, stage, parity)
                 if CLEAR_V_TAIL:   # the last block (the loop's never runs past n_k)
@@ -1238,7 +1256,7 @@ def build(cfg, stamps=False):
                     release_k(smem, stage, lane)
                     if O_APART and j == t_c - 1:
                         release_q(smem, 0, lane)
-                    logits(s, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
+                    logits(s, j0 + j, nk, lo_b, hi_b, terms, wg_row0, warp_row, lane)
                     exponentiate(s, f, m_i, l_i, o_acc, sl2)                       # l.16-17
                     to_a(p, s)
                     tl_t = stamp(tl, 3, tl_t)
@@ -1268,7 +1286,7 @@ def build(cfg, stamps=False):
                 release_k(smem, stage, lane)
                 if O_APART and t_c == 1:
                     release_q(smem, 0, lane)
-                logits(s, j0, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
+                logits(s, j0, nk, lo_b, hi_b, terms, wg_row0, warp_row, lane)
                 # O = 0: nothing to defer
                 exponentiate(s, f, m_i, l_i, o_acc, sl2)
                 to_a(p, s)
@@ -1287,7 +1305,7 @@ def build(cfg, stamps=False):
                     release_k(smem, stage, lane)
                     if O_APART and j == t_c - 1:
                         release_q(smem, 0, lane)
-                    logits(s, j0 + j, nk, lo_b, hi_b, cap, wg_row0, warp_row, lane)
+                    logits(s, j0 + j, nk, lo_b, hi_b, terms, wg_row0, warp_row, lane)
                     exponentiate_deferred(s, f, m_i, l_i, alpha, sl2)
                     WAIT_OP(o_acc, p)         # ... now it has: O and P~_{j-1}'s registers free
                     release_v(smem, prev, lane)
@@ -1337,8 +1355,9 @@ def build(cfg, stamps=False):
 
 @replay.replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-            align=masks.BOTTOM_RIGHT, out=None, q_descale=None, k_descale=None, v_descale=None,
-            scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16", **options):
+            align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, q_descale=None,
+            k_descale=None, v_descale=None, scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16",
+            **options):
     """FA3 forward (Hopper: sm_90a). q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's
     layout, on the GPU (CuPy, Numba or torch), fp16 or bf16 — or e4m3 (torch float8_e4m3fn, or
     uint8 bits) with float32 descales (`variants.fp8.quantize_fp8` makes both): q_descale
@@ -1349,7 +1368,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     pre-pass. Returns
     (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
     OPTIONS. Masks (common/tile/masks.py, flash_attn's conventions): causal (bottom-right, or
-    align="top_left"), sliding windows, softcap (16-bit inputs)."""
+    align="top_left"), sliding windows, softcap; alibi_slopes and sinks (problem.with_score_terms;
+    16-bit inputs)."""
     descales = (q_descale, k_descale, v_descale)
     fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
     vt_given = isinstance(v, fp8.KMajorV)   # V^T made before the call: no pre-pass in it
@@ -1362,6 +1382,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                    dtypes=FP8_DTYPES if fp8_in else HALF_DTYPES,
                    out_dtype=out_dtype if fp8_in else None, window_size=window_size,
                    softcap=softcap, align=align)
+    with_score_terms(prob, alibi_slopes, sinks, align)
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
         if vt_given:
@@ -1393,7 +1414,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                   align=masks.BOTTOM_RIGHT, out=None, **options):
+                   align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, **options):
     """FA3 forward over a packed batch of sequences, as flash_attn_varlen_func (and fa2's
     forward_varlen): q (total_q, H, d), k, v (total_k, H_kv, d) fp16/bf16, sequence b being rows
     cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32 device arrays, batch + 1 entries). Returns o
@@ -1412,6 +1433,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                           causal=causal, softmax_scale=softmax_scale, out=out,
                           head_dims=HEAD_DIMS, variant="fa3", window_size=window_size,
                           softcap=softcap, align=align)
+    with_score_terms(prob, alibi_slopes, sinks, align)
     scales = (arrays.placeholder(prob.library, 3, prob.like),) * 3
     return _run(prob, (prob.q, prob.k, prob.v), prob.v, scales, (1, 1), (), options)
 
@@ -1451,7 +1473,7 @@ def _run(prob, qkv, v_view, scales, rows, problem, options):
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
            *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
-           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k,
+           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k, *prob.score_args(),
            programmatic=cfg.after_prepass and prepass is not None)
     return prob.result()
 
@@ -1545,7 +1567,7 @@ def compile_targets():
     softcap), a packed batch (varlen, causal), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
         + (types.float32,) * 3 + (SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32, types.int32,
-           SEQS_TYPE, SEQS_TYPE)
+           SEQS_TYPE, SEQS_TYPE) + SCORE_TYPES
     # (head_dim, element, causal, problem fields, options)
     cases = [(d, element, causal, (), {}) for d in REPORTED_HEAD_DIMS
              for element in (BFLOAT16, FLOAT16)
@@ -1556,7 +1578,8 @@ def compile_targets():
                dict(transpose_v="producer")),
               (128, BFLOAT16, False, (), dict(producer="cp_async")),
               (128, BFLOAT16, True, (("window", True), ("softcap", True)), {}),
-              (128, BFLOAT16, True, (("varlen", True), ("bottom_right", True)), {})]
+              (128, BFLOAT16, True, (("varlen", True), ("bottom_right", True)), {}),
+              (128, BFLOAT16, True, (("alibi", True), ("sinks", True)), {})]
     for head_dim, element, causal, problem, options in cases:
         cfg = default_config(head_dim, element, causal, problem, **options)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
@@ -1566,7 +1589,7 @@ def compile_targets():
         qk, pv = -(-head_dim // k), cfg.block_n // k
         total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
         tag = "".join(f" {f}" for f, on in problem
-                      if on and f in ("window", "softcap", "varlen")) + \
+                      if on and f in ("window", "softcap", "varlen", "alibi", "sinks")) + \
             "".join(f" {o}={v}" for o, v in options.items())
         yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}{tag}", build(cfg), argtypes, \
             (total, qk + pv)

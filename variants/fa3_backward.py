@@ -58,7 +58,7 @@ from common.hardware.elements import BFLOAT16, Element
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm
 from common.host import configs, replay, tensormaps
 from common.host.launching import launch
-from common.host.problem import LSE_TYPE, OUT_TYPE
+from common.host.problem import LSE_TYPE, OUT_TYPE, SCORE_TYPES, with_score_terms
 from common.tile import masks, softmax, tiles
 from common.tile.mbarrier_ring import ring
 from variants import backward_shared as bwd
@@ -93,6 +93,7 @@ class BackwardConfig:
                             # is computed (P^T's registers live beside S^T's and dP^T's); False:
                             # with dK once dS is done (FA3's order, fewer registers at once)
     window: bool = False    # the band has a left edge (a sliding window): its test compiled in
+    alibi: bool = False     # ALiBi's bias in the recomputed S^T (no term in dS)
 
     @property
     def consumers(self):
@@ -197,6 +198,7 @@ def build_backward(cfg):
     D, BR, BC, STAGES, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     DV = cfg.head_dim if cfg.head_dim < D else 0   # valid columns of dK, dV's stores (0: all)
     ELEM, DTYPE, CAUSAL, WINDOW = cfg.element.code, cfg.element.ptx, cfg.causal, cfg.window
+    ALIBI = cfg.alibi
     PANELS = D // PANEL_COLS
     ROW = ROW_BYTES // 2                        # a 128-byte row in 16-bit elements
     REG, _ = cfg.regions()
@@ -329,11 +331,12 @@ def build_backward(cfg):
 
     @kernel_for_one_block_per_sm(cfg.threads)
     def fa3_backward_kv(tmaps, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
-                        softmax_scale, scale_log2):
+                        softmax_scale, scale_log2, alibi, alibi_stride, alibi_shift, sinks):
         """tmaps: (4, 16) tensor maps of q, k, v, do; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q
         padded to B_r, d) fp32 in `dq_layout` order; dk32, dv32: (B, H_kv, N_k, d/2) uint32 views;
-        lo, hi: the band of keys a query sees (lo <= key - query <= hi; causal, a window). The
-        grid: (K/V blocks, B, H_kv)."""
+        lo, hi: the band of keys a query sees (lo <= key - query <= hi; causal, a window);
+        alibi..sinks: the forward's score terms (sinks unread: L holds them). The grid: (K/V
+        blocks, B, H_kv)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         j, b, h_kv = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -434,6 +437,9 @@ def build_backward(cfg):
                     write_dq(smem_f32, dq_acc, dq, dqf, b, h_prev, q0_prev + dq_row, lane)
             else:
                 WAIT1_ST(s)                   # S^T landed; dP^T may still run
+            if ALIBI:   # the forward's bias, S^T[key, query] -= slope |query + shift - key|
+                tiles.add_alibi_transposed(s, key0 + warp_key - alibi_shift, q0,
+                                           alibi[b * alibi_stride + h] / softmax_scale, lane)
             # pairs out of the band (past a query's diagonal, before its window) on its edges
             if CAUSAL and masks.block_is_partial(q0, BR, key0 + wg * WG_KEYS, WG_KEYS, n_k, True,
                                                  lo, hi, WINDOW):
@@ -499,20 +505,22 @@ def build_backward(cfg):
 
 @replay.replayed(6)
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-             softcap=0.0, align=masks.BOTTOM_RIGHT, grads=None, **options):
+             softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, grads=None,
+             **options):
     """fa3's backward (Hopper, sm_90a): (dq, dk, dv) shaped like (q, k, v) from the forward's inputs,
     o, lse and dO (like o), fp16 or bf16, head_dim a multiple of 8 from 32 to 128 (in tiles of
-    64 or 128 columns). options: BackwardConfig's."""
+    64 or 128 columns); the score terms as the forward's (with sinks, a fourth gradient: d sinks
+    (H,) fp32). options: BackwardConfig's."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa3",
                              window_size=window_size, softcap=softcap, align=align)
-    prob = g.prob
+    prob = with_score_terms(g.prob, alibi_slopes, sinks, align)
     if prob.softcapped:
         raise ValueError(f"fa3's backward (kernel='wgmma') takes causal masks and sliding windows "
                          f"but no softcap yet (got softcap={prob.band.softcap}); kernel='fa2' "
                          "(FA2's backward, the default with a softcap) takes it")
     cfg = default_backward_config(prob.head_dim, prob.element, prob.banded,
-                                  configs.mask_fields(prob), **options)
+                                  configs.mask_fields(prob, backward=True), **options)
     bwd.preprocess(g, zero_dq=True, dq_layout=cfg.dq_layout())                   # l.4
     box = PANEL_COLS
     boxes = ((prob.q, cfg.block_m, box), (prob.k, cfg.block_n, box), (prob.v, cfg.block_n, box),
@@ -523,16 +531,16 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
            tmaps, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, np.int32(prob.n_q),
            np.int32(prob.n_k), np.int32(prob.kv_group), np.int32(prob.band.lo),
            np.int32(prob.band.hi), np.float32(prob.softmax_scale),
-           np.float32(prob.softmax_scale * math.log2(math.e)))
+           np.float32(prob.softmax_scale * math.log2(math.e)), *prob.score_args())
     bwd.convert_dq(g)
-    return g.result()
+    return g.result() if prob.sinks is None else g.result() + (bwd.sink_grad(g),)
 
 
 def compile_targets():
     """(name, kernel, argument types, wgmma count in its PTX) of the default configurations, bf16
     (fp16 changes only the wgmma type): S^T, dP^T d/16 each, dV, dK B_r/16 each, dQ B_c/16."""
     argtypes = (TMAP_TYPE, LSE_TYPE, F32_3, F32_4, OUT_TYPE, OUT_TYPE) + (types.int32,) * 5 + \
-        (types.float32, types.float32)
+        (types.float32, types.float32) + SCORE_TYPES
     for head_dim in (64, 128):   # the tiles' two widths; the head dims between take their code
         for causal in (False, True):
             cfg = default_backward_config(head_dim, BFLOAT16, causal)

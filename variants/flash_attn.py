@@ -8,15 +8,18 @@ unchanged after one import line:
 They pick the generation for the GPU (fa3 on sm_90, fa2 elsewhere; `variant=` overrides it), are
 differentiable for torch tensors (variants/autograd.py; under torch.compile the custom operators
 of variants/torch_ops.py), and take CuPy or Numba device arrays too (forward only). Beyond
-flash_attn 2: FA3's `q_descale`, `k_descale`, `v_descale` for e4m3 inputs (fa3).
+flash_attn 2: FA3's `q_descale`, `k_descale`, `v_descale` for e4m3 inputs (fa3), and FA4's
+`learnable_sink` (gpt-oss's attention sinks, differentiable) in flash_attn_func and
+flash_attn_varlen_func.
 
 What flash_attn does that these do too: head dims that are not a multiple of 8 (or below 32) are
 zero-padded inside and the padding cut off again (exact: zero columns add nothing to Q K^T, and
 softmax_scale defaults to the unpadded d^-1/2); `deterministic=True` runs a backward whose every
 sum has one order (fa2's dQ by a separate query-block-outer kernel, `dq="separate"`; for fa3
 that is FA2's backward kernels); `return_attn_probs=True` returns (out, softmax_lse, None) (the
-third, flash_attn's dropout-mask debug tensor, is only filled there when dropout_p > 0).
-What they refuse, naming the argument: `dropout_p > 0`, `alibi_slopes`, a `block_table` in the
+third, flash_attn's dropout-mask debug tensor, is only filled there when dropout_p > 0);
+`alibi_slopes` ((H,) or (B, H) fp32, fa2 and fa3, forward and backward).
+What they refuse, naming the argument: `dropout_p > 0`, a `block_table` in the
 varlen forward, FA3's `qv`, `attention_chunk`, `seqused_q` / `seqused_k` and `num_splits` > 1,
 and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx` and
 `cache_leftpad` (variants.decode does not take them yet).
@@ -60,13 +63,11 @@ def default_variant(q):
     return "fa3" if capability == (9, 0) else "fa2"
 
 
-def _refuse(dropout_p=0.0, alibi_slopes=None, **others):
+def _refuse(dropout_p=0.0, **others):
     """NotImplementedError naming each argument flash_attn takes that these cannot honour yet."""
     if dropout_p:
         raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not built yet; "
                                   "pass dropout_p=0.0 (in eval, or with dropout off)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not built yet")
     for name, value in others.items():
         if value is not None:
             raise NotImplementedError(f"{name}: not supported by variants' flash_attn functions yet")
@@ -114,8 +115,9 @@ def _pad_head_dims(q, k, v):
 
 
 def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, deterministic,
-               return_lse, variant, forward_options=None):
-    """The one path of every dense and packed function: (o, lse) or o, head dims padded."""
+               return_lse, variant, forward_options=None, alibi_slopes=None, sinks=None):
+    """The one path of every dense and packed function: (o, lse) or o, head dims padded;
+    alibi_slopes and sinks (FA4's learnable_sink) as variants.attention takes them."""
     variant = variant or default_variant(q)
     if _is_torch(q):   # flash_attn's maybe_contiguous: a head_dim axis with a stride is copied
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -124,22 +126,25 @@ def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, 
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     mask = dict(causal=causal, softmax_scale=scale, window_size=tuple(window_size),
                 softcap=softcap)
+    terms = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
+             if x is not None}
     if _is_torch(q):
         if varlen:
             out = autograd.attention_varlen(q, k, v, *varlen, variant=variant,
                                             forward_options=forward_options,
                                             backward_options=_backward_options(variant,
                                                                                deterministic),
-                                            return_lse=True, **mask)
+                                            return_lse=True, **mask, **terms)
         else:
             out = autograd.attention(q, k, v, variant=variant, forward_options=forward_options,
                                      backward_options=_backward_options(variant, deterministic),
-                                     return_lse=True, **mask)
+                                     return_lse=True, **mask, **terms)
     elif varlen:
-        out = registry.forward_varlen(q, k, v, *varlen, variant=variant, **mask,
+        out = registry.forward_varlen(q, k, v, *varlen, variant=variant, **mask, **terms,
                                       **(forward_options or {}))
     else:
-        out = registry.forward(q, k, v, variant=variant, **mask, **(forward_options or {}))
+        out = registry.forward(q, k, v, variant=variant, **mask, **terms,
+                               **(forward_options or {}))
     o, lse = out
     if tuple(o.shape)[-1] != d:   # padded inside (torch only)
         o = o[..., :d]
@@ -151,25 +156,28 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, q_descale=None, k_descale=None, v_descale=None,
                     qv=None, attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0,
-                    variant=None):
+                    learnable_sink=None, variant=None):
     """out = softmax(softmax_scale q k^T + mask) v: q (B, N_q, H, d), k and v (B, N_k, H_kv, d)
     with H a multiple of H_kv (MQA / GQA); fp16 or bf16 (e4m3 with the descales: fa3).
 
     causal: the bottom-right diagonal (the last query sees the last key); window_size=(left,
     right): query i sees keys i + N_k - N_q - left .. i + N_k - N_q + right (-1: unbounded);
-    softcap > 0: scores become softcap tanh(scores / softcap). A row that sees no key is 0.
-    Returns out (B, N_q, H, d), or with return_attn_probs (out, softmax_lse (B, H, N_q) fp32,
+    softcap > 0: scores become softcap tanh(scores / softcap); alibi_slopes ((H,) or (B, H)
+    fp32): scores minus slope |i + N_k - N_q - j|; learnable_sink ((H,) fp32, FA4's keyword,
+    differentiable): a logit a head joining each row's softmax (gpt-oss). A row that sees no key
+    is 0. Returns out (B, N_q, H, d), or with return_attn_probs (out, softmax_lse (B, H, N_q) fp32,
     None). FA3's keywords: the descales (e4m3 inputs); `qv`, `attention_chunk` and `num_splits`
     other than 0 / 1 are refused by name; `pack_gqa` and `sm_margin` (scheduling hints) are
     accepted and ignored."""
-    _refuse(dropout_p, alibi_slopes, qv=qv)
+    _refuse(dropout_p, qv=qv)
     _refuse_fa3(attention_chunk, num_splits)
     descales = {name: x for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
                                         ("v_descale", v_descale)) if x is not None}
     return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, deterministic=deterministic,
                       return_lse=return_attn_probs, variant=variant,
-                      forward_options=descales or None)
+                      forward_options=descales or None, alibi_slopes=alibi_slopes,
+                      sinks=learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -177,22 +185,22 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              deterministic=False, return_attn_probs=False, *, variant=None):
     """flash_attn_func with k and v stacked: kv (B, N_k, 2, H_kv, d) (no copies: k and v are
     views of it, and its gradient is theirs stacked)."""
-    _refuse(dropout_p, alibi_slopes)
+    _refuse(dropout_p)
     k, v = kv.unbind(2) if _is_torch(kv) else (kv[:, :, 0], kv[:, :, 1])
     return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *, variant=None):
     """flash_attn_func with q, k, v stacked: qkv (B, N, 3, H, d)."""
-    _refuse(dropout_p, alibi_slopes)
+    _refuse(dropout_p)
     q, k, v = qkv.unbind(2) if _is_torch(qkv) else (qkv[:, :, i] for i in range(3))
     return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
 
 
 # --------------------------------------------------------------------------- packed batches
@@ -201,19 +209,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_q=None,
                            seqused_k=None, qv=None, attention_chunk=0, num_splits=1,
-                           pack_gqa=None, sm_margin=0, variant=None):
+                           pack_gqa=None, sm_margin=0, learnable_sink=None, variant=None):
     """flash_attn_func over a packed batch of sequences: q (total_q, H, d), k and v (total_k,
     H_kv, d), cu_seqlens_q / cu_seqlens_k int32 (batch + 1) each sequence's first row, and the
     longest sequences' lengths. The mask applies within each sequence. Returns out (total_q, H,
     d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None). FA3's `seqused_q`,
     `seqused_k`, `qv` and `attention_chunk` are refused by name."""
-    _refuse(dropout_p, alibi_slopes, block_table=block_table, seqused_q=seqused_q,
-            seqused_k=seqused_k, qv=qv)
+    _refuse(dropout_p, block_table=block_table, seqused_q=seqused_q, seqused_k=seqused_k, qv=qv)
     _refuse_fa3(attention_chunk, num_splits)
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes,
+                      sinks=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -222,12 +230,12 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     deterministic=False, return_attn_probs=False, *,
                                     variant=None):
     """flash_attn_varlen_func with kv (total_k, 2, H_kv, d)."""
-    _refuse(dropout_p, alibi_slopes)
+    _refuse(dropout_p)
     k, v = kv.unbind(1) if _is_torch(kv) else (kv[:, 0], kv[:, 1])
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -235,12 +243,12 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, *, variant=None):
     """flash_attn_varlen_func with qkv (total, 3, H, d) and one cu_seqlens for all three."""
-    _refuse(dropout_p, alibi_slopes)
+    _refuse(dropout_p)
     q, k, v = qkv.unbind(1) if _is_torch(qkv) else (qkv[:, i] for i in range(3))
     return _attention(q, k, v, (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -257,7 +265,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens: (B,) int32, or an int for every sequence, or None (the whole cache). Returns
     out like q, or (out, softmax_lse (B, H, N_q) fp32) with return_softmax_lse. Not differentiable
     (as flash_attn's)."""
-    _refuse(0.0, alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+    _refuse(0.0, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     if tuple(window_size) != (-1, -1) or softcap:
         raise NotImplementedError(f"window_size={tuple(window_size)}, softcap={softcap}: the "

@@ -71,7 +71,7 @@ def describe(x, name="array"):
                         "__cuda_array_interface__); pass CuPy, Numba device arrays or torch CUDA tensors")
     dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else np.dtype(cai["typestr"])
     shape = tuple(cai["shape"])
-    strides = cai.get("strides") or _contiguous_strides(shape, dtype.itemsize)
+    strides = cai.get("strides") or contiguous_strides(shape, dtype.itemsize)
     mod = type(x).__module__
     library = "cupy" if mod.startswith("cupy") else "numba" if mod.startswith("numba") else "cai"
     return Described(library, cai["data"][0], shape, tuple(strides), dtype.name, dtype.itemsize, x)
@@ -88,7 +88,8 @@ def _torch_dtype(dtype):
     return hit
 
 
-def _contiguous_strides(shape, itemsize):
+def contiguous_strides(shape, itemsize):
+    """The byte strides of a C-contiguous array of that shape."""
     strides, acc = [], itemsize
     for n in reversed(shape):
         strides.append(acc)
@@ -231,7 +232,7 @@ def empty_with_view(library, shape, dtype, element, like=None, last_dim_divisor=
     itemsize = DTYPES[dtype].itemsize
     shape = tuple(shape)
     return x, KernelView.over(x.data_ptr(), view_layout_of(
-        shape, _contiguous_strides(shape, itemsize), itemsize, element, None, last_dim_divisor), x)
+        shape, contiguous_strides(shape, itemsize), itemsize, element, None, last_dim_divisor), x)
 
 
 SCRATCH_ALIGN = 256   # bytes between the work arrays `empty_views` carves from one allocation
@@ -271,7 +272,7 @@ def _carving(specs):
         for shape, element in specs:
             itemsize = np.dtype(element).itemsize
             shape = tuple(shape)
-            parts.append((at, view_layout_of(shape, _contiguous_strides(shape, itemsize),
+            parts.append((at, view_layout_of(shape, contiguous_strides(shape, itemsize),
                                              itemsize, element)))
             size = itemsize
             for n in shape:
@@ -301,7 +302,7 @@ def views_over(buf, specs):
     for shape, element in specs:
         itemsize = np.dtype(element).itemsize
         shape = tuple(shape)
-        strides = _contiguous_strides(shape, itemsize)
+        strides = contiguous_strides(shape, itemsize)
         if torch_buf:
             views.append(KernelView.over(at, view_layout_of(shape, strides, itemsize, element),
                                          buf))

@@ -31,6 +31,8 @@ OUT_TYPE = types.Array(types.uint32, 4, "A")      # o32: (B, H, N_q, d/2) permut
 LSE_TYPE = types.Array(types.float32, 3, "C")     # lse: (B, H, N_q)
 MASK_TYPES = (types.int32, types.int32, types.float32)   # AttentionProblem.mask_args()
 SEQS_TYPE = types.Array(types.int32, 1, "C")      # cu_seqlens_q, cu_seqlens_k (varlen)
+F32_VEC = types.Array(types.float32, 1, "C")
+SCORE_TYPES = (F32_VEC, types.int32, types.int32, F32_VEC)   # AttentionProblem.score_args()
 
 
 @dataclass
@@ -71,6 +73,12 @@ class AttentionProblem:
     stream: object
     like: object
     varlen: Varlen = None   # a packed batch of sequences (prepare_varlen), or None
+    # score terms (with_score_terms): ALiBi's slopes, flattened (B H or H entries: alibi_stride
+    # = H or 0 between batches) and the diagonal's shift; the attention sinks (H,); None: none
+    alibi: object = None
+    alibi_stride: int = 0
+    alibi_shift: int = 0
+    sinks: object = None
 
     @property
     def element(self):
@@ -104,6 +112,18 @@ class AttentionProblem:
         """The kernels' band and softcap arguments: lo, hi (int32), the cap on raw scores (fp32)."""
         return (np.int32(self.band.lo), np.int32(self.band.hi),
                 np.float32(self.band.softcap_raw))
+
+    def score_args(self):
+        """The kernels' score-term arguments (fa2, fa3): ALiBi's slopes (flat fp32), their stride
+        between batches (0: one per head) and the shift of its diagonal (the key a query's
+        distance is counted from: N_k - N_q bottom-right, 0 top-left; a packed batch's kernel
+        adds its sequence's), and the sinks (fp32, a head each); placeholders where absent."""
+        alibi, sinks = self.alibi, self.sinks
+        if alibi is None or sinks is None:
+            empty = arrays.placeholder(self.library, 1, self.like, "float32")
+            alibi = empty if alibi is None else alibi
+            sinks = empty if sinks is None else sinks
+        return alibi, np.int32(self.alibi_stride), np.int32(self.alibi_shift), sinks
 
     def result(self):
         return self.o_out, self.lse_out
@@ -238,6 +258,42 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         lse=arrays.bits_view(one_batch(dl), np.float32),
         o_out=o_out, lse_out=lse_out, library=dq.library, stream=arrays.stream_of(dq), like=q,
         varlen=Varlen(cu_q, cu_k, max_q, max_k, align == masks.BOTTOM_RIGHT, starts_q, starts_k))
+
+
+def with_score_terms(prob, alibi_slopes=None, sinks=None, align=masks.BOTTOM_RIGHT):
+    """prob with its score terms checked and viewed for the kernels (score_args), in place:
+    alibi_slopes, fp32 (H,) or (B, H) as flash_attn takes them, S[i, j] -= slope |i + shift - j|
+    (shift: the band's diagonal, `align`); sinks, fp32 (H,), a logit of no value in each row's
+    softmax (gpt-oss). Checked on every call (a few comparisons: the views are the call's)."""
+    if alibi_slopes is None and sinks is None:
+        return prob
+    if prob.softmax_scale == 0:
+        raise ValueError("alibi_slopes and sinks need softmax_scale != 0 (the kernels apply them "
+                         "to raw scores, divided by the scale)")
+    if alibi_slopes is not None:
+        d = _score_vector(prob, alibi_slopes, "alibi_slopes", ((prob.heads,),
+                                                               (prob.batch, prob.heads)))
+        prob.alibi = arrays.bits_view(d, np.float32)
+        prob.alibi_stride = prob.heads if d.shape[0] > prob.heads else 0
+        if prob.varlen is None and align == masks.BOTTOM_RIGHT:
+            prob.alibi_shift = prob.n_k - prob.n_q
+    if sinks is not None:
+        prob.sinks = arrays.bits_view(_score_vector(prob, sinks, "sinks", ((prob.heads,),)),
+                                      np.float32)
+    return prob
+
+
+def _score_vector(prob, x, name, shapes):
+    """A described fp32 array of one of `shapes`, contiguous, as one flat vector."""
+    d = arrays.describe(x, name)
+    if d.library != prob.library:
+        raise TypeError(f"{name} is a {d.library} array but q is {prob.library}")
+    if d.dtype != "float32" or tuple(d.shape) not in shapes or \
+            tuple(d.strides) != arrays.contiguous_strides(d.shape, 4):
+        raise ValueError(f"{name} must be a contiguous float32 array of shape "
+                         f"{' or '.join(map(str, shapes))}, got {d.dtype} of shape {d.shape}")
+    n = math.prod(d.shape)
+    return dataclasses.replace(d, shape=(n,), strides=(4,))
 
 
 def one_batch(d):

@@ -43,6 +43,16 @@ def init_rows(m_i, l_i):
 
 
 @device_function
+def init_rows_with_sink(m_i, l_i, sink, lane):
+    """Alg.1 l.5 with an attention sink (gpt-oss): the sink's logit `sink` (in raw-score units,
+    s_h / softmax_scale) as a first column of value 0 already seen, m = sink and l = 1 (l is kept
+    per lane until `finalize` sums the quad: one lane of each quad holds the 1)."""
+    for r in range(m_i.shape[0]):
+        m_i[r] = sink
+        l_i[r] = float32(1) if lane & 3 == 0 else float32(0)
+
+
+@device_function
 def lane_row_max(s, m, h, init):
     """max(init, the lane's scores in row half h of m-tile m); quad_max completes the row."""
     x = init

@@ -18,7 +18,7 @@ All helpers take their sizes from the shapes of the fragment arrays or from argu
 compile-time constants in the calling kernel, so they unroll completely.
 """
 import numpy as np
-from numba import int32
+from numba import float32, int32
 
 from common.hardware import ptx
 from common.hardware.elements import BF16, E4M3
@@ -472,6 +472,37 @@ def mask_scores_transposed(s, row0, n_rows, col0, n_cols, banded, lo, hi, lane, 
                     c = int32(n * 8 + jj)           # 32-bit compares, as in mask_scores
                     if c >= hi_c or c < lo_c:       # ... or 8n + jj < lo_c
                         s[m, n, 2 * h + jj] = NEG_INF
+
+
+@device_function
+def add_alibi(s, row0, col0, slope, lane):
+    """ALiBi (flash_attn's alibi_slopes) on raw scores, in place: S[r, c] -= slope |r - c| for
+    the lane's elements, row0 the warp's first row plus the diagonal's shift (so that r - c is
+    the query's distance from its diagonal key), col0 the tile's first column, slope the head's
+    slope over softmax_scale. Per held row the distance of its first element is one float; each
+    score then takes one FADD and one FFMA (|x| is an operand modifier)."""
+    t2 = 2 * (lane & 3)
+    neg = -slope
+    for m in range(s.shape[0]):
+        for h in range(2):
+            base = float32(int32(row0 + m * 16 + (lane >> 2) + 8 * h - col0 - t2))
+            for n in range(s.shape[1]):
+                for jj in range(2):
+                    s[m, n, 2 * h + jj] += neg * abs(base - float32(n * 8 + jj))
+
+
+@device_function
+def add_alibi_transposed(s, row0, col0, slope, lane):
+    """add_alibi for S^T (rows keys, columns queries, the backward's layout): S^T[r, c] -=
+    slope |c - r|, row0 the warp's first key minus the diagonal's shift, col0 its first query."""
+    t2 = 2 * (lane & 3)
+    neg = -slope
+    for m in range(s.shape[0]):
+        for h in range(2):
+            base = float32(int32(col0 + t2 - row0 - m * 16 - (lane >> 2) - 8 * h))
+            for n in range(s.shape[1]):
+                for jj in range(2):
+                    s[m, n, 2 * h + jj] += neg * abs(base + float32(n * 8 + jj))
 
 
 # --------------------------------------------------------------------------- fragments -> global

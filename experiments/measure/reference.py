@@ -1,8 +1,12 @@
 """Exact attention in float64 NumPy: the answer every variant is checked against.
 
     S = softmax_scale * Q K^T,  softcap: S <- softcap * tanh(S / softcap),
+    ALiBi (alibi_slopes, (H,) or (B, H)): S[i, j] <- S[i, j] - slope |i + shift - j| (shift as the
+    band's: N_k - N_q bottom-right, 0 top-left; flash_attn's alibi_slopes),
     S[i, j] = -inf where key j is outside query i's band (causal, window_size: common/tile/masks.py),
-    LSE[i] = log sum_j exp(S[i, j]),  O = exp(S - LSE) V.
+    sinks ((H,), gpt-oss's learnable attention sinks): a logit s_h of no value joining each row's
+    normaliser,
+    LSE[i] = log sum_j exp(S[i, j])  (+ exp(s_h) with sinks),  O = exp(S - LSE) V.
 
 Layouts are flash_attn_func's: q (B, N_q, H, d), k and v (B, N_k, H_kv, d) with H a multiple of
 H_kv (grouped-query attention: query head h reads K/V head h // (H / H_kv)). Returns O (B, N_q, H, d)
@@ -32,8 +36,20 @@ def visible(rows, n_k, causal, window_size, align, n_q):
     return ok
 
 
+def alibi_bias(slopes, batch, heads, rows, n_k, n_q, align):
+    """-slope |r + shift - c| as (B, H, len(rows), N_k) float64, or 0 without slopes."""
+    if slopes is None:
+        return 0.0
+    slopes = np.broadcast_to(np.asarray(slopes, dtype=np.float64).reshape(-1, heads)
+                             if np.ndim(slopes) == 2 else np.asarray(slopes, np.float64)[None],
+                             (batch, heads))
+    shift = n_k - n_q if align == masks.BOTTOM_RIGHT else 0
+    dist = np.abs(np.asarray(rows)[:, None] + shift - np.arange(n_k)[None, :])
+    return -slopes[:, :, None, None] * dist[None, None]
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_size=(-1, -1),
-              softcap=0.0, align=masks.BOTTOM_RIGHT):
+              softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None):
     """float64 attention. `rows` (optional int array) restricts the output to those query rows,
     which makes checking long sequences cheap: each row's result is exact on its own."""
     b, n_q, h, d = q.shape
@@ -46,24 +62,32 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_si
     kh = np.repeat(np.asarray(k, dtype=np.float64), group, axis=2).transpose(0, 2, 3, 1)  # (B, H, d, N_k)
     vh = np.repeat(np.asarray(v, dtype=np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (B, H, N_k, d)
     ok = visible(rows, k.shape[1], causal, window_size, align, n_q)
-    p, lse, _ = softmax_rows(qh @ kh, ok, softmax_scale, softcap)
+    bias = alibi_bias(alibi_slopes, b, h, rows, k.shape[1], n_q, align)
+    p, lse, _ = softmax_rows(qh @ kh, ok, softmax_scale, softcap, bias, sinks)
     return (p @ vh).transpose(0, 2, 1, 3), lse
 
 
-def softmax_rows(qk, ok, softmax_scale, softcap=0.0):
-    """P = softmax(S) of S = softmax_scale * QK^T (soft-capped if softcap > 0), its log-sum-exp,
-    and dS_capped/dS (1 where there is no cap); `ok` marks the scores that count (others are
-    masked). A row with every score masked gets P = 0 and LSE = -inf."""
+def softmax_rows(qk, ok, softmax_scale, softcap=0.0, bias=0.0, sinks=None):
+    """P = softmax(S) of S = softmax_scale * QK^T (soft-capped if softcap > 0, plus `bias`), its
+    log-sum-exp, and dS_capped/dS (1 where there is no cap); `ok` marks the scores that count
+    (others are masked); sinks (H,): each head's sink logit joins its rows' normaliser. A row with
+    every score masked gets P = 0 and LSE = -inf (with a sink: the sink's logit)."""
     s = qk * softmax_scale
     cap_grad = np.ones_like(s)
     if softcap:
         t = np.tanh(s / softcap)
         s, cap_grad = softcap * t, 1 - t * t
-    s = np.where(ok, s, -np.inf)
+    s = np.where(ok, s + bias, -np.inf)
     m = s.max(axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=np.float64)[None, :, None, None]
+        m = np.maximum(m, sink)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
     l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink - m)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = (m + np.log(l))[..., 0]
         p = np.where(l > 0, e / l, 0.0)
@@ -71,11 +95,14 @@ def softmax_rows(qk, ok, softmax_scale, softcap=0.0):
 
 
 def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_rows=1024,
-                       window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT):
+                       window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT,
+                       alibi_slopes=None, sinks=None):
     """float64 gradients (dq, dk, dv) of sum(O * dO) for O = attention(q, k, v): with P the
     softmax, dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(dO o O)) (times 1 - tanh^2 with a
     softcap), dQ = scale dS K, dK = scale dS^T Q; K/V heads shared by a group of query heads sum
-    the group's gradients.
+    the group's gradients. ALiBi's bias is no function of the scores (dS unchanged). With sinks
+    the sink's share of each row, P_sink = exp(s_h - LSE), gives d s_h = -sum P_sink rowsum(dO o O)
+    (its dP is 0: the sink has no value), returned as a fourth gradient (H,).
     Every row's P, dP and dS depend on that row alone, so rows are taken `block_rows` at a time
     (memory: block_rows x N_k per head, not N_q x N_k)."""
     b, n_q, h, d = q.shape
@@ -90,14 +117,21 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
     dq = np.zeros_like(qh)
     dk = np.zeros_like(kh)
     dv = np.zeros_like(vh)
+    dsinks = np.zeros(h)
     for r0 in range(0, n_q, block_rows):
         rows = np.arange(r0, min(n_q, r0 + block_rows))
         qb, dob = qh[:, :, rows], doh[:, :, rows]
         ok = visible(rows, n_k, causal, window_size, align, n_q)
-        p, _, cap_grad = softmax_rows(qb @ kh.transpose(0, 1, 3, 2), ok, softmax_scale, softcap)
+        bias = alibi_bias(alibi_slopes, b, h, rows, n_k, n_q, align)
+        p, lse, cap_grad = softmax_rows(qb @ kh.transpose(0, 1, 3, 2), ok, softmax_scale,
+                                        softcap, bias, sinks)
         ob = p @ vh
         dv += p.transpose(0, 1, 3, 2) @ dob
-        ds = p * (dob @ vh.transpose(0, 1, 3, 2) - (dob * ob).sum(axis=-1, keepdims=True))
+        d_rows = (dob * ob).sum(axis=-1, keepdims=True)
+        ds = p * (dob @ vh.transpose(0, 1, 3, 2) - d_rows)
+        if sinks is not None:
+            p_sink = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)   # (B, H, rows)
+            dsinks -= (p_sink * d_rows[..., 0]).sum(axis=(0, 2))
         ds = ds * cap_grad
         dq[:, :, rows] = softmax_scale * ds @ kh
         dk += softmax_scale * ds.transpose(0, 1, 3, 2) @ qb
@@ -105,4 +139,5 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
     def per_kv_head(x):      # (B, H, N_k, d) -> (B, N_k, H_kv, d), summed over each group
         return x.reshape(b, h_kv, group, n_k, d).sum(axis=2).transpose(0, 2, 1, 3)
 
-    return dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)
+    grads = dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)
+    return grads if sinks is None else grads + (dsinks,)

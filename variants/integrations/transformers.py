@@ -14,7 +14,8 @@ The name holds no "flash": transformers would then look for the flash-attn packa
   (MLA) is padded and O cropped, as transformers does;
 - causal attention is flash_attn's bottom-right diagonal (a query block of a generation step
   sees the whole cache), `sliding_window=w` is `window_size=(w - 1, 0)` (w keys including the
-  query's own), `softcap` is Gemma 2's cap, `scaling` the softmax scale;
+  query's own), `softcap` is Gemma 2's cap, `scaling` the softmax scale, `s_aux` gpt-oss's
+  attention sinks (the kernels' sinks, differentiable: FA4's learnable_sink);
 - a padding mask (left or right padding) unpads the batch and runs the packed-batch (varlen)
   kernels; a StaticCache's keys are cut to the mask's length first (the positions filled);
   packed sequences (`cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_*` keywords, or position_ids
@@ -23,8 +24,8 @@ The name holds no "flash": transformers would then look for the flash-attn packa
   decode kernel (variants/decoding.py) with no read-back; everything else (and every call under
   torch.compile, which transformers uses for a StaticCache's decode steps) flash_attn_func's path
   (fa3 on sm_90, fa2 elsewhere, torch custom operators while compiling), differentiable;
-- what the kernels cannot do is refused by name: attention dropout in training, attention sinks
-  (`s_aux`), `output_attentions`, chunked attention (Llama 4's `attention_chunk_size`; its mask
+- what the kernels cannot do is refused by name: attention dropout in training,
+  `output_attentions`, chunked attention (Llama 4's `attention_chunk_size`; its mask
   function is not transformers' to apply here). Padded batches and packed detection read
   values back (as transformers' own flash path does), so they break a `fullgraph=True` compile.
 """
@@ -67,8 +68,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         raise NotImplementedError(f"attention dropout {dropout} in training: not built yet; set "
                                   "config.attention_dropout = 0")
-    if s_aux is not None:
-        raise NotImplementedError("attention sinks (s_aux): not built yet")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("output_attentions=True: the kernels never form the "
                                   "attention matrix; use attn_implementation='eager'")
@@ -88,6 +87,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     mask = dict(softmax_scale=scaling, causal=causal, window_size=window,
                 softcap=softcap or 0.0)
+    if s_aux is not None:   # gpt-oss's sinks, (H,) in the model's dtype: fp32 for the kernels
+        mask["learnable_sink"] = s_aux
     out = _attend(q, k, v, attention_mask, mask, kwargs)
     if v_head_dim != head_dim:
         out = out[..., :v_head_dim]
@@ -118,12 +119,13 @@ def _attend(q, k, v, padding, mask, kwargs):
 
 def _decodes(q, k, mask):
     """Whether a call is a generation step the split-KV decode kernel takes: a few new tokens
-    against a longer cache, no window or softcap, a head dim and query-head group it has tiles
+    against a longer cache, no window, softcap or sinks, a head dim and query-head group it has tiles
     for, nothing to differentiate, not under torch.compile."""
     from variants import decoding
     n_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     return (n_q <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad
             and mask["window_size"] == (-1, -1) and not mask["softcap"]
+            and mask.get("learnable_sink") is None
             and head_dim in decoding.HEAD_DIMS
             and (heads // k.shape[2]) * n_q <= decoding.MAX_ROWS and not _compiling())
 
