@@ -351,6 +351,7 @@ def test_parallel_sweep_writes_one_table(tmp_path):
     """hydra/launcher=gpus (experiments/gpus.py): the jobs run side by side in joblib's worker
     processes (two here; on a GPU host one per GPU, each pinned to its own) and their rows land
     in the sweep's one results.csv, one header."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")   # the 'sweeps' extra
     out = run(["-m", "hydra/launcher=gpus", "hydra.launcher.n_jobs=2", "variant=standard,fa2",
                "problem.seqlen=8", "problem.heads=1", "bench.peers=[]",
                f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
@@ -393,6 +394,8 @@ def test_parallel_workers_take_one_gpu_each(tmp_path):
 def test_launchers_compose():
     """hydra/launcher=gpus: joblib with one worker per visible GPU (at least one);
     hydra/launcher=slurm: submitit's SLURM launcher, one GPU a job."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")   # the 'sweeps' extra
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     gpus = composed("hydra/launcher=gpus").hydra.launcher
     assert gpus._target_.endswith("JoblibLauncher") and gpus.n_jobs >= 1
     slurm = composed("hydra/launcher=slurm").hydra.launcher
