@@ -37,6 +37,7 @@ from numba import cuda, float32, int32, types, uint16, uint32
 
 from common.hardware import ptx, sm90, target
 from common.hardware.elements import BFLOAT16, Element
+from common.hardware.stamps import timer_stamper
 from common.hardware.target import device_function, kernel
 from common.host import arrays, configs, kvcache
 from common.host.launching import launch
@@ -397,9 +398,50 @@ def merge_scratch_floats(head_dim, threads):
     return threads // 32 * (MAX_SPLITS + head_dim)
 
 
+STAMP_LAST_WORDS = 8   # build(cfg, stamps=True): the words a (sequence, K/V head)'s last block stamps
+
+
+def stamp_offsets(groups, splits):
+    """Where build(cfg, stamps=True) writes its stamps (%globaltimer_lo, ns mod 2^32) in the fused
+    combine's counters (int32), for `groups` = batch x heads_kv (sequence, K/V head)s of `splits`
+    blocks each, block (split, b, h_kv) numbered (b heads_kv + h_kv) splits + split: after the
+    `groups` tickets, from `pairs` each block's start and the end of its step 2 (its partials
+    stored and fenced: (b), (c)), 2 words a block; from `last` each group's last block's 8 words
+    (its start, loop end, partials stored, fenced, ticket taken, fence (f), merge end, and its
+    split); from `first` each block's first K/V tile landed (its start where it had none).
+    Returns (pairs, last, first, words in all)."""
+    blocks = groups * splits
+    pairs = groups
+    last = pairs + 2 * blocks
+    first = last + STAMP_LAST_WORDS * groups
+    return pairs, last, first, first + blocks
+
+
+@device_function
+def stamp_words(b, h_kv, split):
+    """build(cfg, stamps=True): split block (split, b, h_kv)'s words in the counters, as
+    stamp_offsets lays them out over the grid (splits, batch, heads_kv): its (start, fenced) pair,
+    its group's last block's 8, its first tile's."""
+    groups = int32(cuda.gridDim.y * cuda.gridDim.z)
+    group = b * int32(cuda.gridDim.z) + h_kv
+    block = group * int32(cuda.gridDim.x) + split
+    last = groups + 2 * int32(cuda.gridDim.x) * groups
+    return groups + 2 * block, last + STAMP_LAST_WORDS * group, \
+        last + STAMP_LAST_WORDS * groups + block
+
+
 @lru_cache(maxsize=None)
-def build(cfg):
-    """The split kernel of one configuration (steps 1-2; with combine="fused", step 3 too)."""
+def build(cfg, stamps=False):
+    """The split kernel of one configuration (steps 1-2; with combine="fused", step 3 too).
+    stamps (combine="fused" only): a probe's %globaltimer_lo stamps compiled in, stored into
+    spare words of the counters past the tickets (`stamp_offsets` says where; the counters must
+    hold that many: split_counters(..., needed)); experiments/probes/decode_stamps.py launches
+    `decode` with build(cfg, stamps=True). Without them the PTX has no trace of them."""
+    if stamps and not cfg.fused:
+        raise ValueError("decoding's stamps go into the fused combine's counters: they need "
+                         "split=True, combine='fused'")
+    now, put = timer_stamper(stamps)
+    STAMPS = stamps
     D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
     M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
     ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
@@ -544,6 +586,7 @@ def build(cfg):
         if TRIGGER:   # the combine kernel's blocks may start now: they wait (griddep_wait)
             sm90.griddep_launch_dependents()   # for this grid's end before reading its output
         tid = int32(cuda.threadIdx.x)
+        t_start = now()           # stamps (a probe's; off: 0, and nothing stored): the start
         warp, lane = tid >> 5, tid & 31
         split, b, h_kv = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
         # Step 1: this split's K/V tiles: split, split + S, split + 2 S, ... below the sequence's
@@ -588,11 +631,14 @@ def build(cfg):
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
         key_w = warp * KPW                     # the warp's first key in a tile
+        t_tile = t_start                       # stamps: the first tile landed (none: the start)
         t = split                              # this split's k-th tile, in buffer k mod stages
         k = int32(0)
         while t < n_tiles:
             ptx.cp_async_wait(TILE_LANDED)     # tile t has landed ...
             cuda.syncthreads()                 # ... and every warp is done with the one before
+            if k == 0:
+                t_tile = now()
             nxt = int32(t + ahead)             # refill that one's buffers with tile t + ahead,
             if nxt < n_tiles:                  # whose table entry was read an iteration ago
                 kv = KV0 + int32(uint32(k + STAGES - 1) % uint32(STAGES)) * 2 * KV_TILE
@@ -647,6 +693,7 @@ def build(cfg):
                                     o_acc[m, n, 2 * hh + 1] * inv
             return
 
+        t_loop = now()                         # stamps: the loop's end
         # Merge the warps (as step 3 merges the splits). Each warp's row statistics (m, l) go to
         # their own region; after one barrier every copy has landed, every warp is done with the
         # tiles, whose memory now holds the fp32 O buffers, and every warp's statistics are there.
@@ -738,8 +785,15 @@ def build(cfg):
             #     the combine kernel does (build_merge).
             # The other S - 1 blocks return without waiting: no block ever spins on another.
             flag = cuda.shared.array(0, int32)                 # stats' first word, free after (c)
+            t_stored = now()                   # stamps: the partials stored ...
             cuda.threadfence()                                                        # (b)
             cuda.syncthreads()                                                        # (c)
+            t_fenced = now()                   # ... and fenced
+            if STAMPS and tid == 0:
+                stamp_at = stamp_words(b, h_kv, split)
+                put(counters, stamp_at[0], t_start)
+                put(counters, stamp_at[0] + 1, t_fenced)
+                put(counters, stamp_at[2], t_tile)
             if tid == 0:                                                              # (d)
                 slot = b * int32(cuda.gridDim.z) + h_kv
                 ticket = cuda.atomic.add(counters, slot, int32(1))
@@ -749,12 +803,25 @@ def build(cfg):
                     counters[slot] = int32(0)
             cuda.syncthreads()                                                        # (e)
             if flag[STATS0] != int32(0):
+                t_ticket = now()               # stamps: the ticket taken and broadcast
                 cuda.threadfence()                                                    # (f)
+                t_acquired = now()             # stamps: the second fence
                 scratch = stats[O0:O0 + MERGE_FLOATS]   # the K/V tiles' memory, free again
                 for row in range(int32(G * n_q)):          # one query row at a time, the
                     i = row // G                            # block together (merge_row's
                     merge_row(o_part, lse_part, o32, lse, b,   # barriers)
                               h_kv * G + row - i * G, i, cuda.gridDim.x, scratch, tid)
+                t_merged = now()               # stamps: the merge's end
+                if STAMPS and tid == 0:
+                    last_at = stamp_words(b, h_kv, split)[1]
+                    put(counters, last_at, t_start)
+                    put(counters, last_at + 1, t_loop)
+                    put(counters, last_at + 2, t_stored)
+                    put(counters, last_at + 3, t_fenced)
+                    put(counters, last_at + 4, t_ticket)
+                    put(counters, last_at + 5, t_acquired)
+                    put(counters, last_at + 6, t_merged)
+                    put(counters, last_at + 7, split)
 
     return decode_split
 
