@@ -160,6 +160,36 @@ def test_torch_gradients_are_exact(rng, head_dim, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d_qk, d_v", [(192, 128), (64, 128), (59, 40)])
+def test_v_head_dim_other_than_qk(rng, d_qk, d_v):
+    """FA3's hdim_v: V's head dim other than Q's and K's (DeepSeek's 192 / 128), padded to the
+    wider inside; output, dq, dk, dv against float64, softmax_scale from Q's head dim."""
+    torch = _torch()
+    q, k, _ = inputs.random_qkv(rng, 2, 300, 4, d_qk, DTYPE, heads_kv=2)
+    v = inputs.random_qkv(rng, 2, 300, 2, d_v, DTYPE)[2]
+    tq, tk, tv = (inputs.to_device(x, "torch").requires_grad_() for x in (q, k, v))
+    out = fa.flash_attn_func(tq, tk, tv, causal=True)
+    assert tuple(out.shape) == (2, 300, 4, d_v)
+    do = rng.standard_normal(out.shape).astype(inputs.DTYPES[DTYPE])
+    out.backward(inputs.to_device(do, "torch"))
+    ref_o, _ = reference.attention(q, k, v, causal=True)
+    lse0 = np.zeros((2, 4, 300))
+    assert checks.compare(inputs.to_host(out), lse0, ref_o, lse0, DTYPE)["ok"]
+    ref = reference.attention_backward(q, k, v, do, causal=True)
+    got = checks.compare_gradients([inputs.to_host(t.grad) for t in (tq, tk, tv)], ref, DTYPE)
+    assert got["ok"], got
+
+
+def test_v_head_dim_other_than_qk_needs_torch(rng):
+    """CuPy / Numba arrays with V's head dim other than Q's are refused by name (torch tensors
+    are padded inside)."""
+    q = device(np.zeros((1, 8, 2, 64), dtype=inputs.DTYPES[DTYPE]), library="numba")[0]
+    v = device(np.zeros((1, 8, 2, 32), dtype=inputs.DTYPES[DTYPE]), library="numba")[0]
+    with pytest.raises(ValueError, match=r"head dims 64 \(q, k\) and 32 \(v\)"):
+        fa.flash_attn_func(q, q, v)
+
+
+@pytest.mark.gpu
 def test_deterministic_backward_is_bitwise_reproducible(rng):
     torch = _torch()
     _, (tq, tk, tv) = _torch_qkv(torch, rng, 2, 1024, 8, 2, 128)

@@ -208,3 +208,25 @@ def test_autograd_learns_the_sinks(rng, variant):
     assert errors["ok"], errors
     assert ts.grad.dtype == torch.float32
     check_sink_grad(ts.grad.cpu().numpy(), ref[3], "bfloat16", variant)
+
+
+def test_empty_problems_with_sinks(rng):
+    """A problem with no key (dense N_k = 0, or a packed batch whose key sequences are all empty)
+    launches nothing: O = 0, each row's LSE the sink of its head (the one logit it sees), zero
+    gradients and a zero d sinks."""
+    library = inputs.default_library()
+    sink = np.array([0.5, -1.25], np.float32)
+    dsink = inputs.to_device(sink, library)
+    q = inputs.to_device(rng.standard_normal((2, 5, 2, 64)).astype(inputs.DTYPES["bfloat16"]),
+                         library)
+    kv = inputs.to_device(np.zeros((2, 0, 1, 64), inputs.DTYPES["bfloat16"]), library)
+    o, lse = variants.forward(q, kv, kv, variant="fa2", sinks=dsink)
+    assert not inputs.to_host(o).astype(np.float32).any()
+    assert np.array_equal(inputs.to_host(lse), np.broadcast_to(sink[None, :, None], (2, 2, 5)))
+    grads = variants.backward(q, q, kv, kv, o, lse, variant="fa2", sinks=dsink)
+    assert len(grads) == 4 and not inputs.to_host(grads[3]).any()
+    cu_q = inputs.to_device(np.array([0, 3, 5], np.int32), library)
+    cu_k = inputs.to_device(np.array([0, 0, 0], np.int32), library)
+    o, lse = variants.forward_varlen(q[0], kv[0], kv[0], cu_q, cu_k, 3, 0, variant="fa2",
+                                     sinks=dsink)
+    assert np.array_equal(inputs.to_host(lse), np.broadcast_to(sink[:, None], (2, 5)))

@@ -14,7 +14,8 @@ flash_attn_varlen_func.
 
 What flash_attn does that these do too: head dims that are not a multiple of 8 (or below 32) are
 zero-padded inside and the padding cut off again (exact: zero columns add nothing to Q K^T, and
-softmax_scale defaults to the unpadded d^-1/2); `deterministic=True` runs a backward whose every
+softmax_scale defaults to the unpadded d^-1/2), and a V head dim other than Q's (FA3's hdim_v) is
+padded to the wider of the two (exact; it costs the wider head dim: no kernel of its own yet); `deterministic=True` runs a backward whose every
 sum has one order (fa2's dQ by a separate query-block-outer kernel, `dq="separate"`; for fa3
 that is FA2's backward kernels); `return_attn_probs=True` returns (out, softmax_lse, None) (the
 third, flash_attn's dropout-mask debug tensor, is only filled there when dropout_p > 0);
@@ -99,19 +100,24 @@ def _padded(head_dim):
 
 def _pad_head_dims(q, k, v):
     """q, k, v zero-padded along head_dim to what the kernels take (torch: differentiable, and only
-    when needed); the original head_dim."""
+    when needed): one head dim, a multiple of 8 from 32, for all three. A V head dim other than
+    Q's and K's (FA3's hdim_v: DeepSeek's 192 / 128, or 64 / 128) pads the narrower side to the
+    wider: zero columns of Q and K add nothing to Q K^T, zero columns of V give zero columns of O,
+    cut off again (exact, at the cost of the wider head dim). Returns (q, k, v, d_qk, d_v)."""
     d, dk, dv = (tuple(x.shape)[-1] for x in (q, k, v))   # (a simulator shape: no shape[-1])
-    if dk != d or dv != d:
-        raise ValueError(f"q, k and v must have the same head_dim, got {d}, {dk}, {dv}")
-    padded = _padded(d)
-    if padded == d:
-        return q, k, v, d
+    if dk != d:
+        raise ValueError(f"q and k must have the same head_dim, got {d} and {dk}")
+    padded = _padded(max(d, dv))
+    if padded == d == dv:
+        return q, k, v, d, dv
     if not _is_torch(q):
-        raise ValueError(f"head_dim {d}: the kernels take multiples of 8 from 32 to 256; torch "
-                         "tensors are padded inside, CuPy / Numba arrays must come padded")
+        what = f"head_dim {d}" if d == dv else f"head dims {d} (q, k) and {dv} (v)"
+        raise ValueError(f"{what}: the kernels take one head dim for q, k and v, a multiple of 8 "
+                         "from 32 to 256; torch tensors are padded inside, CuPy / Numba arrays "
+                         "must come padded")
     import torch.nn.functional as F
-    pad = (0, padded - d)
-    return F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), d
+    return F.pad(q, (0, padded - d)), F.pad(k, (0, padded - d)), F.pad(v, (0, padded - dv)), d, \
+        dv
 
 
 def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, deterministic,
@@ -122,7 +128,7 @@ def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, 
     if _is_torch(q):   # flash_attn's maybe_contiguous: a head_dim axis with a stride is copied
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     softcap = max(softcap or 0.0, 0.0)   # flash_attn: <= 0 means off
-    q, k, v, d = _pad_head_dims(q, k, v)
+    q, k, v, d, d_v = _pad_head_dims(q, k, v)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     mask = dict(causal=causal, softmax_scale=scale, window_size=tuple(window_size),
                 softcap=softcap)
@@ -146,8 +152,8 @@ def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, 
         out = registry.forward(q, k, v, variant=variant, **mask, **terms,
                                **(forward_options or {}))
     o, lse = out
-    if tuple(o.shape)[-1] != d:   # padded inside (torch only)
-        o = o[..., :d]
+    if tuple(o.shape)[-1] != d_v:   # padded inside (torch only)
+        o = o[..., :d_v]
     return (o, lse, None) if return_lse else o
 
 

@@ -31,8 +31,8 @@ _MODULES = {}
 def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention forward with the named variant; options are that variant's tuning knobs."""
     if _empty(q, k, v, 4):
-        return _empty_forward(q, k, options.get("out"), lse_shape=(q.shape[0], q.shape[2],
-                                                                      q.shape[1]))
+        return _empty_forward(q, k, options.get("out"), (q.shape[0], q.shape[2], q.shape[1]),
+                              options.get("sinks"), heads_axis=1)
     return get(variant).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
 
 
@@ -58,24 +58,37 @@ def _empty(q, k, v, ndim):
     return heads_kv > 0 and heads % heads_kv == 0 and 0 < head_dim <= 256
 
 
-def _empty_forward(q, k, out, lse_shape):
-    """(o, lse) of an empty problem: O = 0, LSE = -inf (no row sees a key)."""
+def _empty_forward(q, k, out, lse_shape, sinks=None, heads_axis=1):
+    """(o, lse) of an empty problem: O = 0, LSE = -inf (no row sees a key), or with attention
+    sinks each head's sink (the one logit its rows see)."""
+    import numpy as np
+
     from common.host import arrays
     d = arrays.describe(q, "q")
     if out is None:
         out = (arrays.empty(d.library, tuple(q.shape), d.dtype, like=q),
                arrays.empty(d.library, lse_shape, "float32", like=q))
     o, lse = out
-    return arrays.fill(o, 0.0), arrays.fill(lse, float("-inf"))
+    arrays.fill(o, 0.0)
+    if sinks is None or 0 in lse_shape:
+        return o, arrays.fill(lse, float("-inf"))
+    per_head = np.asarray(arrays.to_host(sinks), np.float32).reshape(
+        [-1 if a == heads_axis else 1 for a in range(len(lse_shape))])
+    return o, arrays.copy_from_host(lse, np.broadcast_to(per_head, lse_shape))
 
 
-def _empty_backward(q, k, v, grads):
-    """Zero gradients like q, k, v (or into `grads`)."""
+def _empty_backward(q, k, v, grads, sinks=None):
+    """Zero gradients like q, k, v (or into `grads`); with sinks, a zero d sinks too (no row has
+    an output for the sink's share to move)."""
     from common.host import arrays
     if grads is None:
         d = arrays.describe(q, "q")
         grads = tuple(arrays.empty(d.library, tuple(x.shape), d.dtype, like=q) for x in (q, k, v))
-    return tuple(arrays.fill(g, 0.0) for g in grads)
+    grads = tuple(arrays.fill(g, 0.0) for g in grads)
+    if sinks is not None:
+        d = arrays.describe(sinks, "sinks")
+        grads += (arrays.fill(arrays.empty(d.library, tuple(d.shape), "float32", like=q), 0.0),)
+    return grads
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -85,7 +98,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     the sequences' first rows; returns o (total_q, heads, d) and lse (heads, total_q) float32. The
     mask keywords are forward's, applied within each sequence."""
     if _empty(q, k, v, 3):
-        return _empty_forward(q, k, options.get("out"), lse_shape=(q.shape[1], q.shape[0]))
+        return _empty_forward(q, k, options.get("out"), (q.shape[1], q.shape[0]),
+                              options.get("sinks"), heads_axis=0)
     module = get(variant)
     if not hasattr(module, "forward_varlen"):
         raise ValueError(f"variant {variant!r} has no variable-length forward; these do: "
@@ -98,7 +112,7 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                     *, variant="fa2", causal=False, softmax_scale=None, **options):
     """The backward of forward_varlen: (dq, dk, dv) like (q, k, v) of the packed batch."""
     if _empty(q, k, v, 3):
-        return _empty_backward(q, k, v, options.get("grads"))
+        return _empty_backward(q, k, v, options.get("grads"), options.get("sinks"))
     module = get(variant)
     if not hasattr(module, "backward_varlen"):
         raise ValueError(f"variant {variant!r} has no variable-length backward; these do: "
@@ -112,7 +126,7 @@ def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=
     """Attention backward with the named variant: (dq, dk, dv) like (q, k, v), from the forward's
     inputs and outputs (o, lse) and dO (like o). options: the variant's backward knobs."""
     if _empty(q, k, v, 4):
-        return _empty_backward(q, k, v, options.get("grads"))
+        return _empty_backward(q, k, v, options.get("grads"), options.get("sinks"))
     module = get(variant)
     if not hasattr(module, "backward"):
         raise ValueError(f"variant {variant!r} has no backward pass; these do: "

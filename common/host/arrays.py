@@ -367,6 +367,23 @@ def stream_of(d):
     return 0
 
 
+def copy_from_host(x, host):
+    """Copy host array `host` (x's shape) into device array x, in place; returns x."""
+    host = np.ascontiguousarray(np.asarray(host, dtype=x.dtype if not hasattr(x, "is_cuda")
+                                           else None))
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+        x.copy_(torch.from_numpy(host.astype(np.float32)).to(x.dtype))
+        return x
+    if mod.startswith("cupy"):
+        x.set(host.astype(x.dtype))
+        return x
+    if x.size:
+        _numba_bits(x).copy_to_device(_host_bits(host.astype(x.dtype)))
+    return x
+
+
 def to_device(x, library):
     """Copy host array x to the device as a `library` array of the same dtype."""
     x = np.ascontiguousarray(x)

@@ -137,7 +137,7 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
         dk += softmax_scale * ds.transpose(0, 1, 3, 2) @ qb
 
     def per_kv_head(x):      # (B, H, N_k, d) -> (B, N_k, H_kv, d), summed over each group
-        return x.reshape(b, h_kv, group, n_k, d).sum(axis=2).transpose(0, 2, 1, 3)
+        return x.reshape(b, h_kv, group, n_k, x.shape[-1]).sum(axis=2).transpose(0, 2, 1, 3)
 
     grads = dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)
     return grads if sinks is None else grads + (dsinks,)
