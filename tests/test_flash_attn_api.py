@@ -164,7 +164,7 @@ def test_torch_gradients_are_exact(rng, head_dim, causal):
 def test_v_head_dim_other_than_qk(rng, d_qk, d_v):
     """FA3's hdim_v: V's head dim other than Q's and K's (DeepSeek's 192 / 128), padded to the
     wider inside; output, dq, dk, dv against float64, softmax_scale from Q's head dim."""
-    torch = _torch()
+    _torch()
     q, k, _ = inputs.random_qkv(rng, 2, 300, 4, d_qk, DTYPE, heads_kv=2)
     v = inputs.random_qkv(rng, 2, 300, 2, d_v, DTYPE)[2]
     tq, tk, tv = (inputs.to_device(x, "torch").requires_grad_() for x in (q, k, v))
