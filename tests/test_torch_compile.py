@@ -56,6 +56,40 @@ def test_compiled_varlen_matches_eager():
                                    atol=2e-2 * float(w.abs().max()))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fa2", "fa3"])
+def test_compiled_score_terms_match_eager(variant):
+    """ALiBi's slopes and learnable sinks through the custom operators (fullgraph): the loss and
+    the gradients of q, k, v and the sinks equal the eager autograd.Function's, dense and packed."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator("cuda").manual_seed(0)
+    heads, head_dim = 4, 64
+    q, k, v = (torch.randn(2, 150, h, head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=gen).requires_grad_() for h in (heads, 2, 2))
+    sinks = torch.randn(heads, device="cuda", generator=gen).requires_grad_()
+    slopes = torch.rand(2, heads, device="cuda", generator=gen)
+    lengths = [37, 113]
+    cu = torch.tensor([0, 37, 150], dtype=torch.int32, device="cuda")
+
+    def loss(q, k, v, sinks):
+        o = variants.attention(q, k, v, variant=variant, causal=True, alibi_slopes=slopes,
+                               sinks=sinks)
+        packed = variants.attention_varlen(q.flatten(0, 1)[:150], k.flatten(0, 1)[:150],
+                                           v.flatten(0, 1)[:150], cu, cu, max(lengths),
+                                           max(lengths), variant=variant, causal=True,
+                                           alibi_slopes=slopes, sinks=sinks)
+        return o.float().pow(2).sum() + packed.float().pow(2).sum()
+
+    args = (q, k, v, sinks)
+    want = torch.autograd.grad(loss(*args), args)
+    got_loss = torch.compile(loss, fullgraph=True, dynamic=False)(*args)
+    got = torch.autograd.grad(got_loss, args)
+    assert got_loss.item() == pytest.approx(loss(*args).item(), rel=1e-3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2,
+                                   atol=2e-2 * float(w.abs().max()))
+
+
 def test_options_travel_as_text():
     """The operators carry options as JSON text (an operator schema takes no dict): tuples come
     back as tuples, and no options as ""."""

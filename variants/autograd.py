@@ -116,13 +116,6 @@ def _compiling():
     return torch.compiler.is_compiling()
 
 
-def _no_terms_compiled(alibi_slopes, sinks):
-    if alibi_slopes is not None or sinks is not None:
-        raise NotImplementedError("alibi_slopes and sinks under torch.compile: the custom "
-                                  "operators (variants/torch_ops.py) do not take them yet; call "
-                                  "outside the compiled region (torch.compiler.disable)")
-
-
 def _check_torch(q, name):
     if type(q).__module__.split(".")[0] != "torch":
         raise TypeError(f"{name}() is the torch autograd wrapper; q is a {type(q).__name__}. "
@@ -137,11 +130,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v (and sinks).
     Returns o, or (o, lse (H, total_q)) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention_varlen")
-    if _compiling():
-        _no_terms_compiled(alibi_slopes, sinks)   # torch.compile traces the custom operators (variants/torch_ops.py)
+    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
         from variants import torch_ops
         return torch_ops.attention_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, variant=variant,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            alibi_slopes=_fp32(alibi_slopes, "alibi_slopes"), sinks=_fp32(sinks, "sinks"),
+            variant=variant,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
             align=align, forward_options=forward_options, backward_options=backward_options,
             return_lse=return_lse)
@@ -161,10 +155,10 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, windo
     (common/tile/masks.py), the score terms alibi_slopes and sinks (fa2, fa3). Returns o, or
     (o, lse (B, H, N_q) fp32) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention")
-    if _compiling():
-        _no_terms_compiled(alibi_slopes, sinks)   # torch.compile traces the custom operators (variants/torch_ops.py)
+    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
         from variants import torch_ops
-        return torch_ops.attention(q, k, v, variant=variant, causal=causal,
+        return torch_ops.attention(q, k, v, alibi_slopes=_fp32(alibi_slopes, "alibi_slopes"),
+                                   sinks=_fp32(sinks, "sinks"), variant=variant, causal=causal,
                                    softmax_scale=softmax_scale, window_size=window_size,
                                    softcap=softcap, align=align, forward_options=forward_options,
                                    backward_options=backward_options, return_lse=return_lse)
