@@ -258,7 +258,7 @@ def run_job(cfg, mode):
         if fp8_run:
             q, k, v, descales = quantised[id(q)]
             return module.forward(q, k, v, causal=causal, softmax_scale=scale, **descales,
-                                  **mask, **options)
+                                  **mask, **terms, **options)   # (FP8 refuses the terms)
         return module.forward(q, k, v, causal=causal, softmax_scale=scale, **mask, **terms,
                               **options)
 

@@ -230,3 +230,18 @@ def test_empty_problems_with_sinks(rng):
     o, lse = variants.forward_varlen(q[0], kv[0], kv[0], cu_q, cu_k, 3, 0, variant="fa2",
                                      sinks=dsink)
     assert np.array_equal(inputs.to_host(lse), np.broadcast_to(sink[:, None], (2, 5)))
+
+
+def test_score_terms_refused_where_they_would_be_wrong(rng):
+    """The context-parallel ring refuses the terms by name (each step sees a part of the keys);
+    an empty problem checks its sinks as a launch would."""
+    from variants import context_parallel
+    for options in (dict(forward_options={"sinks": 1}), dict(backward_options={"alibi_slopes": 1})):
+        with pytest.raises(NotImplementedError, match="context-parallel ring"):
+            context_parallel.kernels("fa2", **options)
+    library = inputs.default_library()
+    q = inputs.to_device(np.zeros((1, 4, 2, 64), inputs.DTYPES["bfloat16"]), library)
+    kv = inputs.to_device(np.zeros((1, 0, 2, 64), inputs.DTYPES["bfloat16"]), library)
+    with pytest.raises(ValueError, match=r"sinks must be a contiguous float32 array of shape \(2,\)"):
+        variants.forward(q, kv, kv, variant="fa2",
+                         sinks=inputs.to_device(np.zeros(3, np.float32), library))

@@ -116,8 +116,11 @@ def _pad_head_dims(q, k, v):
                          "from 32 to 256; torch tensors are padded inside, CuPy / Numba arrays "
                          "must come padded")
     import torch.nn.functional as F
-    return F.pad(q, (0, padded - d)), F.pad(k, (0, padded - d)), F.pad(v, (0, padded - dv)), d, \
-        dv
+
+    def pad(x, width):   # only where needed: F.pad copies even a pad of nothing
+        return x if width == padded else F.pad(x, (0, padded - width))
+
+    return pad(q, d), pad(k, d), pad(v, dv), d, dv
 
 
 def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, deterministic,

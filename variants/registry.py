@@ -70,11 +70,27 @@ def _empty_forward(q, k, out, lse_shape, sinks=None, heads_axis=1):
                arrays.empty(d.library, lse_shape, "float32", like=q))
     o, lse = out
     arrays.fill(o, 0.0)
+    if sinks is not None:
+        _check_sinks(sinks, d, lse_shape[heads_axis])
     if sinks is None or 0 in lse_shape:
         return o, arrays.fill(lse, float("-inf"))
-    per_head = np.asarray(arrays.to_host(sinks), np.float32).reshape(
-        [-1 if a == heads_axis else 1 for a in range(len(lse_shape))])
+    shape = [-1 if a == heads_axis else 1 for a in range(len(lse_shape))]
+    if d.library == "torch":   # on the device (no host round trip: CUDA-graph capture allows it)
+        lse.copy_(sinks.view(shape).expand(lse_shape))
+        return o, lse
+    per_head = np.asarray(arrays.to_host(sinks), np.float32).reshape(shape)
     return o, arrays.copy_from_host(lse, np.broadcast_to(per_head, lse_shape))
+
+
+def _check_sinks(sinks, q, heads):
+    """The rules of problem.with_score_terms for sinks, on a call that launches nothing."""
+    from common.host import arrays
+    s = arrays.describe(sinks, "sinks")
+    if s.library != q.library:
+        raise TypeError(f"sinks is a {s.library} array but q is {q.library}")
+    if s.dtype != "float32" or tuple(s.shape) != (heads,) or s.strides != (4,):
+        raise ValueError(f"sinks must be a contiguous float32 array of shape ({heads},), got "
+                         f"{s.dtype} of shape {s.shape}")
 
 
 def _empty_backward(q, k, v, grads, sinks=None):
@@ -87,6 +103,7 @@ def _empty_backward(q, k, v, grads, sinks=None):
     grads = tuple(arrays.fill(g, 0.0) for g in grads)
     if sinks is not None:
         d = arrays.describe(sinks, "sinks")
+        _check_sinks(sinks, arrays.describe(q, "q"), tuple(q.shape)[-2])
         grads += (arrays.fill(arrays.empty(d.library, tuple(d.shape), "float32", like=q), 0.0),)
     return grads
 

@@ -274,7 +274,7 @@ def with_score_terms(prob, alibi_slopes=None, sinks=None, align=masks.BOTTOM_RIG
         d = _score_vector(prob, alibi_slopes, "alibi_slopes", ((prob.heads,),
                                                                (prob.batch, prob.heads)))
         prob.alibi = arrays.bits_view(d, np.float32)
-        prob.alibi_stride = prob.heads if d.shape[0] > prob.heads else 0
+        prob.alibi_stride = prob.heads if d.shape[0] > prob.heads else 0   # (B, H), or one a head
         if prob.varlen is None and align == masks.BOTTOM_RIGHT:
             prob.alibi_shift = prob.n_k - prob.n_q
     if sinks is not None:
@@ -284,10 +284,14 @@ def with_score_terms(prob, alibi_slopes=None, sinks=None, align=masks.BOTTOM_RIG
 
 
 def _score_vector(prob, x, name, shapes):
-    """A described fp32 array of one of `shapes`, contiguous, as one flat vector."""
+    """A described fp32 array of one of `shapes`, contiguous, as one flat vector; a 2-D one whose
+    rows are one row broadcast (stride 0, torch's expand: flash_attn takes it) as that row."""
     d = arrays.describe(x, name)
     if d.library != prob.library:
         raise TypeError(f"{name} is a {d.library} array but q is {prob.library}")
+    if d.dtype == "float32" and len(d.shape) == 2 and tuple(d.shape) in shapes and \
+            tuple(d.strides) == (0, 4):
+        return dataclasses.replace(d, shape=(d.shape[1],), strides=(4,))
     if d.dtype != "float32" or tuple(d.shape) not in shapes or \
             tuple(d.strides) != arrays.contiguous_strides(d.shape, 4):
         raise ValueError(f"{name} must be a contiguous float32 array of shape "
