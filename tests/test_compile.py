@@ -45,20 +45,24 @@ OTHER_HEAD_DIMS = r"^fa2 (backward )?d=(96|256) |^fa3 d=96 "
 #   dQ product and its atomics added (the separate path's own kernel, `dq=separate dq`, compiles).
 # - fa3 d=128 causal=True varlen (a packed batch): fa3 d=128 causal=True, the same builder with
 #   each tile's sequence bounds read from cu_seqlens.
+# - fa2's and fa3's d=128 causal forward with ALiBi and sinks (the score terms: a bias of two
+#   instructions a score and the rows' initial values): the same configuration without them.
 # Kept whole: fa1's ladder rungs and backward, fa2's dQ kernel, fa3's FP8, decoding (split with
 # either combine and not, and the combine kernel).
 CAUSAL_TWINS = r"^(fa1|fa2) d=128 bf16 causal=True|^fa2 backward d=128 bf16 causal=True kv" \
     r"|^standard softmax(_backward)? causal=True"
 SEPARATE_KV_TWIN = r"^fa2 backward d=128 bf16 causal=False dq=separate kv"
 VARLEN_TWIN = r"^fa3 d=128 bf16 causal=True varlen"
+TERMS_TWIN = r" alibi sinks$"
 HEAD_DIM_TWINS = r"^standard (scores|output|transposed_output) d=64 |^backward .*d=64 " \
     r"|^fa3 d=64 bf16 causal=True|^fa3 backward d=64 bf16 causal=True"
-SKIP = f"{TWINS}|{OTHER_HEAD_DIMS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}"
+SKIP = f"{TWINS}|{OTHER_HEAD_DIMS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}" \
+    f"|{TERMS_TWIN}"
 
 
 def twin(name):
     """The compiled target a skipped twin stands for."""
-    name = name.replace(" fp16", " bf16").replace("d=64 ", "d=128 ")
+    name = name.replace(" fp16", " bf16").replace("d=64 ", "d=128 ").replace(" alibi sinks", "")
     if re.search(CAUSAL_TWINS, name):
         name = name.replace("causal=True", "causal=False")
     return name.replace(" dq=separate kv", " kv").replace(" varlen", "")
@@ -85,17 +89,18 @@ def report(listing):
 
 def test_every_kernel_is_covered(listing):
     names = [r["kernel"] for r in listing]
-    assert sum(n.startswith("fa2 d=") for n in names) == 7    # 2 head dims x causal, bf16; fp16
-    #                                                    once; d=96 and 256 non-causal
+    assert sum(n.startswith("fa2 d=") for n in names) == 8    # 2 head dims x causal, bf16; fp16
+    #                                  once; d=96 and 256 non-causal; ALiBi + sinks at d=128 causal
     assert sum(n.startswith("fa2 backward") for n in names) == 10  # d=64, 128: atomic K/V x 2
     #                                          causal + separate (K/V, dQ); d=96, 256 non-causal
     assert sum(n.startswith("fa1 d=") for n in names) == 7    # the same, and two ladder rungs
     assert sum(n.startswith("fa1 backward") for n in names) == 1
     assert sum(n.startswith("standard") for n in names) == 16
-    assert sum(n.startswith("backward ") for n in names) == 6   # D = rowsum(dO o O), dQ's casts
-    assert sum(n.startswith("fa3 d=") for n in names) == 13   # d=64, 128, 256; 96 non-causal;
+    assert sum(n.startswith("backward ") for n in names) == 7   # D = rowsum(dO o O), dQ's casts,
+    #                                                                d sinks
+    assert sum(n.startswith("fa3 d=") for n in names) == 14   # d=64, 128, 256; 96 non-causal;
     #        at d=128 FP8 (e4m3: V^T by the pre-pass or the producer), the cp.async producer, a
-    #        causal window + softcap, a packed batch
+    #        causal window + softcap, a packed batch, ALiBi + sinks (causal)
     assert sum(n.startswith("fa3 backward") for n in names) == 4   # d=64, 128 x causal
     assert sum(n.startswith("decode") for n in names) == 5    # split (combine kernel or fused)
     #                                      and not, the combine kernel and its warp-parts form
@@ -103,8 +108,8 @@ def test_every_kernel_is_covered(listing):
     for r in listing:   # only twins are skipped, each for a target that was compiled
         if r.get("skipped"):
             assert re.search(OTHER_HEAD_DIMS, r["kernel"]) or \
-                (re.search(f"{TWINS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}",
-                           r["kernel"])
+                (re.search(f"{TWINS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}"
+                           f"|{TERMS_TWIN}", r["kernel"])
                  and twin(r["kernel"]) in compiled), r
     # each structurally distinct builder or configuration compiled once in CI (the twins'
     # counterparts above, and what no twin stands for)
@@ -112,6 +117,7 @@ def test_every_kernel_is_covered(listing):
                  "fa1 backward", "fa2 d=128 bf16 causal=False", "fa2 backward d=128 bf16 causal=False kv",
                  "dq=separate dq", "fa3 d=64 bf16 causal=False", "fa3 d=128 bf16 causal=False",
                  "fa3 d=128 bf16 causal=True", "e4m3", "transpose_v=producer", "producer=cp_async", "window softcap",
+                 "backward sink_grad",
                  "fa3 backward d=64 bf16 causal=False",
                  "fa3 backward d=128 bf16 causal=True", "split=True", "split=False", "decode combine",
                  "decode combine parts", "combine=fused",
