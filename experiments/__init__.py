@@ -3,6 +3,14 @@ import csv
 import os
 
 
+def write_rows(path, rows):
+    """Write a script's result rows (dicts with the first one's keys) to a new CSV, header first."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def append_row(path, row, fieldnames=None):
     """Append one result row to a CSV (the header first when the file is new or empty), so that a
     sweep cut short keeps every row it measured."""

@@ -14,7 +14,6 @@ TFLOP/s count the (query, key) pairs each mask keeps (experiments/measure/flops.
 skipped block is not counted as work.
 """
 import argparse
-import csv
 import math
 import os
 import sys
@@ -40,7 +39,7 @@ def main(argv=None):
     import variants
     from common.hardware import target
     from common.tile import masks
-    from experiments import peers
+    from experiments import peers, write_rows
     from experiments.measure import checks, flops, inputs, reference, timing
 
     n, w, h, d = args.seqlen, args.window, args.heads, args.head_dim
@@ -126,10 +125,7 @@ def main(argv=None):
         print(f"  {pass_:8} window/full {ratio:.3f} ({ratio / (w / n):.2f} x W/N)   "
               f"softcap/causal {soft:.3f}")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(out[0]))
-            writer.writeheader()
-            writer.writerows(out)
+        write_rows(args.csv, out)
 
 
 def flex_rows(dev, do, n, w, h, d, pass_):

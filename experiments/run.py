@@ -142,11 +142,11 @@ def resolve_problem(cfg, mode):
 def score_terms(prob, rng):
     """The host arrays of a problem's score terms (problem.alibi, problem.sinks): ALiBi's slopes
     2^(-8 h / H) for heads h = 1..H (its paper's), sinks N(0, 1) a head; {} for none."""
+    from experiments.measure import inputs
     terms = {}
     heads = prob["heads"]
     if prob.get("alibi"):
-        terms["alibi_slopes"] = (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(
-            np.float32)
+        terms["alibi_slopes"] = inputs.alibi_slopes(heads)
     if prob.get("sinks"):
         terms["sinks"] = rng.standard_normal(heads).astype(np.float32)
     return terms

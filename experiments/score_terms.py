@@ -10,7 +10,6 @@ each checked against float64 on sampled rows, then timed interleaved round by ro
 under the same clocks. The bars (issue 59): ALiBi <= 5% and sinks <= 3% of forward + backward.
 """
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -32,11 +31,12 @@ def main(argv=None):
 
     import variants
     from common.hardware import target
+    from experiments import write_rows
     from experiments.measure import checks, flops, inputs, reference, timing
 
     d, heads = args.head_dim, 16
     rng = np.random.default_rng(0)
-    slopes = (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+    slopes = inputs.alibi_slopes(heads)
     sinks = rng.standard_normal(heads).astype(np.float32)
     terms_host = {"plain": {}, "alibi": dict(alibi_slopes=slopes), "sinks": dict(sinks=sinks)}
     terms = {name: {k: inputs.to_device(x, "torch") for k, x in t.items()}
@@ -95,10 +95,7 @@ def main(argv=None):
             print(f"  {r['variant']} N={r['seqlen']:6} causal={r['causal']!s:5} {r['pass_']:8} "
                   f"{r['case']:6} x{r['over_plain']:.3f}")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(out[0]))
-            writer.writeheader()
-            writer.writerows(out)
+        write_rows(args.csv, out)
 
 
 if __name__ == "__main__":

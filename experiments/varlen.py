@@ -12,7 +12,6 @@ The bar: varlen <= 1.1 x singles (no padding work, and no more than a launch's w
 per sequence). TFLOP/s count each sequence's own (query, key) pairs.
 """
 import argparse
-import csv
 import os
 import sys
 
@@ -35,6 +34,7 @@ def main(argv=None):
 
     import variants
     from common.hardware import target
+    from experiments import write_rows
     from experiments.measure import checks, flops, inputs, reference, timing
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -90,10 +90,7 @@ def main(argv=None):
               f"singles: " + ", ".join(f"{n}: {ms:.3f}" for n, ms in zip(lengths, t_one)),
               flush=True)
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(out[0]))
-            writer.writeheader()
-            writer.writerows(out)
+        write_rows(args.csv, out)
 
 
 if __name__ == "__main__":

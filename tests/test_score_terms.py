@@ -43,8 +43,7 @@ if ON_GPU:
 
 def score_terms(rng, batch, heads, per_batch, sinks):
     """Host slopes ((B, H) or (H,), ALiBi's geometric ones jittered) and sinks (H,), fp32."""
-    base = 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
-    slopes = (base * rng.uniform(0.5, 1.5, (batch, heads) if per_batch else heads))
+    slopes = (inputs.alibi_slopes(heads) * rng.uniform(0.5, 1.5, (batch, heads) if per_batch else heads))
     sink = rng.uniform(-1.0, 3.0, heads) if sinks else None
     return slopes.astype(np.float32), None if sink is None else sink.astype(np.float32)
 

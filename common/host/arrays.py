@@ -369,12 +369,11 @@ def stream_of(d):
 
 def copy_from_host(x, host):
     """Copy host array `host` (x's shape) into device array x, in place; returns x."""
-    host = np.ascontiguousarray(np.asarray(host, dtype=x.dtype if not hasattr(x, "is_cuda")
-                                           else None))
+    host = np.ascontiguousarray(host)
     mod = type(x).__module__
-    if mod.startswith("torch"):
+    if mod.startswith("torch"):   # through fp32: torch takes no NumPy (ml_dtypes) bfloat16
         import torch
-        x.copy_(torch.from_numpy(host.astype(np.float32)).to(x.dtype))
+        x.copy_(torch.from_numpy(host.astype(np.float32)).to(x.device, x.dtype))
         return x
     if mod.startswith("cupy"):
         x.set(host.astype(x.dtype))

@@ -15,6 +15,11 @@ def fresh_seed():
     return int.from_bytes(os.urandom(4), "little")
 
 
+def alibi_slopes(heads):
+    """ALiBi's slopes as its paper sets them, 2^(-8 h / H) for heads h = 1..H, fp32 (H,)."""
+    return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
+
+
 def random_qkv(rng, batch, seqlen, heads, head_dim, dtype, *, seqlen_k=None, heads_kv=None):
     """Host arrays q (B, N_q, H, d) and k, v (B, N_k, H_kv, d) of `dtype`, entries N(0, 1)."""
     seqlen_k = seqlen if seqlen_k is None else seqlen_k
