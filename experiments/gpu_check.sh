@@ -35,6 +35,9 @@
 #   doors    the places attention is called from, against the real torch and transformers:
 #            tests/test_flash_attn_api.py, test_integrations.py, test_torch_compile.py, then
 #            experiments/integrations.py (a Llama's training step and generate() beside SDPA)
+#   dropout  dropout on P (issue 59): tests/test_dropout.py and the torch / transformers doors' dropout
+#            tests on the GPU, then its cost (experiments/score_terms.py --cases plain,dropout: fa2
+#            with and without dropout_p=0.1, SDPA's flash backend with and without its own)
 #   first_call  a new process's import, first call and the calls after it, cold and warm cache
 #            (experiments/first_call.py)
 set -uo pipefail
@@ -188,6 +191,17 @@ for step in $steps; do
       timeout "${DOORS_TIMEOUT:-600}" python3 experiments/integrations.py ${DOORS_ARGS:-} \
         > "$OUT/integrations.txt" 2>&1 || status=1
       cat "$OUT/integrations.txt" ;;
+    dropout)
+      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark \
+        -n "${DROPOUT_WORKERS:-6}" -rfE tests/test_dropout.py \
+        "tests/test_flash_attn_api.py::test_torch_dropout_is_exact_and_reproducible" \
+        "tests/test_integrations.py::test_transformers_attention_dropout_trains" \
+        > "$OUT/dropout_tests.log" 2>&1 || status=1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/dropout_tests.log" | tail -12
+      timeout "${DROPOUT_TIMEOUT:-420}" python3 experiments/score_terms.py --variants fa2 \
+        --cases plain,dropout --seqlens "${DROPOUT_SEQLENS:-4096,16384}" --csv "$OUT/dropout.csv" \
+        > "$OUT/dropout_cost.txt" 2>&1 || status=1
+      tail -20 "$OUT/dropout_cost.txt" ;;
     first_call)
       timeout "${FIRST_CALL_TIMEOUT:-600}" python3 experiments/first_call.py ${FIRST_CALL_ARGS:-} \
         > "$OUT/first_call.txt" 2>&1 || status=1

@@ -59,7 +59,9 @@ COLUMNS = ["variant", "dtype", "head_dim", "causal", "seqlen", "batch", "heads",
            # the mask beyond `causal` (common/tile/masks.py): window_size "left,right", softcap, align
            "window", "softcap", "align",
            # the score terms (fa2, fa3): ALiBi's slopes (geometric, as its paper's) and sinks
-           "alibi", "sinks"]
+           "alibi", "sinks",
+           # dropout on P (fa2): its probability (the mask: common/tile/dropout.py, seeded by `seed`)
+           "dropout"]
 PASSES = ("fwd", "bwd", "fwd_bwd", "decode")
 # pass=decode (experiments/decode.py): GB/s of K and V read, and their fraction of the run's copy
 # bandwidth; the paged cache's page size
@@ -136,7 +138,8 @@ def resolve_problem(cfg, mode):
                 outliers=float(p.get("outliers") or 0.0),
                 window_size=tuple(p.get("window") or (-1, -1)),
                 softcap=float(p.get("softcap") or 0.0), align=p.get("align") or "bottom_right",
-                alibi=bool(p.get("alibi")), sinks=bool(p.get("sinks")))
+                alibi=bool(p.get("alibi")), sinks=bool(p.get("sinks")),
+                dropout=float(p.get("dropout") or 0.0))
 
 
 def score_terms(prob, rng):
@@ -152,6 +155,21 @@ def score_terms(prob, rng):
     return terms
 
 
+def dropout_of(prob, seed, rows, heads=None):
+    """(the call's dropout keywords, the reference's) for problem.dropout: Philox seeded by the
+    job's seed, offset 0; the reference's mask at `rows` of every batch and head (rows None:
+    every row of batch 0's first `heads` heads, the backward check's)."""
+    p = prob.get("dropout") or 0.0
+    if not p:
+        return {}, {}
+    from common.tile import dropout
+    call = dict(dropout_p=p, dropout_seed=seed, dropout_offset=0)
+    batches, head_ids = (None, None) if rows is not None else ([0], range(heads))
+    z = dropout.keep_mask(seed, 0, p, prob["batch"], prob["heads"], prob["seqlen"],
+                          prob["seqlen_k"], rows=rows, batches=batches, head_ids=head_ids)
+    return call, dict(dropout_p=p, dropout_mask=z)
+
+
 def mask_of(prob):
     """The call's mask keywords (common/tile/masks.py) when the problem sets more than `causal`."""
     mask = dict(window_size=prob["window_size"], softcap=prob["softcap"], align=prob["align"])
@@ -162,7 +180,7 @@ def sdpa_takes(prob):
     """SDPA's masks: is_causal is top-left; no window, no softcap."""
     mask = mask_of(prob)
     plain = not mask or mask == dict(window_size=(-1, -1), softcap=0.0, align="top_left")
-    plain = plain and not prob.get("alibi") and not prob.get("sinks")
+    plain = plain and not prob.get("alibi") and not prob.get("sinks") and not prob.get("dropout")
     return plain and (not prob["causal"] or prob["seqlen"] == prob["seqlen_k"]
                       or mask.get("align") == "top_left")
 
@@ -221,8 +239,10 @@ def run_job(cfg, mode):
     mask = mask_of(prob)
     host_terms = score_terms(prob, rng)
     terms = {name: inputs.to_device(x, library) for name, x in host_terms.items()}
+    drop, ref_drop = dropout_of(prob, seed, check_rows)
+    terms.update(drop)
     ref = reference.attention(*host[:3], causal=prob["causal"], softmax_scale=prob["softmax_scale"],
-                              rows=check_rows, **mask, **host_terms)
+                              rows=check_rows, **mask, **host_terms, **ref_drop)
     grad_ref = None
     if backward:   # batch 0, K/V head 0 and the query heads that share it
         group = prob["heads"] // prob["heads_kv"]
@@ -230,7 +250,8 @@ def run_job(cfg, mode):
         grad_ref = reference.attention_backward(q[:1, :, :group], k[:1, :, :1], v[:1, :, :1],
                                                 do[:1, :, :group], causal=prob["causal"],
                                                 softmax_scale=prob["softmax_scale"], **mask,
-                                                **{n: x[:group] for n, x in host_terms.items()})
+                                                **{n: x[:group] for n, x in host_terms.items()},
+                                                **dropout_of(prob, seed, None, group)[1])
 
     lse_tol = checks.fp8_lse_tolerance(host[0], host[1], prob["softmax_scale"]) if fp8_run \
         else checks.LSE_TOL
@@ -281,7 +302,7 @@ def run_job(cfg, mode):
               "FP8 beside them)")
     elif cfg.bench.peers and not sdpa_takes(prob):
         print(f"mask {mask_of(prob)}{' with ' + ', '.join(terms) if terms else ''}: no SDPA "
-              "peers (SDPA has no sliding window, softcap, ALiBi or sinks, and its causal "
+              "peers (SDPA has no sliding window, softcap, ALiBi or sinks, no dropout to compare, and its causal "
               "diagonal is top-left)")
     elif peers.available() and mode == "gpu" and library == "torch" and (
             peer_jobs is None or cfg.variant.name in peer_jobs):
@@ -412,7 +433,8 @@ def call_config(module, prob, dtype, options, fp8_cfg, backward=False):
                       prob["seqlen_k"], prob["softcap"], scale)
     fields = configs.mask_fields(SimpleNamespace(band=band, softcapped=band.softcap > 0,
                                                  varlen=None, alibi=prob.get("alibi") or None,
-                                                 sinks=prob.get("sinks") or None),
+                                                 sinks=prob.get("sinks") or None,
+                                                 dropout_p=prob.get("dropout") or 0.0),
                                  backward=backward)
     element = "float16" if dtype == FP8 else dtype
     head_dims, chosen, options = list(module.HEAD_DIMS), {}, dict(options)
@@ -505,7 +527,7 @@ def measure(name, fn, ctx, options=None, workspace=0, config_of=None):
                label=ctx["label"], seed=ctx["seed"], job=ctx["job"], check="", status="ok",
                window="{},{}".format(*prob["window_size"]), softcap=prob["softcap"],
                align=prob["align"], alibi=prob.get("alibi", False), sinks=prob.get("sinks", False),
-               **{"pass": pass_})
+               dropout=prob.get("dropout", 0.0), **{"pass": pass_})
     free = _free_device_bytes(ctx)
     if workspace and free is not None and workspace > free:
         row["status"] = f"skipped: needs {workspace / 2**30:.1f} GiB of work memory"

@@ -89,10 +89,10 @@ def report(listing):
 
 def test_every_kernel_is_covered(listing):
     names = [r["kernel"] for r in listing]
-    assert sum(n.startswith("fa2 d=") for n in names) == 8    # 2 head dims x causal, bf16; fp16
-    #                                  once; d=96 and 256 non-causal; ALiBi + sinks at d=128 causal
-    assert sum(n.startswith("fa2 backward") for n in names) == 10  # d=64, 128: atomic K/V x 2
-    #                                          causal + separate (K/V, dQ); d=96, 256 non-causal
+    assert sum(n.startswith("fa2 d=") for n in names) == 9    # 2 head dims x causal, bf16; fp16
+    #                  once; d=96 and 256 non-causal; ALiBi + sinks at d=128 causal; dropout
+    assert sum(n.startswith("fa2 backward") for n in names) == 11  # d=64, 128: atomic K/V x 2
+    #                         causal + separate (K/V, dQ); d=96, 256 non-causal; dropout (K/V)
     assert sum(n.startswith("fa1 d=") for n in names) == 7    # the same, and two ladder rungs
     assert sum(n.startswith("fa1 backward") for n in names) == 1
     assert sum(n.startswith("standard") for n in names) == 16
@@ -117,7 +117,8 @@ def test_every_kernel_is_covered(listing):
                  "fa1 backward", "fa2 d=128 bf16 causal=False", "fa2 backward d=128 bf16 causal=False kv",
                  "dq=separate dq", "fa3 d=64 bf16 causal=False", "fa3 d=128 bf16 causal=False",
                  "fa3 d=128 bf16 causal=True", "e4m3", "transpose_v=producer", "producer=cp_async", "window softcap",
-                 "backward sink_grad",
+                 "backward sink_grad", "fa2 d=128 bf16 causal=False dropout",
+                 "fa2 backward d=128 bf16 causal=False dropout kv",
                  "fa3 backward d=64 bf16 causal=False",
                  "fa3 backward d=128 bf16 causal=True", "split=True", "split=False", "decode combine",
                  "decode combine parts", "combine=fused",

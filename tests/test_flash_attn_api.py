@@ -86,7 +86,8 @@ def test_with_kvcache_appends_and_attends(rng):
 
 
 @pytest.mark.parametrize("call, error, words", [
-    (lambda a: fa.flash_attn_func(a, a, a, dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
+    (lambda a: fa.flash_attn_func(a, a, a, dropout_p=0.1), NotImplementedError,
+     "dropout_p=0.1 with"),
     (lambda a: fa.flash_attn_with_kvcache(a, a, a, alibi_slopes=a), NotImplementedError,
      "alibi_slopes"),
     (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, block_table=a), NotImplementedError,
@@ -157,6 +158,37 @@ def test_torch_gradients_are_exact(rng, head_dim, causal):
     ref_o, _ = reference.attention(q, k, v, causal=causal)
     assert checks.compare(inputs.to_host(out), np.zeros((2, 4, 300)), ref_o,
                           np.zeros((2, 4, 300)), DTYPE)["ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_dropout_is_exact_and_reproducible(rng, causal):
+    """dropout_p > 0 on torch tensors (fa2's kernels on every GPU): the mask is keep_mask of the
+    seed and offset torch's generator held before the call (which the call advances); out and
+    dq, dk, dv against float64 with that mask; torch.manual_seed replays the call bit for bit and
+    the next call draws another mask."""
+    torch = _torch()
+    from common.tile import dropout
+    (q, k, v), (tq, tk, tv) = _torch_qkv(torch, rng, 2, 300, 4, 2, 64)
+    p = 0.2
+    torch.manual_seed(1234)
+    generator = torch.cuda.default_generators[tq.device.index or 0]
+    seed, offset = generator.initial_seed(), generator.get_offset()
+    out = fa.flash_attn_func(tq, tk, tv, dropout_p=p, causal=causal)
+    assert generator.get_offset() > offset
+    do = rng.standard_normal(out.shape).astype(inputs.DTYPES[DTYPE])
+    out.backward(inputs.to_device(do, "torch"))
+    drop = dict(dropout_p=p, dropout_mask=dropout.keep_mask(seed, offset, p, 2, 4, 300, 300))
+    ref_o, _ = reference.attention(q, k, v, causal=causal, **drop)
+    lse0 = np.zeros((2, 4, 300))
+    assert checks.compare(inputs.to_host(out), lse0, ref_o, lse0, DTYPE)["ok"]
+    ref = reference.attention_backward(q, k, v, do, causal=causal, **drop)
+    got = checks.compare_gradients([inputs.to_host(t.grad) for t in (tq, tk, tv)], ref, DTYPE)
+    assert got["ok"], got
+    again = fa.flash_attn_func(tq, tk, tv, dropout_p=p, causal=causal)
+    assert not torch.equal(again, out)
+    torch.manual_seed(1234)
+    assert torch.equal(fa.flash_attn_func(tq, tk, tv, dropout_p=p, causal=causal), out)
 
 
 @pytest.mark.gpu

@@ -193,6 +193,29 @@ def test_transformers_training_losses_follow_sdpa(torch):
     assert np.abs(losses[0] - losses[1]).max() < 2e-2 * losses[1].max(), losses
 
 
+def test_transformers_attention_dropout_trains(torch):
+    """config.attention_dropout in training runs the kernels' dropout: the training loss differs
+    from eval's, torch.manual_seed replays it exactly, and it takes a gradient; eval is the
+    model without dropout (the logits of a model built with attention_dropout=0)."""
+    ours, _ = _pair(torch, "llama")
+    ours.config.attention_dropout = 0.3
+    for layer in ours.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    ids = torch.randint(0, 512, (2, 128), device="cuda")
+    with torch.no_grad():
+        eval_loss = ours(ids, labels=ids).loss.item()
+    ours.train()
+    torch.manual_seed(5)
+    loss = ours(ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in ours.parameters() if p.requires_grad)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        again = ours(ids, labels=ids).loss.item()
+    assert again == loss.item() and abs(loss.item() - eval_loss) > 1e-4, (loss, again, eval_loss)
+
+
 @pytest.mark.parametrize("padded", [True, False], ids=["left_padded", "unpadded"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

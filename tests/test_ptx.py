@@ -194,6 +194,22 @@ def test_shfl_xor(rng, mask):
 
 
 @cuda.jit
+def shfl_u32_kernel(x, out, mask):
+    lane = cuda.threadIdx.x
+    out[lane] = ptx.shfl_xor_u32(x[lane], mask)
+
+
+@pytest.mark.parametrize("mask", [1, 4, 16])
+def test_shfl_xor_u32(rng, mask):
+    """Bits, not values: every 32-bit pattern (NaN ones among them as floats) arrives unchanged."""
+    x = rng.integers(0, 1 << 32, 32, dtype=np.uint64).astype(np.uint32)
+    x[:2] = (0x7FC00001, 0xFFFFFFFF)
+    out = np.zeros(32, np.uint32)
+    shfl_u32_kernel[1, 32](x, out, mask)
+    np.testing.assert_array_equal(out, x[np.arange(32) ^ mask])
+
+
+@cuda.jit
 def math_kernel(x, e, lo, hi, bf, hf):
     i = cuda.threadIdx.x
     e[i] = ptx.ex2_approx(x[i])

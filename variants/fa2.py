@@ -39,14 +39,16 @@ from common.host.problem import (
     MASK_TYPES,
     OUT_TYPE,
     QKV_TYPE,
+    DROPOUT_TYPES,
     SCORE_TYPES,
     SEQS_TYPE,
     prepare,
     prepare_varlen,
+    with_dropout,
     with_score_terms,
 )
 from common.host.replay import replayed
-from common.tile import masks, pipeline, softmax, tiles
+from common.tile import dropout, masks, pipeline, softmax, tiles
 from common.tile.smem import SharedLayout
 from variants import fa2_backward
 
@@ -68,6 +70,7 @@ class Config:
     softcap: bool = False   # scores soft-capped (Gemma 2)
     alibi: bool = False     # ALiBi's bias by distance (alibi_slopes)
     sinks: bool = False     # an attention sink a head (gpt-oss): a logit in each row's softmax
+    dropout: bool = False   # dropout on P (Philox in the kernel: common/tile/dropout.py)
     block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
     block_n: int = 64       # B_c: keys per inner step
     warps: int = 4          # split-Q: each warp owns block_m / warps query rows
@@ -115,8 +118,9 @@ class Config:
                              f"blocks an SM is to hold, got {self.min_blocks_per_sm}")
         if self.kv_stages not in (1, 2):
             raise ValueError(f"kv_stages must be 1 or 2, got {self.kv_stages}")
-        if self.block_n % 16:
-            raise ValueError(f"block_n={self.block_n} must be a multiple of 16")
+        if self.block_n % (32 if self.dropout else 16):
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16 (with dropout: 32, "
+                             f"a Philox call's keys)")
         for rows in (self.block_m, self.block_n):
             tiles.check_tile_copy(rows, self.tile_dim, self.threads)
         tiles.tile_row_stride(self.tile_dim, self.swizzle)     # swizzled: 64, 128 or 256 columns
@@ -170,7 +174,7 @@ def build(cfg):
     ELEM, BANDED, PIPELINE, SWIZZLE = cfg.element.code, cfg.causal, cfg.pipeline, cfg.swizzle
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
-    ALIBI, SINKS = cfg.alibi, cfg.sinks
+    ALIBI, SINKS, DROPOUT = cfg.alibi, cfg.sinks, cfg.dropout
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -208,14 +212,17 @@ def build(cfg):
 
     @kernel_with_launch_bounds(THREADS, cfg.min_blocks_per_sm)
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
-                    scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks):
+                    scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks, seed_lo,
+                    seed_hi, offset_lo, offset_hi, keep_below, drop_scale, drop_cg):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
         lo, hi: the band of keys a query sees (lo <= key - query <= hi, when BANDED); softcap: the
         cap on raw scores (when SOFTCAP). VARLEN: B = 1 and batch b of the grid is the sequence of
         rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k), lo and hi relative to its top-left corner.
         alibi, alibi_stride, alibi_shift: ALiBi's slopes (when ALIBI), slope alibi[b *
         alibi_stride + h], distances from key query + alibi_shift; sinks: a sink logit a head
-        (when SINKS). (common/host/problem.py: score_args.)"""
+        (when SINKS). (common/host/problem.py: score_args.) seed_lo .. drop_cg: dropout's Philox
+        seed and offset, keep threshold, 1 / (1 - p) and column groups (when DROPOUT;
+        problem.dropout_args)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
@@ -238,6 +245,8 @@ def build(cfg):
             q_i, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
         warp_row = warp * 16 * M            # first row of this warp's part of Q_i (split-Q)
         slope = alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0)
+        rng = (seed_lo, seed_hi, offset_lo, offset_hi, keep_below)   # dropout's Philox stream
+        bh = b * cuda.gridDim.z + h
 
         smem = cuda.shared.array(0, uint16)   # Q_i | STAGES x (K, V) | P~ (p_in_registers=False)
         q_s = smem[Q_START:Q_START + Q_TILE]
@@ -309,6 +318,8 @@ def build(cfg):
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0), 0)
+            if DROPOUT:   # Alg.1 l.11 (FA2: dropout on P~ after l_ij took it whole): Z o P~_ij
+                dropout.drop_rows(s, row0 + warp_row, col0, lane, bh, drop_cg, rng, float32(1))
             if P_IN_REGISTERS:
                 tiles.accumulator_to_a(p, s, ELEM)
             else:  # the warp's own rows of the P tile: a warp barrier suffices
@@ -327,6 +338,8 @@ def build(cfg):
         inv_l = cuda.local.array(ROWS, float32)
         lse_rows = cuda.local.array(ROWS, float32)
         softmax.finalize(m_i, l_i, inv_l, lse_rows, softmax_scale)
+        if DROPOUT:   # ... and 1 / (1 - p) on the kept, with 1 / l
+            dropout.scale_rows(inv_l, drop_scale)
         # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores (every
         # copy waited for: a block that visits no K/V block, j1 <= j0, has V_j0 in flight).
         pipeline.wait_and_release(0)
@@ -351,21 +364,26 @@ def build(cfg):
 
 @replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-            align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, **options):
+            align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
+            dropout_offset=0, out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or
     bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and lse (B, H, N_q) fp32.
     causal, window_size, softcap, align: the mask, as flash_attn_func (common/tile/masks.py);
     alibi_slopes ((H,) or (B, H) fp32) and sinks ((H,) fp32): the score terms of
-    problem.with_score_terms. options: see Config and OPTIONS."""
+    problem.with_score_terms; dropout_p, dropout_seed, dropout_offset: dropout on P, its mask
+    drawn by Philox from the seed and offset (common/tile/dropout.py: the backward given the same
+    three drops the same elements). options: see Config and OPTIONS."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,
                    align=align)
+    with_dropout(prob, dropout_p, dropout_seed, dropout_offset)
     return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                   align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, **options):
+                   align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                   dropout_seed=0, dropout_offset=0, out=None, **options):
     """FA2 forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
     k, v (total_k, H_kv, d), sequence b being rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32
     device arrays, batch + 1 entries). Returns o (total_q, H, d) and lse (H, total_q) fp32. The
@@ -375,6 +393,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                           causal=causal, softmax_scale=softmax_scale, out=out,
                           head_dims=HEAD_DIMS, variant="fa2", window_size=window_size,
                           softcap=softcap, align=align)
+    with_dropout(prob, dropout_p, dropout_seed, dropout_offset)
     return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
@@ -389,7 +408,8 @@ def _run(prob, options):
     launch(build(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), *prob.mask_args(), np.float32(prob.softmax_scale),
-           np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k, *prob.score_args())
+           np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k, *prob.score_args(),
+           *prob.dropout_args())
     return prob.result()
 
 
@@ -403,7 +423,7 @@ def compile_targets():
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
                 types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE) + \
-        SCORE_TYPES
+        SCORE_TYPES + DROPOUT_TYPES
     for head_dim in REPORTED_HEAD_DIMS:
         for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):
@@ -419,5 +439,9 @@ def compile_targets():
     # the score terms (ALiBi and sinks) at d=128, causal
     cfg = default_config(128, BFLOAT16, True, (("alibi", True), ("sinks", True)))
     yield "fa2 d=128 bf16 causal=True alibi sinks", build(cfg), argtypes, \
+        cfg.m_tiles * 128 * cfg.block_n // 64
+    # dropout (Philox in the loop) at d=128: the forward's registers are its budget
+    cfg = default_config(128, BFLOAT16, False, (("dropout", True),))
+    yield "fa2 d=128 bf16 causal=False dropout", build(cfg), argtypes, \
         cfg.m_tiles * 128 * cfg.block_n // 64
     yield from fa2_backward.compile_targets()   # Algorithm 2's kernels

@@ -19,12 +19,14 @@ from common.host.problem import (
     MASK_TYPES,
     OUT_TYPE,
     QKV_TYPE,
+    DROPOUT_TYPES,
     SCORE_TYPES,
     SEQS_TYPE,
+    with_dropout,
     with_score_terms,
 )
 from common.host.replay import replayed
-from common.tile import masks, pipeline, softmax, tiles
+from common.tile import dropout, masks, pipeline, softmax, tiles
 from common.tile.smem import SharedLayout
 from variants import backward_shared as bwd
 
@@ -78,6 +80,7 @@ class BackwardConfig:
     window: bool = False       # the band has a left edge (sliding window): its test compiled in
     softcap: bool = False      # scores soft-capped (Gemma 2): dS times 1 - tanh^2
     alibi: bool = False        # ALiBi's bias in the recomputed S (no term in dS)
+    dropout: bool = False      # dropout on P: the forward's mask regenerated (common/tile/dropout.py)
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
@@ -205,6 +208,11 @@ class BackwardConfig:
                 raise ValueError(f"query_warps={self.query_warps} needs block_m / query_warps and "
                                  f"head_dim / query_warps to be {_SLICES[self.swizzle]}, got "
                                  f"{slices}")
+        if self.dropout and (self.m_tiles % 2 or self.block_n % 32 or
+                             (self.dq == "separate" and self.dq_block_n % 32)):
+            raise ValueError(f"dropout needs an even number of m16 tiles of keys a warp (block_n / "
+                             f"(16 * warps / query_warps) = {self.m_tiles}) and block_n, "
+                             f"dq_block_n multiples of 32 (a Philox call's 32 keys)")
         if self.staged_ds:
             tiles.tile_row_stride(self.block_m, self.swizzle)   # the dS^T (and P^T) tiles
         for rows in (self.block_m, self.block_n):
@@ -313,7 +321,7 @@ def build_backward(cfg):
     BULK = cfg.bulk
     SEQUENTIAL = cfg.kv_blocks == "sequential"
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
-    ALIBI = cfg.alibi
+    ALIBI, DROPOUT = cfg.alibi, cfg.dropout
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     QW, TWO_D, STAGED_DS = cfg.query_warps, cfg.query_warps > 1, cfg.staged_ds
     QC, DC = BR // QW, D // QW      # a warp's queries of S^T, dP^T and columns of dK_j, dV_j
@@ -400,10 +408,10 @@ def build_backward(cfg):
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
                  lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k, alibi,
-                 alibi_stride, alibi_shift):
+                 alibi_stride, alibi_shift, rng, drop_scale, drop_cg):
         """l.6-17 for K/V block j of batch b, K/V head h_kv (VARLEN: of sequence b, whose rows
         start at first_q and first_k of the packed batch); ALiBi's slopes and shift as the
-        forward's (fa2.py)."""
+        forward's (fa2.py); rng, drop_scale, drop_cg: dropout's (DROPOUT; fa2.py)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         key0 = int32(j * BC)
@@ -514,7 +522,13 @@ def build_backward(cfg):
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_held_or_streamed(dp, vf, KV_IN_REGISTERS, v_s, warp_key, D // 16, do_s,
                                             lane, STRIDE, SWIZZLE, ELEM, warp_q)
-            softmax.grad_columns(s, dp, d_s, lane, warp_q)
+            if DROPOUT:   # dP^T of the kept elements (Z o dP / (1 - p)), the dropped marked in P^T
+                dropout.drop_transposed(s, dp, key0 + warp_key, q0 + warp_q, lane,
+                                        b * (cuda.gridDim.z * kv_group) + h, drop_cg, rng,
+                                        drop_scale)
+            softmax.grad_columns(s, dp, d_s, lane, warp_q, DROPOUT)
+            if DROPOUT:   # l.12's operand: Z o P^T / (1 - p)
+                dropout.unsign(s, drop_scale)
             if SOFTCAP:   # dS of the raw scores: through the cap's derivative
                 tiles.multiply(dp, cap_grad)
             ds = DS0 + stage * DS_TILE
@@ -578,13 +592,15 @@ def build_backward(cfg):
     @kernel
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
                         softcap, softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride,
-                        alibi_shift, sinks):
+                        alibi_shift, sinks, seed_lo, seed_hi, offset_lo, offset_hi, keep_below,
+                        drop_scale, drop_cg):
         """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, D)
         fp32 (D = tiles.tile_columns(d)); dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py).
         VARLEN: B = 1, and batch b of the grid is the sequence of rows cu_q[b] .. cu_q[b+1] - 1
         (keys: cu_k), lo and hi relative to its top-left corner. alibi..sinks: the forward's
-        score terms (sinks unread: L holds them)."""
+        score terms (sinks unread: L holds them); seed_lo .. drop_cg: its dropout (fa2.py)."""
         b, h_kv = uint32(cuda.blockIdx.y), uint32(cuda.blockIdx.z)   # unsigned: no index wrap
+        rng = (seed_lo, seed_hi, offset_lo, offset_hi, keep_below)
         first_q, first_k = int32(0), int32(0)
         if VARLEN:   # sequence b of the packed batch: its rows, and its own band
             first_q, first_k = cu_q[b], cu_k[b]
@@ -598,12 +614,12 @@ def build_backward(cfg):
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
                          kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                         alibi, alibi_stride, alibi_shift)
+                         alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg)
                 cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
         else:            # l.5: "for 1 <= j <= T_c" is the grid
             kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
                      n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                     alibi, alibi_stride, alibi_shift)
+                     alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg)
 
     return fa2_backward_kv
 
@@ -626,12 +642,13 @@ def build_backward_dq(cfg):
     ROWS = 2 * M
     CAP_GRAD = S_ACC if SOFTCAP else (1, 1, 1)
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
-    ALIBI = cfg.alibi
+    ALIBI, DROPOUT = cfg.alibi, cfg.dropout
 
     @kernel
     def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, lo, hi, softcap,
                         softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift,
-                        sinks):
+                        sinks, seed_lo, seed_hi, offset_lo, offset_hi, keep_below, drop_scale,
+                        drop_cg):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         i = masks.query_block(BANDED)   # with a band, the blocks with the most K/V blocks first
@@ -712,6 +729,10 @@ def build_backward_dq(cfg):
             tiles.fill(dp, float32(0))
             tiles.gemm_abt_streamed(dp, a, do_s, warp_row, D // 16, v_s, lane, STRIDE, SWIZZLE,
                                     ELEM)
+            if DROPOUT:   # Z o dP / (1 - p): the forward's mask, from the same Philox counters
+                dropout.drop_rows(dp, row0 + warp_row, col0, lane, b * cuda.gridDim.z + h,
+                                  drop_cg, (seed_lo, seed_hi, offset_lo, offset_hi, keep_below),
+                                  drop_scale)
             softmax.grad_rows(s, dp, d_rows)
             if SOFTCAP:
                 tiles.multiply(dp, cap_grad)
@@ -733,15 +754,17 @@ def build_backward_dq(cfg):
 
 @replayed(6)
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-             softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, grads=None,
-             **options):
+             softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
+             dropout_seed=0, dropout_offset=0, grads=None, **options):
     """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs
-    (o, lse) and dO = dLoss/dO (like o); the mask and score terms as the forward's (with sinks,
-    a fourth gradient: d sinks (H,) fp32). options: see BackwardConfig and BACKWARD_OPTIONS."""
+    (o, lse) and dO = dLoss/dO (like o); the mask, score terms and dropout as the forward's (with
+    sinks, a fourth gradient: d sinks (H,) fp32; dropout: the forward's seed and offset).
+    options: see BackwardConfig and BACKWARD_OPTIONS."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa2",
                              window_size=window_size, softcap=softcap, align=align)
     with_score_terms(g.prob, alibi_slopes, sinks, align)
+    with_dropout(g.prob, dropout_p, dropout_seed, dropout_offset)
     cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
                                   configs.mask_fields(g.prob, backward=True), **options)
     return run_backward(g, cfg)
@@ -749,8 +772,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
 
 def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, grads=None,
-                    **options):
+                    align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                    dropout_seed=0, dropout_offset=0, grads=None, **options):
     """FA2 backward of a packed batch (fa2.forward_varlen): (dq, dk, dv) shaped like (q, k, v),
     from the forward's inputs, o (total_q, H, d), lse (H, total_q) and dO like o. dQ is added by
     vector atomics into a row-major accumulator (dq_reduce="red", the default here) or computed
@@ -759,17 +782,18 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
              align=align, grads=grads), options, "fa2", default_backward_config,
-        (alibi_slopes, sinks))
+        (alibi_slopes, sinks), (dropout_p, dropout_seed, dropout_offset))
 
 
 def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_function,
-                        score_terms=(None, None)):
+                        score_terms=(None, None), drop=(0.0, 0, 0)):
     """A packed batch's backward through this module's kernels, for fa2 and fa1 (which differ in
     the variant's name and its configuration function): checked, dQ by vector atomics unless
     options say otherwise (the bulk reduction's staging is per query block of one sequence)."""
     g = bwd.prepare_backward_varlen(*arrays_and_lengths, head_dims=HEAD_DIMS, variant=variant,
                                     **mask)
     with_score_terms(g.prob, *score_terms, mask.get("align", masks.BOTTOM_RIGHT))
+    with_dropout(g.prob, *drop)
     options.setdefault("dq_reduce", "red")
     cfg = config_function(g.prob.head_dim, g.prob.element, g.prob.banded,
                           configs.mask_fields(g.prob, backward=True), **options)
@@ -789,7 +813,7 @@ def run_backward(g, cfg):
     rows_q, rows_k = (prob.n_q, prob.n_k) if seqs is None else (seqs.max_q, seqs.max_k)
     cu = (seqs.cu_q, seqs.cu_k) if seqs is not None else \
         (arrays.placeholder(prob.library, 1, prob.like, "int32"),) * 2
-    terms = prob.score_args()
+    terms = prob.score_args() + prob.dropout_args()
     kv_blocks = 1 if cfg.kv_blocks == "sequential" else (rows_k + cfg.block_n - 1) // cfg.block_n
     grid = (kv_blocks, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
@@ -812,7 +836,7 @@ def backward_compile_targets(cfg, tag):
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
     sizes = (types.int32, types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32,
                                                                      SEQS_TYPE, SEQS_TYPE) + \
-        SCORE_TYPES
+        SCORE_TYPES + DROPOUT_TYPES
     # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
     # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
     # atomics dQ's product appears twice (in the loop and for the last step):
@@ -853,6 +877,10 @@ def compile_targets():
         yield from backward_compile_targets(
             default_backward_config(head_dim, BFLOAT16, False, dq=other),
             f"fa2 backward d={head_dim} bf16 causal=False dq={other}")
+    # dropout at d=128 (the mask regenerated in S^T; the separate dQ kernel's is the forward's code)
+    yield from backward_compile_targets(
+        default_backward_config(128, BFLOAT16, False, (("dropout", True),)),
+        "fa2 backward d=128 bf16 causal=False dropout")
     # the conversion of the default (bulk-reduced) dQ terms, in this backward's fragment order
     f32_4 = types.Array(types.float32, 4, "C")
     for head_dim in (64, 128):

@@ -1370,6 +1370,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     OPTIONS. Masks (common/tile/masks.py, flash_attn's conventions): causal (bottom-right, or
     align="top_left"), sliding windows, softcap; alibi_slopes and sinks (problem.with_score_terms;
     16-bit inputs)."""
+    if options.pop("dropout_p", 0):
+        raise ValueError("fa3 has no dropout (FA3's kernels have none either): variant='fa2' "
+                         "takes dropout_p (flash_attn's functions route it there)")
     descales = (q_descale, k_descale, v_descale)
     fp8_in = arrays.describe(q, "q").dtype in FP8_DTYPES
     vt_given = isinstance(v, fp8.KMajorV)   # V^T made before the call: no pre-pass in it

@@ -19,8 +19,12 @@ padded to the wider of the two (exact; it costs the wider head dim: no kernel of
 sum has one order (fa2's dQ by a separate query-block-outer kernel, `dq="separate"`; for fa3
 that is FA2's backward kernels); `return_attn_probs=True` returns (out, softmax_lse, None) (the
 third, flash_attn's dropout-mask debug tensor, is only filled there when dropout_p > 0);
-`alibi_slopes` ((H,) or (B, H) fp32, fa2 and fa3, forward and backward).
-What they refuse, naming the argument: `dropout_p > 0`, a `block_table` in the
+`alibi_slopes` ((H,) or (B, H) fp32, fa2 and fa3, forward and backward); `dropout_p` > 0
+(torch tensors; fa2's kernels on every GPU, as FA3 has no dropout): a Philox mask made in the
+kernels from torch's CUDA generator (`torch.manual_seed` reproduces it; the backward regenerates
+it), kept values scaled by 1 / (1 - p) (common/tile/dropout.py; its `keep_mask` is the mask, for
+tests: `return_attn_probs` gives no S_dmask).
+What they refuse, naming the argument: a `block_table` in the
 varlen forward, FA3's `qv`, `attention_chunk`, `seqused_q` / `seqused_k` and `num_splits` > 1,
 and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx` and
 `cache_leftpad` (variants.decode does not take them yet).
@@ -64,11 +68,8 @@ def default_variant(q):
     return "fa3" if capability == (9, 0) else "fa2"
 
 
-def _refuse(dropout_p=0.0, **others):
+def _refuse(**others):
     """NotImplementedError naming each argument flash_attn takes that these cannot honour yet."""
-    if dropout_p:
-        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not built yet; "
-                                  "pass dropout_p=0.0 (in eval, or with dropout off)")
     for name, value in others.items():
         if value is not None:
             raise NotImplementedError(f"{name}: not supported by variants' flash_attn functions yet")
@@ -124,9 +125,18 @@ def _pad_head_dims(q, k, v):
 
 
 def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, deterministic,
-               return_lse, variant, forward_options=None, alibi_slopes=None, sinks=None):
+               return_lse, variant, forward_options=None, alibi_slopes=None, sinks=None,
+               dropout_p=0.0):
     """The one path of every dense and packed function: (o, lse) or o, head dims padded;
-    alibi_slopes and sinks (FA4's learnable_sink) as variants.attention takes them."""
+    alibi_slopes and sinks (FA4's learnable_sink) as variants.attention takes them; dropout_p
+    on fa2's kernels (FA3 has no dropout)."""
+    if dropout_p:
+        if not _is_torch(q):
+            raise NotImplementedError(f"dropout_p={dropout_p} with {type(q).__name__} arrays: "
+                                      "flash_attn's functions draw the mask from torch's "
+                                      "generator; call variants.forward(..., dropout_p=, "
+                                      "dropout_seed=, dropout_offset=) instead")
+        variant = variant or "fa2"
     variant = variant or default_variant(q)
     if _is_torch(q):   # flash_attn's maybe_contiguous: a head_dim axis with a stride is copied
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -140,12 +150,14 @@ def _attention(q, k, v, varlen, *, softmax_scale, causal, window_size, softcap, 
     if _is_torch(q):
         if varlen:
             out = autograd.attention_varlen(q, k, v, *varlen, variant=variant,
+                                            dropout_p=dropout_p,
                                             forward_options=forward_options,
                                             backward_options=_backward_options(variant,
                                                                                deterministic),
                                             return_lse=True, **mask, **terms)
         else:
-            out = autograd.attention(q, k, v, variant=variant, forward_options=forward_options,
+            out = autograd.attention(q, k, v, variant=variant, dropout_p=dropout_p,
+                                     forward_options=forward_options,
                                      backward_options=_backward_options(variant, deterministic),
                                      return_lse=True, **mask, **terms)
     elif varlen:
@@ -177,8 +189,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     is 0. Returns out (B, N_q, H, d), or with return_attn_probs (out, softmax_lse (B, H, N_q) fp32,
     None). FA3's keywords: the descales (e4m3 inputs); `qv`, `attention_chunk` and `num_splits`
     other than 0 / 1 are refused by name; `pack_gqa` and `sm_margin` (scheduling hints) are
-    accepted and ignored."""
-    _refuse(dropout_p, qv=qv)
+    accepted and ignored. dropout_p: the module's docstring."""
+    _refuse(qv=qv)
     _refuse_fa3(attention_chunk, num_splits)
     descales = {name: x for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
                                         ("v_descale", v_descale)) if x is not None}
@@ -186,7 +198,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                       window_size=window_size, softcap=softcap, deterministic=deterministic,
                       return_lse=return_attn_probs, variant=variant,
                       forward_options=descales or None, alibi_slopes=alibi_slopes,
-                      sinks=learnable_sink)
+                      sinks=learnable_sink, dropout_p=dropout_p)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -194,22 +206,22 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              deterministic=False, return_attn_probs=False, *, variant=None):
     """flash_attn_func with k and v stacked: kv (B, N_k, 2, H_kv, d) (no copies: k and v are
     views of it, and its gradient is theirs stacked)."""
-    _refuse(dropout_p)
     k, v = kv.unbind(2) if _is_torch(kv) else (kv[:, :, 0], kv[:, :, 1])
     return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *, variant=None):
     """flash_attn_func with q, k, v stacked: qkv (B, N, 3, H, d)."""
-    _refuse(dropout_p)
     q, k, v = qkv.unbind(2) if _is_torch(qkv) else (qkv[:, :, i] for i in range(3))
     return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
                       window_size=window_size, softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p)
 
 
 # --------------------------------------------------------------------------- packed batches
@@ -224,13 +236,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     longest sequences' lengths. The mask applies within each sequence. Returns out (total_q, H,
     d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None). FA3's `seqused_q`,
     `seqused_k`, `qv` and `attention_chunk` are refused by name."""
-    _refuse(dropout_p, block_table=block_table, seqused_q=seqused_q, seqused_k=seqused_k, qv=qv)
+    _refuse(block_table=block_table, seqused_q=seqused_q, seqused_k=seqused_k, qv=qv)
     _refuse_fa3(attention_chunk, num_splits)
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,
                       return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes,
-                      sinks=learnable_sink)
+                      sinks=learnable_sink, dropout_p=dropout_p)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -239,12 +251,12 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     deterministic=False, return_attn_probs=False, *,
                                     variant=None):
     """flash_attn_varlen_func with kv (total_k, 2, H_kv, d)."""
-    _refuse(dropout_p)
     k, v = kv.unbind(1) if _is_torch(kv) else (kv[:, 0], kv[:, 1])
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -252,12 +264,12 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, *, variant=None):
     """flash_attn_varlen_func with qkv (total, 3, H, d) and one cu_seqlens for all three."""
-    _refuse(dropout_p)
     q, k, v = qkv.unbind(1) if _is_torch(qkv) else (qkv[:, i] for i in range(3))
     return _attention(q, k, v, (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes)
+                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p)
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -274,7 +286,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens: (B,) int32, or an int for every sequence, or None (the whole cache). Returns
     out like q, or (out, softmax_lse (B, H, N_q) fp32) with return_softmax_lse. Not differentiable
     (as flash_attn's)."""
-    _refuse(0.0, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+    _refuse(alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     if tuple(window_size) != (-1, -1) or softcap:
         raise NotImplementedError(f"window_size={tuple(window_size)}, softcap={softcap}: the "

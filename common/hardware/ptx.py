@@ -11,6 +11,7 @@ mma_f16_16816 = sm80.mma_f16_16816
 ldmatrix_x4 = sm80.ldmatrix_x4
 ldmatrix_x4_trans = sm80.ldmatrix_x4_trans
 shfl_xor_f32 = sm80.shfl_xor_f32
+shfl_xor_u32 = sm80.shfl_xor_u32
 broadcast_u32 = sm80.broadcast_u32
 syncwarp = sm80.syncwarp
 bar_sync = sm80.bar_sync

@@ -21,7 +21,7 @@ groups, exit checks) and common/hardware/_inline_asm.py (the inline-PTX codegen 
 |--------------------------------------|--------------------------------------------------------|
 | mma_bf16_16816, mma_f16_16816        | mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}       |
 | ldmatrix_x4, ldmatrix_x4_trans       | ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16       |
-| shfl_xor_f32                         | shfl.sync.bfly.b32                                     |
+| shfl_xor_f32, shfl_xor_u32           | shfl.sync.bfly.b32                                     |
 | broadcast_u32                        | shfl.sync.idx.b32 from lane 0: the compiler then knows |
 |                                      | the value is warp-uniform (uniform registers)          |
 | ex2_approx                           | ex2.approx.ftz.f32                                     |
@@ -175,6 +175,10 @@ if SIMULATOR:
     def broadcast_u32(x):
         values, lane = warp_collective(np.uint32(x))
         return np.uint32(values[0])
+
+    def shfl_xor_u32(x, lanemask):
+        values, lane = warp_collective(np.uint32(x))
+        return np.uint32(values[lane ^ int(lanemask)])
 else:
     @intrinsic
     def shfl_xor_f32(typingctx, x, lanemask):
@@ -185,6 +189,18 @@ else:
             m = _as(context, builder, args[1], sig.args[1], types.int32)
             return _asm(builder, _f32, [v, m], "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
                         "=f,f,r", side_effect=True)
+
+        return sig, codegen
+
+    @intrinsic
+    def shfl_xor_u32(typingctx, x, lanemask):
+        sig = types.uint32(x, lanemask)
+
+        def codegen(context, builder, sig, args):
+            v = _as(context, builder, args[0], sig.args[0], types.uint32)
+            m = _as(context, builder, args[1], sig.args[1], types.int32)
+            return _asm(builder, _i32, [v, m], "shfl.sync.bfly.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                        "=r,r,r", side_effect=True)
 
         return sig, codegen
 

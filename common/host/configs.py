@@ -15,7 +15,7 @@ from common.tile import tiles
 # inputs; softcap): set from the problem, never options. `causal` is the band mask of
 # common/tile/masks.py (causal or a sliding window): its bounds are kernel arguments.
 PROBLEM_FIELDS = ("head_dim", "element", "causal", "fp8", "k_block_scales", "softcap", "window",
-                  "varlen", "bottom_right", "alibi", "sinks")
+                  "varlen", "bottom_right", "alibi", "sinks", "dropout")
 
 
 def once_per_config(method):
@@ -106,13 +106,16 @@ def mask_fields(prob, backward=False):
     True) when the band has a left edge, ("softcap", True) when the scores are capped, ("alibi",
     True) and ("sinks", True) for those score terms (problem.with_score_terms; a backward's
     kernels read the sinks only through L: `backward` leaves them out, so that they run the
-    kernels of the call without), and a packed batch's fields; () for none (so the
+    kernels of the call without), ("dropout", True) with dropout on P (fa2: problem.with_dropout),
+    and a packed batch's fields; () for none (so the
     configurations without them keep their keys)."""
     fields = tuple((f, True) for f, on in (("window", prob.band.windowed),
                                            ("softcap", prob.softcapped),
                                            ("alibi", getattr(prob, "alibi", None) is not None),
                                            ("sinks", not backward and
-                                            getattr(prob, "sinks", None) is not None)) if on)
+                                            getattr(prob, "sinks", None) is not None),
+                                           ("dropout", bool(getattr(prob, "dropout_p", 0))))
+                   if on)
     if prob.varlen is not None:   # a packed batch (prepare_varlen): where its diagonal sits
         fields += (("varlen", True), ("bottom_right", prob.varlen.bottom_right))
     return fields

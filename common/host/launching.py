@@ -108,7 +108,8 @@ def launch(kern, grid, block, shared_bytes, stream, *args, programmatic=False):
     if SIMULATOR:
         for a in args:   # what the GPU path below can pass, so that the simulator refuses the rest
             if not isinstance(a, KernelView) and type(a) not in _SCALAR_TYPES:
-                raise TypeError(f"launch takes KernelViews and np.int32 / np.float32 scalars, got "
+                raise TypeError(f"launch takes KernelViews and np.int32 / np.uint32 / np.float32 "
+                                f"scalars, got "
                                 f"{type(a).__name__} {a!r}")
         kern[grid, block, 0, shared_bytes](*(a.array if isinstance(a, KernelView) else a
                                              for a in args))
@@ -161,8 +162,7 @@ class _Launcher:
         # an array: meminfo, parent, size, itemsize (q), data (Q), shape and strides (q); a scalar:
         # its 4 bytes, then 4 of padding
         self.struct = struct.Struct("<" + "".join(
-            f"4qQ{2 * t.ndim}q" if hasattr(t, "ndim") else ("f4x" if str(t) == "float32" else "i4x")
-            for t in sig))
+            f"4qQ{2 * t.ndim}q" if hasattr(t, "ndim") else _SCALAR_FORMATS[str(t)] for t in sig))
         self.words = self.struct.size // 8
         # CuPy's binding of cuLaunchKernel takes plain integers and checks nothing else: ~0.8 us a
         # launch less than cuda-python's, which converts its arguments (a launch is ~4 us).
@@ -196,7 +196,7 @@ class _Launcher:
                 values += layout.head
                 values.append(a.ptr)
                 values += layout.tail
-            else:   # np.int32 / np.float32
+            else:   # np.int32 / np.uint32 / np.float32
                 values.append(a)
         self.struct.pack_into(words, 0, *values)
 
@@ -324,7 +324,8 @@ def _check(result):
 def _scalar_types():
     import numpy as np
     from numba import types
-    return {np.int32: types.int32, np.float32: types.float32}
+    return {np.int32: types.int32, np.uint32: types.uint32, np.float32: types.float32}
 
 
 _SCALAR_TYPES = _scalar_types()
+_SCALAR_FORMATS = {"int32": "i4x", "uint32": "I4x", "float32": "f4x"}   # struct: 4 bytes + padding

@@ -18,7 +18,7 @@ from numba import types
 from common.hardware import elements
 from common.host import arrays
 from common.host.launching import KernelView
-from common.tile import masks, tiles
+from common.tile import dropout, masks, tiles
 
 _BSHD_TO_BHSD = (0, 2, 1, 3)
 HALF_DTYPES = ("float16", "bfloat16")
@@ -33,6 +33,9 @@ MASK_TYPES = (types.int32, types.int32, types.float32)   # AttentionProblem.mask
 SEQS_TYPE = types.Array(types.int32, 1, "C")      # cu_seqlens_q, cu_seqlens_k (varlen)
 F32_VEC = types.Array(types.float32, 1, "C")
 SCORE_TYPES = (F32_VEC, types.int32, types.int32, F32_VEC)   # AttentionProblem.score_args()
+# AttentionProblem.dropout_args(): seed (lo, hi), offset (lo, hi), the 8-bit keep threshold,
+# 1 / (1 - p), and the mask's column groups a row (common/tile/dropout.py)
+DROPOUT_TYPES = (types.uint32,) * 5 + (types.float32, types.int32)
 
 
 @dataclass
@@ -79,6 +82,10 @@ class AttentionProblem:
     alibi_stride: int = 0
     alibi_shift: int = 0
     sinks: object = None
+    # dropout on P (with_dropout): its probability and the Philox seed and offset of the call
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_offset: int = 0
 
     @property
     def element(self):
@@ -124,6 +131,16 @@ class AttentionProblem:
             alibi = empty if alibi is None else alibi
             sinks = empty if sinks is None else sinks
         return alibi, np.int32(self.alibi_stride), np.int32(self.alibi_shift), sinks
+
+    def dropout_args(self):
+        """The kernels' dropout arguments (fa2's forward and backward kernels): the Philox seed and
+        offset as 32-bit halves, the keep threshold, 1 / (1 - p) and the mask's column groups (of
+        the longest key sequence: common/tile/dropout.py); zeros (never read) without dropout."""
+        if not self.dropout_p:
+            return _NO_DROPOUT
+        n_k = self.n_k if self.varlen is None else self.varlen.max_k
+        return dropout.rng_args(self.dropout_seed, self.dropout_offset, self.dropout_p) + \
+            (np.int32(dropout.column_groups(n_k)),)
 
     def result(self):
         return self.o_out, self.lse_out
@@ -280,6 +297,29 @@ def with_score_terms(prob, alibi_slopes=None, sinks=None, align=masks.BOTTOM_RIG
     if sinks is not None:
         prob.sinks = arrays.bits_view(_score_vector(prob, sinks, "sinks", ((prob.heads,),)),
                                       np.float32)
+    return prob
+
+
+_NO_DROPOUT = (np.uint32(0),) * 5 + (np.float32(1), np.int32(0))
+
+
+def with_dropout(prob, dropout_p=0.0, seed=0, offset=0, variant="fa2"):
+    """prob with dropout on P (probability dropout_p, 0 <= p < 1) drawn from Philox with this
+    seed and offset (common/tile/dropout.py; the same three give the same mask, forward and
+    backward), checked, in place."""
+    if not dropout_p:
+        return prob
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a probability in [0, 1), got {dropout_p!r}")
+    for name, value in (("dropout_seed", seed), ("dropout_offset", offset)):
+        if not isinstance(value, (int, np.integer)) or not 0 <= int(value) < 1 << 64:
+            raise ValueError(f"{name} must be an integer in [0, 2^64), got {value!r}")
+    if prob.is_fp8:
+        raise ValueError(f"{variant}: dropout takes 16-bit inputs, not FP8")
+    n_q, n_k = (prob.n_q, prob.n_k) if prob.varlen is None else \
+        (prob.varlen.max_q, prob.varlen.max_k)
+    dropout.check_groups(n_q, n_k)
+    prob.dropout_p, prob.dropout_seed, prob.dropout_offset = float(dropout_p), int(seed), int(offset)
     return prob
 
 

@@ -37,6 +37,7 @@ kernel launched directly, a Numba or CuPy copy or fill, a host read through them
 must do its device work through `launching.launch` and torch; a body that does not must not be
 wrapped (the variable-length and decoding paths, which read lengths back, are not).
 """
+import atexit
 import functools
 import os
 import sys
@@ -346,6 +347,7 @@ def _allocations_mode():
 
 _REFUSALS = []   # why recent recordings made no plan (read by tests/test_call_path.py)
 _first_use = None   # the thread running the first use of a dispatch mode (_first_use_apart)
+FIRST_USE_EXIT_WAIT = 15.0   # seconds an exiting process waits for that thread
 _first_use_lock = threading.Lock()
 
 
@@ -357,18 +359,21 @@ def _dispatch_ready():
     that waited for it would stall a training loop's second step. Calls go the ordinary path
     (every check, ~ms of host time) until it is done, and the next one is recorded. Where
     torch._dynamo is imported already (torch.compile ran), there is nothing to wait for. The
-    thread is not a daemon: a process that ends during the import waits for it (at most the
-    import's few seconds) rather than tearing it down half done."""
+    thread is a daemon that the process's exit waits for up to FIRST_USE_EXIT_WAIT seconds (an
+    atexit join): an exit during the import lets it finish, and an import that never finishes
+    cannot hold the process (as a non-daemon thread did: pytest-xdist workers on the GPU host,
+    every test passed, never exited)."""
     global _first_use
     if _first_use is None:
         with _first_use_lock:
             if _first_use is None:
                 if "torch._dynamo" in sys.modules:
-                    _first_use = threading.Thread(target=lambda: None)
+                    _first_use = threading.Thread(target=lambda: None, daemon=True)
                 else:
                     _first_use = threading.Thread(target=_first_use_apart,
                                                   args=(_allocations_mode,),
-                                                  name="replay: first dispatch mode")
+                                                  name="replay: first dispatch mode", daemon=True)
+                    atexit.register(_first_use.join, FIRST_USE_EXIT_WAIT)
                 _first_use.start()
     return not _first_use.is_alive()
 

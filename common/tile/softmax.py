@@ -260,17 +260,21 @@ def recompute_p_columns(s, lse2, lane, scale_log2, col0=0):
 
 
 @device_function
-def grad_columns(p, dp, d_vec, lane, col0=0):
+def grad_columns(p, dp, d_vec, lane, col0=0, signed=False):
     """dP^T <- dS^T = P^T o (dP^T - D) in place, D = rowsum(dO o O) a shared array over the
-    block's columns (queries), col0 the warp's first."""
+    block's columns (queries), col0 the warp's first. signed: P^T's sign carries dropout's mask
+    (common/tile/dropout.py: drop_transposed), so |P^T| is the probability."""
     t2 = col0 + 2 * (lane & 3)
     for n in range(p.shape[1]):
         d0 = d_vec[n * 8 + t2]
         d1 = d_vec[n * 8 + t2 + 1]
         for m in range(p.shape[0]):
             for h in range(2):
-                dp[m, n, 2 * h] = p[m, n, 2 * h] * (dp[m, n, 2 * h] - d0)
-                dp[m, n, 2 * h + 1] = p[m, n, 2 * h + 1] * (dp[m, n, 2 * h + 1] - d1)
+                p0, p1 = p[m, n, 2 * h], p[m, n, 2 * h + 1]
+                if signed:
+                    p0, p1 = abs(p0), abs(p1)
+                dp[m, n, 2 * h] = p0 * (dp[m, n, 2 * h] - d0)
+                dp[m, n, 2 * h + 1] = p1 * (dp[m, n, 2 * h + 1] - d1)
 
 
 @device_function

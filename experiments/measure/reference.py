@@ -6,7 +6,9 @@
     S[i, j] = -inf where key j is outside query i's band (causal, window_size: common/tile/masks.py),
     sinks ((H,), gpt-oss's learnable attention sinks): a logit s_h of no value joining each row's
     normaliser,
-    LSE[i] = log sum_j exp(S[i, j])  (+ exp(s_h) with sinks),  O = exp(S - LSE) V.
+    LSE[i] = log sum_j exp(S[i, j])  (+ exp(s_h) with sinks),  O = exp(S - LSE) V,
+    dropout (dropout_p, dropout_mask Z (B, H, N_q, N_k) bool): O = (Z o P / (1 - p)) V, LSE as
+    without (common/tile/dropout.py's keep_mask gives the kernels' Z).
 
 Layouts are flash_attn_func's: q (B, N_q, H, d), k and v (B, N_k, H_kv, d) with H a multiple of
 H_kv (grouped-query attention: query head h reads K/V head h // (H / H_kv)). Returns O (B, N_q, H, d)
@@ -49,7 +51,8 @@ def alibi_bias(slopes, batch, heads, rows, n_k, n_q, align):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_size=(-1, -1),
-              softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None):
+              softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None,
+              dropout_p=0.0, dropout_mask=None):
     """float64 attention. `rows` (optional int array) restricts the output to those query rows,
     which makes checking long sequences cheap: each row's result is exact on its own."""
     b, n_q, h, d = q.shape
@@ -64,7 +67,19 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_si
     ok = visible(rows, k.shape[1], causal, window_size, align, n_q)
     bias = alibi_bias(alibi_slopes, b, h, rows, k.shape[1], n_q, align)
     p, lse, _ = softmax_rows(qh @ kh, ok, softmax_scale, softcap, bias, sinks)
+    p = dropped(p, dropout_p, dropout_mask, rows)
     return (p @ vh).transpose(0, 2, 1, 3), lse
+
+
+def dropped(x, dropout_p, dropout_mask, rows):
+    """x (B, H, len(rows), N_k) times Z / (1 - p); x without a mask. The mask: every query row's
+    (N_q of them: the rows' part taken) or the rows' own (len(rows), as keep_mask(rows=) makes)."""
+    if dropout_mask is None:
+        return x
+    z = np.asarray(dropout_mask)
+    if z.shape[2] != len(rows):
+        z = z[:, :, rows]
+    return x * z / (1.0 - dropout_p)
 
 
 def softmax_rows(qk, ok, softmax_scale, softcap=0.0, bias=0.0, sinks=None):
@@ -96,10 +111,11 @@ def softmax_rows(qk, ok, softmax_scale, softcap=0.0, bias=0.0, sinks=None):
 
 def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_rows=1024,
                        window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT,
-                       alibi_slopes=None, sinks=None):
+                       alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_mask=None):
     """float64 gradients (dq, dk, dv) of sum(O * dO) for O = attention(q, k, v): with P the
     softmax, dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(dO o O)) (times 1 - tanh^2 with a
-    softcap), dQ = scale dS K, dK = scale dS^T Q; K/V heads shared by a group of query heads sum
+    softcap; with dropout, P_Z = Z o P / (1 - p): dV = P_Z^T dO, dP = Z o dO V^T / (1 - p), O and
+    so D from P_Z), dQ = scale dS K, dK = scale dS^T Q; K/V heads shared by a group of query heads sum
     the group's gradients. ALiBi's bias is no function of the scores (dS unchanged). With sinks
     the sink's share of each row, P_sink = exp(s_h - LSE), gives d s_h = -sum P_sink rowsum(dO o O)
     (its dP is 0: the sink has no value), returned as a fourth gradient (H,).
@@ -125,10 +141,11 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
         bias = alibi_bias(alibi_slopes, b, h, rows, n_k, n_q, align)
         p, lse, cap_grad = softmax_rows(qb @ kh.transpose(0, 1, 3, 2), ok, softmax_scale,
                                         softcap, bias, sinks)
-        ob = p @ vh
-        dv += p.transpose(0, 1, 3, 2) @ dob
+        p_z = dropped(p, dropout_p, dropout_mask, rows)
+        ob = p_z @ vh
+        dv += p_z.transpose(0, 1, 3, 2) @ dob
         d_rows = (dob * ob).sum(axis=-1, keepdims=True)
-        ds = p * (dob @ vh.transpose(0, 1, 3, 2) - d_rows)
+        ds = p * (dropped(dob @ vh.transpose(0, 1, 3, 2), dropout_p, dropout_mask, rows) - d_rows)
         if sinks is not None:
             p_sink = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)   # (B, H, rows)
             dsinks -= (p_sink * d_rows[..., 0]).sum(axis=(0, 2))

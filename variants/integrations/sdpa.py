@@ -115,7 +115,7 @@ def _forward(run, query, key, value, dropout_p=0.0, is_causal=False, return_debu
     import torch
 
     from variants import flash_attn, registry
-    q, k, v, d = flash_attn._pad_head_dims(_bnhd(query), _bnhd(key), _bnhd(value))
+    q, k, v, d, _ = flash_attn._pad_head_dims(_bnhd(query), _bnhd(key), _bnhd(value))
     scale = d ** -0.5 if scale is None else scale
     o, lse = registry.forward(q, k, v, variant=flash_attn.default_variant(query),
                               causal=is_causal, softmax_scale=scale)
@@ -133,8 +133,8 @@ def _backward(run, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
         return why
     from variants import flash_attn, registry
     d = query.shape[-1]
-    q, k, v, _ = flash_attn._pad_head_dims(_bnhd(query), _bnhd(key), _bnhd(value))
-    o, do, _, _ = flash_attn._pad_head_dims(_bnhd(out), _bnhd(grad_out), _bnhd(out))
+    q, k, v, _, _ = flash_attn._pad_head_dims(_bnhd(query), _bnhd(key), _bnhd(value))
+    o, do, _, _, _ = flash_attn._pad_head_dims(_bnhd(out), _bnhd(grad_out), _bnhd(out))
     scale = d ** -0.5 if scale is None else scale
     dq, dk, dv = registry.backward(do.contiguous(), q, k, v, o, logsumexp,
                                    variant=flash_attn.default_variant(query), causal=is_causal,

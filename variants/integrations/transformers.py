@@ -24,8 +24,9 @@ The name holds no "flash": transformers would then look for the flash-attn packa
   decode kernel (variants/decoding.py) with no read-back; everything else (and every call under
   torch.compile, which transformers uses for a StaticCache's decode steps) flash_attn_func's path
   (fa3 on sm_90, fa2 elsewhere, torch custom operators while compiling), differentiable;
-- what the kernels cannot do is refused by name: attention dropout in training,
-  `output_attentions`, chunked attention (Llama 4's `attention_chunk_size`; its mask
+- attention dropout in training (`config.attention_dropout`) is fa2's in-kernel dropout (torch's
+  generator gives its seed: common/tile/dropout.py);
+- what the kernels cannot do is refused by name: `output_attentions`, chunked attention (Llama 4's `attention_chunk_size`; its mask
   function is not transformers' to apply here). Padded batches and packed detection read
   values back (as transformers' own flash path does), so they break a `fullgraph=True` compile.
 """
@@ -65,9 +66,6 @@ def _compute_dtype(query, module):
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention-function signature: (out (B, N_q, H, d), None)."""
-    if dropout:
-        raise NotImplementedError(f"attention dropout {dropout} in training: not built yet; set "
-                                  "config.attention_dropout = 0")
     if kwargs.get("output_attentions"):
         raise NotImplementedError("output_attentions=True: the kernels never form the "
                                   "attention matrix; use attn_implementation='eager'")
@@ -87,6 +85,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     mask = dict(softmax_scale=scaling, causal=causal, window_size=window,
                 softcap=softcap or 0.0)
+    if dropout:   # attention dropout in training (transformers passes 0.0 in eval): fa2's kernels
+        mask["dropout_p"] = float(dropout)
     if s_aux is not None:   # gpt-oss's sinks, (H,) in the model's dtype: fp32 for the kernels
         mask["learnable_sink"] = s_aux
     out = _attend(q, k, v, attention_mask, mask, kwargs)
@@ -125,7 +125,7 @@ def _decodes(q, k, mask):
     n_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     return (n_q <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad
             and mask["window_size"] == (-1, -1) and not mask["softcap"]
-            and mask.get("learnable_sink") is None
+            and mask.get("learnable_sink") is None and not mask.get("dropout_p")
             and head_dim in decoding.HEAD_DIMS
             and (heads // k.shape[2]) * n_q <= decoding.MAX_ROWS and not _compiling())
 
