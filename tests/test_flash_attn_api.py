@@ -36,6 +36,26 @@ def test_flash_attn_func_is_exact(rng, mask):
     check_forward(out, lse, q, k, v, **mask)
 
 
+@pytest.mark.parametrize("n_q, n_k, chunk, mask", [
+    (N, N, 16, dict(causal=True)),                        # Llama 4's: causal within 16-key chunks
+    (N, N, 24, dict()),                                   # block-diagonal, a short last chunk
+    (N // 2, N + 3, 16, dict(causal=True, window_size=(10, 0))),   # queries at the last positions
+], ids=["causal", "full", "rectangular_window"])
+def test_attention_chunk_is_exact(rng, n_q, n_k, chunk, mask):
+    """FA3's attention_chunk: each query sees only its chunk's keys (chunks of the key positions,
+    the query at its bottom-right position), within the mask; GQA; against float64 with that
+    mask, and not equal to the call without chunks."""
+    q, k, v = inputs.random_qkv(rng, 2, n_q, 4, 64, DTYPE, seqlen_k=n_k, heads_kv=2)
+    out = fa.flash_attn_func(*device(q, k, v), attention_chunk=chunk, **mask)
+    assert tuple(out.shape) == q.shape
+    lse0 = np.zeros((2, 4, n_q))
+    ref_o, _ = reference.attention(q, k, v, attention_chunk=chunk, **mask)
+    got = checks.compare(inputs.to_host(out), lse0, ref_o, lse0, DTYPE)
+    assert got["ok"], checks.describe_failure(got)
+    plain, _ = reference.attention(q, k, v, **mask)
+    assert not checks.compare(inputs.to_host(out), lse0, plain, lse0, DTYPE)["ok"]
+
+
 def test_packed_forms_equal_the_unpacked_call(rng):
     """qkvpacked (B, N, 3, H, d) and kvpacked (B, N, 2, H_kv, d) read their q, k, v as views of
     the stacked array: the same bits as flash_attn_func on the separate arrays."""
@@ -98,8 +118,8 @@ def test_with_kvcache_appends_and_attends(rng):
      "window_size=(8, 0)"),
     (lambda a: fa.flash_attn_func(a[:, :, :, :20], a[:, :, :, :20], a[:, :, :, :20]), ValueError,
      "head_dim 20"),
-    (lambda a: fa.flash_attn_func(a, a, a, attention_chunk=64), NotImplementedError,
-     "attention_chunk=64"),
+    (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, attention_chunk=64),
+     NotImplementedError, "attention_chunk=64"),
     (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, seqused_k=a), NotImplementedError,
      "seqused_k"),
 ], ids=["dropout", "kvcache_alibi", "block_table", "rotary", "kvcache_window", "unpadded_head_dim",
@@ -189,6 +209,25 @@ def test_torch_dropout_is_exact_and_reproducible(rng, causal):
     assert not torch.equal(again, out)
     torch.manual_seed(1234)
     assert torch.equal(fa.flash_attn_func(tq, tk, tv, dropout_p=p, causal=causal), out)
+
+
+@pytest.mark.gpu
+def test_torch_attention_chunk_gradients(rng):
+    """attention_chunk on torch tensors: out, softmax_lse and dq, dk, dv against float64 with the
+    chunked mask (keys of a chunk no query reaches get zero gradients)."""
+    torch = _torch()
+    q, k, v = inputs.random_qkv(rng, 2, 300, 4, 64, DTYPE, seqlen_k=520, heads_kv=2)
+    tq, tk, tv = (inputs.to_device(x, "torch").requires_grad_() for x in (q, k, v))
+    out, lse, _ = fa.flash_attn_func(tq, tk, tv, causal=True, attention_chunk=128,
+                                     return_attn_probs=True)
+    do = rng.standard_normal(out.shape).astype(inputs.DTYPES[DTYPE])
+    out.backward(inputs.to_device(do, "torch"))
+    ref_o, ref_lse = reference.attention(q, k, v, causal=True, attention_chunk=128)
+    got = checks.compare(inputs.to_host(out), inputs.to_host(lse), ref_o, ref_lse, DTYPE)
+    assert got["ok"], checks.describe_failure(got)
+    ref = reference.attention_backward(q, k, v, do, causal=True, attention_chunk=128)
+    grads = checks.compare_gradients([inputs.to_host(t.grad) for t in (tq, tk, tv)], ref, DTYPE)
+    assert grads["ok"], grads
 
 
 @pytest.mark.gpu

@@ -24,8 +24,11 @@ third, flash_attn's dropout-mask debug tensor, is only filled there when dropout
 kernels from torch's CUDA generator (`torch.manual_seed` reproduces it; the backward regenerates
 it), kept values scaled by 1 / (1 - p) (common/tile/dropout.py; its `keep_mask` is the mask, for
 tests: `return_attn_probs` gives no S_dmask).
+FA3's `attention_chunk` (Llama 4's chunked local attention) in flash_attn_func: a packed batch of
+the chunks (exact, the chunks' blocks only).
 What they refuse, naming the argument: a `block_table` in the
-varlen forward, FA3's `qv`, `attention_chunk`, `seqused_q` / `seqused_k` and `num_splits` > 1,
+varlen forward, FA3's `qv`, `attention_chunk` in a packed batch, `seqused_q` / `seqused_k` and
+`num_splits` > 1,
 and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx` and
 `cache_leftpad` (variants.decode does not take them yet).
 """
@@ -75,11 +78,12 @@ def _refuse(**others):
             raise NotImplementedError(f"{name}: not supported by variants' flash_attn functions yet")
 
 
-def _refuse_fa3(attention_chunk, num_splits):
-    """NotImplementedError for FA3's options the kernels cannot honour yet."""
+def _refuse_fa3(num_splits, attention_chunk=0):
+    """NotImplementedError for FA3's options the kernels cannot honour yet (attention_chunk: in a
+    packed batch; flash_attn_func takes it)."""
     if attention_chunk:
-        raise NotImplementedError(f"attention_chunk={attention_chunk} (chunked local attention): "
-                                  "not built yet")
+        raise NotImplementedError(f"attention_chunk={attention_chunk} (chunked local attention) in "
+                                  "a packed batch: not built yet (flash_attn_func takes it)")
     if num_splits not in (0, 1):
         raise NotImplementedError(f"num_splits={num_splits}: the forward splits no keys (the "
                                   "split-KV kernel is flash_attn_with_kvcache's)")
@@ -187,18 +191,67 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     fp32): scores minus slope |i + N_k - N_q - j|; learnable_sink ((H,) fp32, FA4's keyword,
     differentiable): a logit a head joining each row's softmax (gpt-oss). A row that sees no key
     is 0. Returns out (B, N_q, H, d), or with return_attn_probs (out, softmax_lse (B, H, N_q) fp32,
-    None). FA3's keywords: the descales (e4m3 inputs); `qv`, `attention_chunk` and `num_splits`
-    other than 0 / 1 are refused by name; `pack_gqa` and `sm_margin` (scheduling hints) are
+    None). FA3's keywords: the descales (e4m3 inputs); attention_chunk = C > 0 (Llama 4's
+    chunked local attention: each query sees the keys of its C-key chunk only, `_chunked`); `qv`
+    and `num_splits` other than 0 / 1 are refused by name; `pack_gqa` and `sm_margin` (scheduling hints) are
     accepted and ignored. dropout_p: the module's docstring."""
     _refuse(qv=qv)
-    _refuse_fa3(attention_chunk, num_splits)
+    _refuse_fa3(num_splits)
     descales = {name: x for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
                                         ("v_descale", v_descale)) if x is not None}
-    return _attention(q, k, v, None, softmax_scale=softmax_scale, causal=causal,
-                      window_size=window_size, softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant,
-                      forward_options=descales or None, alibi_slopes=alibi_slopes,
-                      sinks=learnable_sink, dropout_p=dropout_p)
+    run = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+               softcap=softcap, deterministic=deterministic, return_lse=return_attn_probs,
+               variant=variant, forward_options=descales or None, alibi_slopes=alibi_slopes,
+               sinks=learnable_sink, dropout_p=dropout_p)
+    if attention_chunk and attention_chunk < k.shape[1]:
+        return _chunked(q, k, v, int(attention_chunk), run)
+    return _attention(q, k, v, None, **run)
+
+
+def _chunked(q, k, v, chunk, run):
+    """FA3's attention_chunk = C (Llama 4's chunked local attention): query i, at key position
+    p = i + N_k - N_q, sees only the keys of its chunk, C floor(p / C) .. C floor(p / C) + C - 1,
+    within its mask. Each chunk is then an attention of its own: its keys and the queries placed
+    in it, bottom-right aligned (the queries of a chunk end at its last key, or at N_k), with
+    distances, windows and the causal diagonal as in the whole. So the call is one packed batch of
+    those pairs (flash_attn_varlen_func's path; a chunk no query reaches: a sequence of none),
+    over views of q, k, v: the kernels visit the chunks' blocks only, exact, no kernel of its own.
+    Returns what flash_attn_func returns (o (B, N_q, H, d); softmax_lse (B, H, N_q))."""
+    import numpy as np
+    batch, n_q, heads, d = (int(x) for x in tuple(q.shape))
+    n_k = int(tuple(k.shape)[1])
+    shift = n_k - n_q
+    if chunk < 1 or shift < 0:
+        raise NotImplementedError(f"attention_chunk={chunk}: takes a positive chunk and N_q <= N_k "
+                                  f"(got N_q={n_q}, N_k={n_k})")
+    slopes = run.get("alibi_slopes")
+    if slopes is not None and len(tuple(slopes.shape)) == 2:
+        raise NotImplementedError("attention_chunk with alibi_slopes of shape (B, H): not built "
+                                  "yet ((H,) slopes are taken)")
+    if run["return_lse"] and not _is_torch(q):
+        raise NotImplementedError("attention_chunk with return_attn_probs takes torch tensors")
+    n_chunks = -(-n_k // chunk)
+    starts_k = np.minimum(np.arange(n_chunks) * chunk, n_k)
+    starts_q = np.clip(starts_k - shift, 0, n_q)
+    cu_k = (np.arange(batch)[:, None] * n_k + starts_k[None, :]).ravel()
+    cu_q = (np.arange(batch)[:, None] * n_q + starts_q[None, :]).ravel()
+    cu_k = np.append(cu_k, batch * n_k).astype(np.int32)
+    cu_q = np.append(cu_q, batch * n_q).astype(np.int32)
+    max_q = int(np.diff(np.append(starts_q, n_q)).max())
+    if _is_torch(q):
+        import torch
+        cu_q, cu_k = (torch.from_numpy(x).to(q.device) for x in (cu_q, cu_k))
+    else:
+        from common.host import arrays
+        library = arrays.describe(q, "q").library
+        cu_q, cu_k = (arrays.to_device(x, library) for x in (cu_q, cu_k))
+    flat = [x.reshape(batch * int(tuple(x.shape)[1]), *tuple(x.shape)[2:]) for x in (q, k, v)]
+    out = _attention(*flat, (cu_q, cu_k, max_q, min(chunk, n_k)), **run)
+    if not run["return_lse"]:
+        return out.reshape(batch, n_q, *tuple(out.shape)[1:])
+    o, lse, probs = out
+    return (o.reshape(batch, n_q, *tuple(o.shape)[1:]),
+            lse.reshape(heads, batch, n_q).permute(1, 0, 2).contiguous(), probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -237,7 +290,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None). FA3's `seqused_q`,
     `seqused_k`, `qv` and `attention_chunk` are refused by name."""
     _refuse(block_table=block_table, seqused_q=seqused_q, seqused_k=seqused_k, qv=qv)
-    _refuse_fa3(attention_chunk, num_splits)
+    _refuse_fa3(num_splits, attention_chunk)
     return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                       softcap=softcap, deterministic=deterministic,

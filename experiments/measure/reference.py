@@ -21,9 +21,11 @@ import numpy as np
 from common.tile import masks
 
 
-def visible(rows, n_k, causal, window_size, align, n_q):
+def visible(rows, n_k, causal, window_size, align, n_q, attention_chunk=0):
     """Boolean (len(rows), N_k): which keys each query row sees, written from the definition in
-    common/tile/masks.py (not from its band arithmetic, which this checks)."""
+    common/tile/masks.py (not from its band arithmetic, which this checks); attention_chunk = C
+    (FA3's, Llama 4's chunked attention): only the keys of the query's C-key chunk
+    (variants/flash_attn.py: _chunked)."""
     left, right = window_size
     shift = n_k - n_q if align == masks.BOTTOM_RIGHT else 0
     c = np.arange(n_k)[None, :]
@@ -35,6 +37,8 @@ def visible(rows, n_k, causal, window_size, align, n_q):
         ok &= c >= r - left
     if right >= 0:
         ok &= c <= r + right
+    if attention_chunk:
+        ok &= (c // attention_chunk) == (r // attention_chunk)
     return ok
 
 
@@ -52,7 +56,7 @@ def alibi_bias(slopes, batch, heads, rows, n_k, n_q, align):
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_size=(-1, -1),
               softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None,
-              dropout_p=0.0, dropout_mask=None):
+              dropout_p=0.0, dropout_mask=None, attention_chunk=0):
     """float64 attention. `rows` (optional int array) restricts the output to those query rows,
     which makes checking long sequences cheap: each row's result is exact on its own."""
     b, n_q, h, d = q.shape
@@ -64,7 +68,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_si
     qh = np.asarray(q, dtype=np.float64)[:, rows].transpose(0, 2, 1, 3)          # (B, H, r, d)
     kh = np.repeat(np.asarray(k, dtype=np.float64), group, axis=2).transpose(0, 2, 3, 1)  # (B, H, d, N_k)
     vh = np.repeat(np.asarray(v, dtype=np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (B, H, N_k, d)
-    ok = visible(rows, k.shape[1], causal, window_size, align, n_q)
+    ok = visible(rows, k.shape[1], causal, window_size, align, n_q, attention_chunk)
     bias = alibi_bias(alibi_slopes, b, h, rows, k.shape[1], n_q, align)
     p, lse, _ = softmax_rows(qh @ kh, ok, softmax_scale, softcap, bias, sinks)
     p = dropped(p, dropout_p, dropout_mask, rows)
@@ -111,7 +115,8 @@ def softmax_rows(qk, ok, softmax_scale, softcap=0.0, bias=0.0, sinks=None):
 
 def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_rows=1024,
                        window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT,
-                       alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_mask=None):
+                       alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_mask=None,
+                       attention_chunk=0):
     """float64 gradients (dq, dk, dv) of sum(O * dO) for O = attention(q, k, v): with P the
     softmax, dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(dO o O)) (times 1 - tanh^2 with a
     softcap; with dropout, P_Z = Z o P / (1 - p): dV = P_Z^T dO, dP = Z o dO V^T / (1 - p), O and
@@ -137,7 +142,7 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
     for r0 in range(0, n_q, block_rows):
         rows = np.arange(r0, min(n_q, r0 + block_rows))
         qb, dob = qh[:, :, rows], doh[:, :, rows]
-        ok = visible(rows, n_k, causal, window_size, align, n_q)
+        ok = visible(rows, n_k, causal, window_size, align, n_q, attention_chunk)
         bias = alibi_bias(alibi_slopes, b, h, rows, n_k, n_q, align)
         p, lse, cap_grad = softmax_rows(qb @ kh.transpose(0, 1, 3, 2), ok, softmax_scale,
                                         softcap, bias, sinks)
