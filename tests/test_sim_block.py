@@ -84,14 +84,15 @@ def test_dynamic_shared_memory_starts_as_nan():
 
 
 def test_launch_takes_only_what_the_gpu_path_passes():
-    """launching.launch packs KernelViews and np.int32 / np.float32 scalars for cuLaunchKernel; the
-    simulator refuses any other argument too, so a call the GPU path cannot make fails in CI (a
-    np.uint32 fill value did: it passed the simulator and raised KeyError on the GPU)."""
+    """launching.launch packs KernelViews and np.int32 / np.uint32 / np.float32 scalars for
+    cuLaunchKernel; the simulator refuses any other argument too, so a call the GPU path cannot
+    make fails in CI (a np.uint32 fill value did, before the GPU path took uint32: it passed the
+    simulator and raised KeyError on the GPU)."""
     from common.host import arrays, launching
     out = np.zeros(64, np.float32)
     view = arrays.bits_view(arrays.describe(cuda.to_device(out)), np.float32)
-    with pytest.raises(TypeError, match="np.int32 / np.float32 scalars, got uint32"):
-        launching.launch(rotate_through_shared, 1, 64, 0, 0, view, np.uint32(1))
+    with pytest.raises(TypeError, match="np.uint32 / np.float32 scalars, got int64"):
+        launching.launch(rotate_through_shared, 1, 64, 0, 0, view, np.int64(1))
     with pytest.raises(TypeError, match="got int"):
         launching.launch(rotate_through_shared, 1, 64, 0, 0, view, 1)
     launching.launch(rotate_through_shared, 1, 64, 0, 0, view, np.int32(1))
