@@ -89,6 +89,38 @@ def test_varlen_forms_are_exact_per_sequence(rng):
         assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
 
 
+@pytest.mark.parametrize("seqused, chunk", [(True, 0), (False, 16), (True, 8)],
+                         ids=["seqused", "attention_chunk", "both"])
+def test_varlen_seqused_and_attention_chunk(rng, seqused, chunk):
+    """flash_attn_varlen_func with FA3's seqused_q / seqused_k (sequence b: its first seqused[b]
+    queries and keys, the other query rows 0 with LSE -inf) and attention_chunk (within the used
+    part): each sequence against float64 on its used rows."""
+    lengths = [(17, 40), (30, 30), (9, 12)]
+    # (30, 20): more queries than keys, bottom-right (rows that see no key); chunks take N_q <= N_k
+    used = [(10, 25), (18 if chunk else 30, 20), (9, 12)] if seqused else lengths
+    cu_q = np.concatenate([[0], np.cumsum([n for n, _ in lengths])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([n for _, n in lengths])]).astype(np.int32)
+    q = inputs.random_qkv(rng, 1, int(cu_q[-1]), 4, 64, DTYPE)[0][0]
+    _, k, v = (x[0] for x in inputs.random_qkv(rng, 1, int(cu_k[-1]), 2, 64, DTYPE))
+    extra = {}
+    if seqused:
+        extra = dict(zip(("seqused_q", "seqused_k"),
+                         device(*(np.array(u, np.int32) for u in zip(*used)))))
+    out, lse, _ = fa.flash_attn_varlen_func(
+        *device(q, k, v, cu_q, cu_k), max(n for n, _ in lengths), max(n for _, n in lengths),
+        causal=True, attention_chunk=chunk, return_attn_probs=True, **extra)
+    out, lse = inputs.to_host(out), inputs.to_host(lse)
+    for b, (uq, uk) in enumerate(used):
+        rows = slice(cu_q[b], cu_q[b] + uq)
+        keys = slice(cu_k[b], cu_k[b] + uk)
+        ref_o, ref_lse = reference.attention(q[None, rows], k[None, keys], v[None, keys],
+                                             causal=True, attention_chunk=chunk)
+        got = checks.compare(out[None, rows], lse[None, :, rows], ref_o, ref_lse, DTYPE)
+        assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
+        unused = slice(cu_q[b] + uq, cu_q[b + 1])
+        assert not out[unused].astype(np.float32).any() and np.isneginf(lse[:, unused]).all()
+
+
 def test_with_kvcache_appends_and_attends(rng):
     """flash_attn_with_kvcache with an int cache_seqlens: k, v written into the cache at that
     position (in place), then each new token attends to the cache up to its own position."""
@@ -118,12 +150,9 @@ def test_with_kvcache_appends_and_attends(rng):
      "window_size=(8, 0)"),
     (lambda a: fa.flash_attn_func(a[:, :, :, :20], a[:, :, :, :20], a[:, :, :, :20]), ValueError,
      "head_dim 20"),
-    (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, attention_chunk=64),
-     NotImplementedError, "attention_chunk=64"),
-    (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, seqused_k=a), NotImplementedError,
-     "seqused_k"),
+    (lambda a: fa.flash_attn_func(a, a, a, qv=a), NotImplementedError, "qv"),
 ], ids=["dropout", "kvcache_alibi", "block_table", "rotary", "kvcache_window", "unpadded_head_dim",
-        "attention_chunk", "seqused_k"])
+        "qv"])
 def test_what_is_refused_is_named(call, error, words):
     """Nothing is launched: the argument is refused before any kernel, by name (a CuPy or Numba
     array whose head_dim the kernels do not take must come padded; torch tensors are padded

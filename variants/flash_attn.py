@@ -24,11 +24,11 @@ third, flash_attn's dropout-mask debug tensor, is only filled there when dropout
 kernels from torch's CUDA generator (`torch.manual_seed` reproduces it; the backward regenerates
 it), kept values scaled by 1 / (1 - p) (common/tile/dropout.py; its `keep_mask` is the mask, for
 tests: `return_attn_probs` gives no S_dmask).
-FA3's `attention_chunk` (Llama 4's chunked local attention) in flash_attn_func: a packed batch of
-the chunks (exact, the chunks' blocks only).
+FA3's `attention_chunk` (Llama 4's chunked local attention) and, in the varlen functions,
+`seqused_q` / `seqused_k`: a packed batch of other sequences over the same rows (the chunks; the
+used rows, the unused queries with no key, the unused keys with no query), exact.
 What they refuse, naming the argument: a `block_table` in the
-varlen forward, FA3's `qv`, `attention_chunk` in a packed batch, `seqused_q` / `seqused_k` and
-`num_splits` > 1,
+varlen forward, FA3's `qv` and `num_splits` > 1,
 and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx` and
 `cache_leftpad` (variants.decode does not take them yet).
 """
@@ -78,12 +78,8 @@ def _refuse(**others):
             raise NotImplementedError(f"{name}: not supported by variants' flash_attn functions yet")
 
 
-def _refuse_fa3(num_splits, attention_chunk=0):
-    """NotImplementedError for FA3's options the kernels cannot honour yet (attention_chunk: in a
-    packed batch; flash_attn_func takes it)."""
-    if attention_chunk:
-        raise NotImplementedError(f"attention_chunk={attention_chunk} (chunked local attention) in "
-                                  "a packed batch: not built yet (flash_attn_func takes it)")
+def _refuse_fa3(num_splits):
+    """NotImplementedError for FA3's options the kernels cannot honour yet."""
     if num_splits not in (0, 1):
         raise NotImplementedError(f"num_splits={num_splits}: the forward splits no keys (the "
                                   "split-KV kernel is flash_attn_with_kvcache's)")
@@ -209,49 +205,103 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 
 def _chunked(q, k, v, chunk, run):
-    """FA3's attention_chunk = C (Llama 4's chunked local attention): query i, at key position
-    p = i + N_k - N_q, sees only the keys of its chunk, C floor(p / C) .. C floor(p / C) + C - 1,
-    within its mask. Each chunk is then an attention of its own: its keys and the queries placed
-    in it, bottom-right aligned (the queries of a chunk end at its last key, or at N_k), with
-    distances, windows and the causal diagonal as in the whole. So the call is one packed batch of
-    those pairs (flash_attn_varlen_func's path; a chunk no query reaches: a sequence of none),
-    over views of q, k, v: the kernels visit the chunks' blocks only, exact, no kernel of its own.
-    Returns what flash_attn_func returns (o (B, N_q, H, d); softmax_lse (B, H, N_q))."""
-    import numpy as np
-    batch, n_q, heads, d = (int(x) for x in tuple(q.shape))
+    """FA3's attention_chunk = C (Llama 4's chunked local attention) on a dense batch: each batch
+    element a sequence of the packed form, cut by `_chunk_pieces` (over views of q, k, v: the
+    rows do not move); returns what flash_attn_func returns (softmax_lse (B, H, N_q))."""
+    batch, n_q, heads = (int(x) for x in tuple(q.shape)[:3])
     n_k = int(tuple(k.shape)[1])
-    shift = n_k - n_q
-    if chunk < 1 or shift < 0:
-        raise NotImplementedError(f"attention_chunk={chunk}: takes a positive chunk and N_q <= N_k "
-                                  f"(got N_q={n_q}, N_k={n_k})")
-    slopes = run.get("alibi_slopes")
-    if slopes is not None and len(tuple(slopes.shape)) == 2:
-        raise NotImplementedError("attention_chunk with alibi_slopes of shape (B, H): not built "
-                                  "yet ((H,) slopes are taken)")
     if run["return_lse"] and not _is_torch(q):
         raise NotImplementedError("attention_chunk with return_attn_probs takes torch tensors")
-    n_chunks = -(-n_k // chunk)
-    starts_k = np.minimum(np.arange(n_chunks) * chunk, n_k)
-    starts_q = np.clip(starts_k - shift, 0, n_q)
-    cu_k = (np.arange(batch)[:, None] * n_k + starts_k[None, :]).ravel()
-    cu_q = (np.arange(batch)[:, None] * n_q + starts_q[None, :]).ravel()
-    cu_k = np.append(cu_k, batch * n_k).astype(np.int32)
-    cu_q = np.append(cu_q, batch * n_q).astype(np.int32)
-    max_q = int(np.diff(np.append(starts_q, n_q)).max())
-    if _is_torch(q):
-        import torch
-        cu_q, cu_k = (torch.from_numpy(x).to(q.device) for x in (cu_q, cu_k))
-    else:
-        from common.host import arrays
-        library = arrays.describe(q, "q").library
-        cu_q, cu_k = (arrays.to_device(x, library) for x in (cu_q, cu_k))
+    pieces = [(b * n_q + q0, b * n_q + q1, b * n_k + k0, b * n_k + k1) for b in range(batch)
+              for q0, q1, k0, k1 in _chunk_pieces(n_q, n_k, chunk)]
     flat = [x.reshape(batch * int(tuple(x.shape)[1]), *tuple(x.shape)[2:]) for x in (q, k, v)]
-    out = _attention(*flat, (cu_q, cu_k, max_q, min(chunk, n_k)), **run)
+    out = _attention(*flat, _packed(q, pieces), **_one_slope_row(run, "attention_chunk"))
     if not run["return_lse"]:
         return out.reshape(batch, n_q, *tuple(out.shape)[1:])
     o, lse, probs = out
     return (o.reshape(batch, n_q, *tuple(o.shape)[1:]),
             lse.reshape(heads, batch, n_q).permute(1, 0, 2).contiguous(), probs)
+
+
+def _chunk_pieces(n_q, n_k, chunk):
+    """One sequence under attention_chunk = C: query i, at key position p = i + N_k - N_q, sees
+    only the keys of its chunk, C floor(p / C) .. C floor(p / C) + C - 1, within its mask. Each
+    chunk is then an attention of its own: its keys and the queries placed in it, bottom-right
+    aligned (a chunk's queries end at its last key, or at N_k), with distances, windows and the
+    causal diagonal as in the whole. Returns (q_lo, q_hi, k_lo, k_hi) a chunk, in order, rows
+    relative to the sequence's first (a chunk no query reaches: no queries)."""
+    shift = n_k - n_q
+    if chunk < 1 or shift < 0:
+        raise NotImplementedError(f"attention_chunk={chunk}: takes a positive chunk and N_q <= N_k "
+                                  f"(got N_q={n_q}, N_k={n_k})")
+    pieces = []
+    for k0 in range(0, max(n_k, 1), chunk):
+        k1 = min(k0 + chunk, n_k)
+        pieces.append((min(max(k0 - shift, 0), n_q), min(max(k1 - shift, 0), n_q), k0, k1))
+    return pieces
+
+
+def _packed(like, pieces):
+    """The varlen arguments (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed
+    batch whose sequences are `pieces`, (q_lo, q_hi, k_lo, k_hi) row ranges that tile the rows in
+    order; the cu_seqlens made on `like`'s device, in its library."""
+    import numpy as np
+    p = np.asarray(pieces, dtype=np.int64).reshape(-1, 4)
+    cu_q = np.append(p[:, 0], p[-1, 1]).astype(np.int32)
+    cu_k = np.append(p[:, 2], p[-1, 3]).astype(np.int32)
+    max_q, max_k = int((p[:, 1] - p[:, 0]).max()), int((p[:, 3] - p[:, 2]).max())
+    if _is_torch(like):
+        import torch
+        cu_q, cu_k = (torch.from_numpy(x).to(like.device) for x in (cu_q, cu_k))
+    else:
+        from common.host import arrays
+        library = arrays.describe(like, "q").library
+        cu_q, cu_k = (arrays.to_device(x, library) for x in (cu_q, cu_k))
+    return cu_q, cu_k, max_q, max_k
+
+
+def _one_slope_row(run, why):
+    """run, refusing ALiBi slopes of shape (B, H) (a re-cut batch has other sequences)."""
+    slopes = run.get("alibi_slopes")
+    if slopes is not None and len(tuple(slopes.shape)) == 2:
+        raise NotImplementedError(f"{why} with alibi_slopes of shape (B, H): not built yet ((H,) "
+                                  "slopes are taken)")
+    return run
+
+
+def _recut_varlen(q, k, v, varlen, seqused_q, seqused_k, chunk, run):
+    """flash_attn_varlen_func with FA3's seqused_q / seqused_k and attention_chunk: the packed batch
+    re-cut into other sequences over the same rows (cu_seqlens read back, as the varlen path
+    does anyway). seqused: sequence b's first seqused[b] rows take part; the rest of its query
+    rows become a sequence of no key (O = 0, LSE = -inf) and the rest of its keys one of no query
+    (gradients 0). attention_chunk: the used part cut by `_chunk_pieces`. The output and LSE keep
+    the rows' layout."""
+    import numpy as np
+
+    from common.host import arrays
+    cu_q, cu_k = (np.asarray(arrays.to_host(x), dtype=np.int64) for x in varlen[:2])
+    batch = len(cu_q) - 1
+    used = []
+    for name, given, cu in (("seqused_q", seqused_q, cu_q), ("seqused_k", seqused_k, cu_k)):
+        lengths = np.diff(cu)
+        if given is None:
+            used.append(lengths)
+            continue
+        u = np.asarray(arrays.to_host(given), dtype=np.int64).reshape(-1)
+        if u.shape != (batch,) or (u < 0).any() or (u > lengths).any():
+            raise ValueError(f"{name} must hold a length a sequence ({batch}), each at most its "
+                             f"cu_seqlens span, got {u.tolist()}")
+        used.append(u)
+    pieces = []
+    for b in range(batch):
+        q0, k0, uq, uk = int(cu_q[b]), int(cu_k[b]), int(used[0][b]), int(used[1][b])
+        inner = _chunk_pieces(uq, uk, chunk) if chunk and chunk < uk else [(0, uq, 0, uk)]
+        pieces += [(q0 + a, q0 + c, k0 + e, k0 + f) for a, c, e, f in inner]
+        pieces.append((q0 + uq, int(cu_q[b + 1]), k0 + uk, k0 + uk))   # the unused queries
+        pieces.append((int(cu_q[b + 1]),) * 2 + (k0 + uk, int(cu_k[b + 1])))   # unused keys
+    pieces = [p for p in pieces if p[1] > p[0] or p[3] > p[2]] or [(0, 0, 0, 0)]
+    why = "seqused_q / seqused_k" if chunk == 0 else "attention_chunk"
+    return _attention(q, k, v, _packed(q, pieces), **_one_slope_row(run, why))
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -287,15 +337,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash_attn_func over a packed batch of sequences: q (total_q, H, d), k and v (total_k,
     H_kv, d), cu_seqlens_q / cu_seqlens_k int32 (batch + 1) each sequence's first row, and the
     longest sequences' lengths. The mask applies within each sequence. Returns out (total_q, H,
-    d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None). FA3's `seqused_q`,
-    `seqused_k`, `qv` and `attention_chunk` are refused by name."""
-    _refuse(block_table=block_table, seqused_q=seqused_q, seqused_k=seqused_k, qv=qv)
-    _refuse_fa3(num_splits, attention_chunk)
-    return _attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                      softcap=softcap, deterministic=deterministic,
-                      return_lse=return_attn_probs, variant=variant, alibi_slopes=alibi_slopes,
-                      sinks=learnable_sink, dropout_p=dropout_p)
+    d), or with return_attn_probs (out, softmax_lse (H, total_q) fp32, None). FA3's `seqused_q`
+    / `seqused_k` ((batch,) int32: only the first seqused[b] rows of sequence b take part; the
+    other query rows get 0) and `attention_chunk` re-cut the packed batch (`_recut_varlen`);
+    `qv` is refused by name."""
+    _refuse(block_table=block_table, qv=qv)
+    _refuse_fa3(num_splits)
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    run = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+               softcap=softcap, deterministic=deterministic, return_lse=return_attn_probs,
+               variant=variant, alibi_slopes=alibi_slopes, sinks=learnable_sink,
+               dropout_p=dropout_p)
+    if seqused_q is not None or seqused_k is not None or attention_chunk:
+        return _recut_varlen(q, k, v, varlen, seqused_q, seqused_k, int(attention_chunk), run)
+    return _attention(q, k, v, varlen, **run)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
