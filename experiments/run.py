@@ -302,8 +302,8 @@ def run_job(cfg, mode):
               "FP8 beside them)")
     elif cfg.bench.peers and not sdpa_takes(prob):
         print(f"mask {mask_of(prob)}{' with ' + ', '.join(terms) if terms else ''}: no SDPA "
-              "peers (SDPA has no sliding window, softcap, ALiBi or sinks, no dropout to compare, and its causal "
-              "diagonal is top-left)")
+              "peers (SDPA has no sliding window, softcap, ALiBi or sinks, no dropout mask to "
+              "compare with, and its causal diagonal is top-left)")
     elif peers.available() and mode == "gpu" and library == "torch" and (
             peer_jobs is None or cfg.variant.name in peer_jobs):
         for name in cfg.bench.peers:

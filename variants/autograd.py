@@ -159,8 +159,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     k, v (total_k, H_kv, d), int32 cu_seqlens (batch + 1); differentiable in q, k, v (and sinks).
     Returns o, or (o, lse (H, total_q)) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention_varlen")
-    if _compiling():
-        _refuse_compiled_dropout(dropout_p)   # torch.compile traces the custom operators (variants/torch_ops.py)
+    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
+        _refuse_compiled_dropout(dropout_p)
         from variants import torch_ops
         return torch_ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -194,8 +194,8 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, windo
     torch's CUDA generator, or `generator`, gives the seed and offset). Returns o, or
     (o, lse (B, H, N_q) fp32) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention")
-    if _compiling():
-        _refuse_compiled_dropout(dropout_p)   # torch.compile traces the custom operators (variants/torch_ops.py)
+    if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
+        _refuse_compiled_dropout(dropout_p)
         from variants import torch_ops
         return torch_ops.attention(q, k, v, alibi_slopes=_fp32(alibi_slopes, "alibi_slopes"),
                                    sinks=_fp32(sinks, "sinks"), variant=variant, causal=causal,

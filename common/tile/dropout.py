@@ -6,10 +6,10 @@ counter-based RNG, so that the backward regenerates the forward's mask without s
 
 The RNG is Philox-4x32 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"; the
 generator of torch's, cuRAND's and flash_attn's GPU dropout) with 7 rounds, as FlashAttention-2's
-kernels run it (csrc/flash_attn/src/philox.cuh; the paper's Philox4x32-7 passes TestU01's
-BigCrush; 10 rounds, Random123's default, cost 3/7 more of dropout's instructions): a 4 x 32-bit
-counter and a 2 x 32-bit key give four 32-bit numbers, i.e. 16 random bytes. Byte < T keeps the element, T = round(256 (1 - p)),
-so each element's keep probability is T / 256 (p rounded to a multiple of 1/256, as flash_attn's
+kernels run it (csrc/flash_attn/src/philox.cuh; the paper finds Philox4x32 Crush-resistant from 7
+rounds; Random123's default of 10 costs 3/7 more of the RNG's instructions): a 4 x 32-bit counter
+and a 2 x 32-bit key give four 32-bit numbers, i.e. 16 random bytes. Byte < T keeps the element,
+T = round(256 (1 - p)), so each element's keep probability is T / 256 (p rounded to a multiple of 1/256, as flash_attn's
 8-bit threshold does); the kept values are scaled by exactly 1 / (1 - p).
 
 Z is a function of (seed, offset, b, h, i, j) alone (i a query, j a key of sequence b, head h),
@@ -27,12 +27,12 @@ so a kernel with queries as rows (the forward, the backward's dQ kernel) uses al
 each call. The backward's K/V kernel holds S^T (keys as rows): a call's 16 elements then sit in
 two lanes, 8 each (keys of one parity, `j & 1`); the two compute one call each and swap the
 partner's 8 bytes by one shuffle of two words (`drop_transposed`), so that it too makes one
-call per 16 elements. The counter's group and head words never repeat within
-a call, and its offset words separate calls: torch's generator hands each call a new offset
-(variants/flash_attn.py), as it does for its own dropout.
+call per 16 elements. The counter's group and head words never repeat within a call, and its
+offset words separate calls: torch's generator hands each call a new offset
+(variants/autograd.py: philox_seed_offset), as it does for its own dropout.
 """
 import numpy as np
-from numba import float32, int32, uint32, uint64
+from numba import float32, uint32, uint64
 
 from common.hardware import ptx
 from common.hardware.target import device_function
@@ -246,7 +246,3 @@ def rng_args(seed, offset, p):
     return (np.uint32(seed & LOW32), np.uint32(seed >> 32 & LOW32), np.uint32(offset & LOW32),
             np.uint32(offset >> 32 & LOW32), np.uint32(threshold(p)),
             np.float32(1.0 / (1.0 - p)))
-
-
-__all__ = ["philox", "philox_numpy", "drop_rows", "drop_transposed", "unsign", "scale_rows",
-           "keep_mask", "rng_args", "threshold", "column_groups", "check_groups", "int32"]
