@@ -291,6 +291,68 @@ def test_unroll_pass_marks_exactly_the_back_edges():
     assert sum("unroll.full" in line for line in out) == 2
 
 
+def test_live_map_is_numbas_on_random_graphs():
+    """common.hardware.frontend.live_map solves numba's liveness equations in another order: the
+    same sets as numba's own compute_live_map on random control-flow graphs (loops, unreachable
+    blocks, names used before any definition), on the simulator's untouched numba too."""
+    import random
+
+    from numba.cuda.core import analysis
+    from numba.cuda.core.controlflow import CFGraph
+
+    from common.hardware import frontend
+    stock = frontend._originals.get((analysis, "compute_live_map"), analysis.compute_live_map)
+    assert stock is not frontend.live_map
+    rng = random.Random(7)
+    for trial in range(60):
+        n = rng.randint(1, 40)
+        labels = rng.sample(range(1000), n)      # label order unrelated to the flow, as inlined
+        names = [f"v{i}" for i in range(rng.randint(1, 30))]
+        cfg = CFGraph()
+        for b in labels:
+            cfg.add_node(b)
+        for i, b in enumerate(labels):
+            for _ in range(rng.randint(0, 2)):   # forward edges, back edges (loops), self loops
+                cfg.add_edge(b, rng.choice(labels[i:] if rng.random() < 0.7 else labels))
+        cfg.set_entry_point(labels[0])
+        cfg.process()
+        use = {b: set(rng.sample(names, rng.randint(0, min(4, len(names))))) for b in labels}
+        defs = {b: set(rng.sample(names, rng.randint(0, min(4, len(names))))) for b in labels}
+        blocks = dict.fromkeys(labels)
+        assert frontend.live_map(cfg, blocks, use, defs) == stock(cfg, blocks, use, defs), trial
+
+
+FRONTEND_TARGET = "fa3 backward d=64 bf16 causal=False"   # ~6 s: the mbarrier ring, wgmma, tiles
+
+
+def test_faster_frontend_leaves_the_ptx_unchanged():
+    """common.hardware.frontend (installed by target.py off the simulator: the inliner without
+    its copies of fresh IR, liveness in postorder): a kernel's PTX is the same byte for byte with
+    it and without it (symbol names aside), and it is installed, so that a numba-cuda it does not
+    know fails here instead of silently compiling slower."""
+    code = ("import re\nfrom numba import cuda\n"
+            "from common.hardware import frontend\nfrom variants import fa3, fa3_backward\n"
+            "assert frontend.installed, frontend.skipped\n"
+            f"target = [t for t in fa3_backward.compile_targets() if t[0] == {FRONTEND_TARGET!r}]\n"
+            "_, kern, argtypes, _ = target[0]\n"
+            "def ptx():\n"
+            "    text, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=fa3.COMPILE_CC,\n"
+            "                               launch_bounds=kern.targetoptions.get('launch_bounds'))\n"
+            "    return re.sub(r'_Z\\w+|_cudapy_smem_\\d+', 'N', text)\n"
+            "fast = ptx()\n"
+            "frontend.uninstall()\n"
+            "assert not frontend.installed\n"
+            "slow = ptx()\n"
+            "assert fast == slow, 'the PTX differs'\n"
+            "print(len(fast), frontend.copies_skipped)\n")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    size, skipped = map(int, out.stdout.split())
+    assert size > 10_000 and skipped > 100   # a real kernel, and copies were skipped in it
+
+
 def test_kernel_cache_keys_tell_every_kernel_apart():
     """FA_KERNEL_CACHE (common.host.kernel_cache): every compile target gets its own key, from the constants
     its closure holds; a kernel closing over something the key cannot describe is not cached."""

@@ -14,6 +14,13 @@ if SIMULATOR:
     from common.hardware import _sim_block
 
     _sim_block.install()
+else:
+    # Numba's frontend without its two costs that grow with our kernels' size (the inliner's
+    # copies of IR nobody else holds, liveness swept in label order): a cold compile shorter, the
+    # PTX unchanged (frontend.py)
+    from common.hardware import frontend
+
+    frontend.install()
 
 # Every helper in common/ is inlined into its kernel at Numba-IR level. That is what lets NVVM
 # unroll the fragment loops and keep fragments in registers; it also lets compile_ptx work on a
