@@ -7,8 +7,10 @@
     python -m experiments.compile_report --jobs N       # compiled in N processes
     python -m experiments.compile_report --ptx DIR      # only the PTX, one file a kernel, into DIR
                                                    # (a refactor's check: diff -r two such DIRs)
+    FA_STOCK_FRONTEND=1 python -m experiments.compile_report ...   # numba-cuda's own frontend
+                                                   # (common/hardware/frontend.py off)
 
-For each kernel: the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
+For each kernel: the seconds numba.cuda.compile_ptx took (JSON: compile_ptx_seconds), the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
 in the PTX, and, when ptxas is installed (the `test` extra brings CUDA 13.0's), the registers,
 spills and stack frame ptxas reports for sm_90 (and with --sass, counts of SASS instructions:
 HMMA tensor-core ops, LDSM/LDGSTS loads, MUFU, integer IMAD/ISETP, local LDL/STL, and the main
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -229,9 +232,11 @@ def _compile_row(job):
     # mma: the mma.sync (fa3: wgmma) count the tile shapes call for, or (in the PTX, in the main
     # loop) where some sit outside the loop (the atomic backward's last dQ product)
     total, in_loop = mma if isinstance(mma, tuple) else (mma, mma)
+    start = time.perf_counter()
     ptx, _ = cuda.compile_ptx(kern.py_func, argtypes, cc=arch,
                               launch_bounds=kern.targetoptions.get("launch_bounds"))
-    row = {"kernel": name, "expected_mma": total, "expected_loop_mma": in_loop, **ptx_counts(ptx)}
+    row = {"kernel": name, "expected_mma": total, "expected_loop_mma": in_loop,
+           "compile_ptx_seconds": round(time.perf_counter() - start, 2), **ptx_counts(ptx)}
     if ptx_dir:   # the PTX alone (no ptxas): what a pure refactor must leave unchanged
         Path(ptx_dir).mkdir(parents=True, exist_ok=True)
         (Path(ptx_dir) / (re.sub(r"[^\w.=-]+", "_", name) + ".ptx")).write_text(ptx)
