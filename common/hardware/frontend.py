@@ -3,8 +3,8 @@ it makes: the PTX of every kernel is the same byte for byte (tests/test_compile.
 both ways; docs/compile_cache.md has the times and the whole comparison).
 
 A kernel here is one function of thousands of IR blocks once its helpers are inlined (every
-`device_function` in target.py is `inline="always"`), and two of numba-cuda 0.30's passes scale
-badly with that:
+`device_function` in target.py is `inline="always"`), and three of numba-cuda 0.30's passes
+scale badly with that:
 
 1. Inlining copies IR nobody else holds. For each call site, Numba's InlineInlinables pass runs the
    callee's untyped passes afresh (`InlineWorker.inline_function` -> `run_untyped_passes`: a new
@@ -22,15 +22,28 @@ badly with that:
    flow, so a fact moves about one block a sweep and a kernel of thousands of blocks takes
    hundreds of sweeps over sets of thousands of names. `live_map` sweeps the forward problem in
    reverse postorder and the backward one in postorder, until nothing changes: the same
-   equations, whose least solution does not depend on the order, in a few sweeps.
+   equations, whose least solution does not depend on the order, in a few sweeps, over sets held
+   as bits of Python integers (a union of thousands of names is one integer OR).
 
-Measured on a 2-core CPU (compile_ptx, cold): fa2's backward K/V kernel 86-92 s -> ~27 s with the
-first patch alone, fa3's forward at d=128 11.4-12.2 s -> 9.9 s (docs/compile_cache.md).
+3. SSA reconstruction visits every block for every variable. `ssa._run_ssa` fixes the variables
+   assigned more than once one at a time, each by two rewrites (`_run_block_rewrite`: fresh
+   names for its definitions, then each use pointed at its reaching definition, with phis) that
+   call a handler on every statement of every block, though only statements naming the variable
+   change. The blocks naming each variable are known from the pass that found the violators
+   (`_run_block_analysis` gathering defs and uses); `_rewrite` hands only those to the handler, in
+   the same order, and copies the others as they are. A rewrite for one variable names no other
+   violator anew (fresh names and phis are of that variable), so the index stays true for the
+   rest of the loop.
+
+Measured on a 2-core CPU (compile_ptx, cold; docs/compile_cache.md): all 74 compile-report
+targets 1 432 s -> 352 s with the same PTX, fa2's backward K/V kernel 100 s -> 12 s, fa3's forward
+at d=128 causal 10.8 s -> 4.6 s.
 
 FA_STOCK_FRONTEND=1 in the environment leaves numba-cuda's frontend as it is (to rule these
-patches out). Otherwise `install()` checks the details of numba-cuda it leans on (the inliner's only `copy.deepcopy` is
-inline_ir's block copy; inline_function is run_untyped_passes then inline_ir; compute_live_map's
-signature) and leaves the compiler as it is where they differ, saying why in `skipped`.
+patches out). Otherwise `install()` checks the details of numba-cuda it leans on (the inliner's
+only `copy.deepcopy` is inline_ir's block copy; inline_function is run_untyped_passes then
+inline_ir; compute_live_map's signature; ssa.py's two rewrites a violator after one analysis) and
+leaves the compiler as it is where they differ, saying why in `skipped`.
 tests/test_compile.py fails then, so that an upgrade is noticed rather than silently slower.
 """
 import copy
@@ -106,25 +119,27 @@ def live_map(cfg, blocks, var_use_map, var_def_map):
     - live[b]: live[b] >= use[b], and live[p] >= (live[b] & reach[p]) - def[p] for each edge
       p -> b.
     Both are the least sets meeting their constraints; sweeping until no set grows finds them in
-    any order, and in (reverse) postorder in a few sweeps."""
+    any order, and in (reverse) postorder in a few sweeps. The sets are bits of integers
+    (`_Names`) while solving, sets of names in the result."""
     post = postorder(cfg, list(blocks))
+    names = _Names(var_use_map, var_def_map)
+    use = {b: names.bits(var_use_map[b]) for b in var_use_map}
+    defs = {b: names.bits(var_def_map[b]) for b in var_def_map}
     succs = {b: [s for s, _ in cfg.successors(b)] for b in var_def_map}
-    reach = defaultdict(set)
+    reach = defaultdict(int)
     forward = [b for b in reversed(post) if b in var_def_map] + \
         [b for b in var_def_map if b not in blocks]
     grew = True
     while grew:
         grew = False
         for b in forward:
-            here = reach[b]
-            here |= var_def_map[b]
-            here |= var_use_map[b]
+            here = reach[b] = reach[b] | defs[b] | use[b]
             for s in succs[b]:
                 there = reach[s]
-                size = len(there)
-                there |= here
-                grew |= len(there) != size
-    live = {b: set(var_use_map[b]) for b in blocks}
+                if there | here != there:
+                    reach[s] = there | here
+                    grew = True
+    live = {b: use[b] for b in blocks}
     preds = {b: [p for p, _ in cfg.predecessors(b)] for b in live}
     grew = True
     while grew:
@@ -135,10 +150,86 @@ def live_map(cfg, blocks, var_use_map, var_def_map):
             here = live[b]
             for p in preds[b]:
                 there = live[p]
-                size = len(there)
-                there |= (here & reach[p]) - var_def_map[p]
-                grew |= len(there) != size
-    return live
+                more = there | (here & reach[p] & ~defs[p])
+                if more != there:
+                    live[p] = more
+                    grew = True
+    return {b: names.names(x) for b, x in live.items()}
+
+
+class _Names:
+    """Sets of the names in the given maps' sets as bits of a Python integer (bit i: the i-th name
+    met), and back."""
+
+    def __init__(self, *maps):
+        self.index, self.order = {}, []
+        for mapping in maps:
+            for names in mapping.values():
+                for name in names:
+                    if name not in self.index:
+                        self.index[name] = len(self.order)
+                        self.order.append(name)
+        self.nbytes = len(self.order) // 8 + 1
+
+    def bits(self, names):
+        if not names:
+            return 0
+        raw, index = bytearray(self.nbytes), self.index
+        for name in names:
+            i = index[name]
+            raw[i >> 3] |= 1 << (i & 7)
+        return int.from_bytes(raw, "little")
+
+    def names(self, bits):
+        if not bits:
+            return set()
+        import numpy as np
+        raw = np.frombuffer(bits.to_bytes(self.nbytes, "little"), np.uint8)
+        order = self.order
+        return {order[i] for i in np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()}
+
+
+# --------------------------------------------------------------------------- 3. SSA
+
+_ssa_index = threading.local()   # .scope, .labels: the function being made SSA, name -> labels
+
+
+def _block_analysis(blocks, states, handler):
+    """ssa._run_block_analysis, keeping the labels that name each variable when the analysis is
+    the violators' (defs: (assignment, label) lists, uses: label sets, by name)."""
+    _originals[_ssa_module(), "_run_block_analysis"](blocks, states, handler)
+    if "defs" in states and "uses" in states and blocks:
+        labels = defaultdict(set)
+        for name, found in states["defs"].items():
+            labels[name].update(label for _, label in found)
+        for name, used in states["uses"].items():
+            labels[name].update(used)
+        _ssa_index.scope, _ssa_index.labels = next(iter(blocks.values())).scope, labels
+
+
+def _rewrite(blocks, states, handler):
+    """ssa._run_block_rewrite over the blocks that name states["varname"]: the others are copied
+    as they are (a handler returns every statement that does not name the variable unchanged)."""
+    from numba.cuda.core import ir
+    name, labels = states.get("varname"), getattr(_ssa_index, "labels", None)
+    if name is None or labels is None or states.get("scope") is not _ssa_index.scope:
+        return _originals[_ssa_module(), "_run_block_rewrite"](blocks, states, handler)
+    named = labels.get(name, ())
+    newblocks = {}
+    for label, blk in blocks.items():
+        if label in named:
+            newblocks.update(_originals[_ssa_module(), "_run_block_rewrite"](
+                {label: blk}, states, handler))
+        else:
+            newblk = ir.Block(scope=blk.scope, loc=blk.loc)
+            newblk.body = list(blk.body)
+            newblocks[label] = newblk
+    return newblocks
+
+
+def _ssa_module():
+    from numba.cuda.core import ssa
+    return ssa
 
 
 # --------------------------------------------------------------------------- install
@@ -155,15 +246,23 @@ def _unexpected():
             ["cfg", "blocks", "var_use_map", "var_def_map"] or \
             ir_utils.compute_live_map is not analysis.compute_live_map:
         return "analysis.compute_live_map is not the one ir_utils imports, of the known signature"
+    from numba.cuda.core import ssa
+    source = inspect.getsource(ssa)
+    if source.count("_run_block_rewrite(") != 3 or source.count("_run_block_analysis(") != 2 or \
+            "states = dict(defs=defs, uses=uses)" not in source or \
+            'states["varname"] = varname' not in inspect.getsource(ssa._fix_ssa_vars):
+        return "ssa.py's rewrites are not the two per violator over one index of defs and uses"
     return None
 
 
 def _patches():
-    from numba.cuda.core import analysis, inline_closurecall, ir_utils
+    from numba.cuda.core import analysis, inline_closurecall, ir_utils, ssa
     return [(inline_closurecall, "copy", _CopyModule()),
             (inline_closurecall.InlineWorker, "inline_function", _inline_function),
             (analysis, "compute_live_map", live_map),
-            (ir_utils, "compute_live_map", live_map)]
+            (ir_utils, "compute_live_map", live_map),
+            (ssa, "_run_block_analysis", _block_analysis),
+            (ssa, "_run_block_rewrite", _rewrite)]
 
 
 def install():
