@@ -56,7 +56,7 @@ _fresh = threading.local()   # .on: inline_ir is running over IR made for this c
 installed = False
 skipped = None               # why install() left the compiler alone, if it did
 copies_skipped = 0           # blocks not copied (a count for tests/test_compile.py)
-_originals = {}              # (module, name) -> numba-cuda's own, while installed
+_originals = {}              # (module or class, name) -> numba-cuda's own, once installed
 
 
 # --------------------------------------------------------------------------- 1. inlining
@@ -79,7 +79,13 @@ class _CopyModule:
 
 def _inline_function(self, caller_ir, block, i, function, arg_typs=None):
     """InlineWorker.inline_function: the callee's untyped IR, made afresh, inlined at statement i
-    of `block` without copying it first."""
+    of `block` without copying it first. A worker that also updates type maps (not the untyped
+    inliner's) types the callee inside inline_ir, which may compile and inline other functions
+    whose IR is kept: it takes numba's own path."""
+    if self._permit_update_type_and_call_maps:
+        from numba.cuda.core.inline_closurecall import InlineWorker
+        return _originals[InlineWorker, "inline_function"](self, caller_ir, block, i, function,
+                                                           arg_typs=arg_typs)
     callee_ir = self.run_untyped_passes(function)
     _fresh.on = True
     try:
@@ -121,6 +127,8 @@ def live_map(cfg, blocks, var_use_map, var_def_map):
     Both are the least sets meeting their constraints; sweeping until no set grows finds them in
     any order, and in (reverse) postorder in a few sweeps. The sets are bits of integers
     (`_Names`) while solving, sets of names in the result."""
+    if not blocks:
+        return {}
     post = postorder(cfg, list(blocks))
     names = _Names(var_use_map, var_def_map)
     use = {b: names.bits(var_use_map[b]) for b in var_use_map}
@@ -237,6 +245,9 @@ def _ssa_module():
 def _unexpected():
     """None when numba-cuda is the one these patches were written against, else why not."""
     from numba.cuda.core import analysis, inline_closurecall, ir_utils
+    for owner, name, _ in _patches():
+        if getattr(owner.__dict__[name], "__module__", None) == __name__:
+            return f"{owner.__name__}.{name} is patched already (another load of this module)"
     if inspect.getsource(inline_closurecall).count("copy.deepcopy(") != 1:
         return "inline_closurecall.py calls copy.deepcopy other than once"
     body = inspect.getsource(inline_closurecall.InlineWorker.inline_function)
@@ -290,7 +301,6 @@ def install():
 def uninstall():
     """Undo install() (tests compare a kernel's PTX both ways)."""
     global installed
-    for (owner, name), value in _originals.items():
+    for (owner, name), value in _originals.items():   # kept: a compile under way still finds them
         setattr(owner, name, value)
-    _originals.clear()
     installed = False
