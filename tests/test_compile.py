@@ -291,6 +291,16 @@ def test_unroll_pass_marks_exactly_the_back_edges():
     assert sum("unroll.full" in line for line in out) == 2
 
 
+def compiling(code, timeout=None):
+    """The standard output of `code` run by a fresh Python with the simulator off (kernels
+    compile there); its error's tail if it fails."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 def test_live_map_is_numbas_on_random_graphs():
     """common.hardware.frontend.live_map solves numba's liveness equations in another order: the
     same sets as numba's own compute_live_map on random control-flow graphs (loops, unreachable
@@ -346,11 +356,7 @@ def test_faster_frontend_leaves_the_ptx_unchanged():
             "slow = ptx()\n"
             "assert fast == slow, 'the PTX differs'\n"
             "print(len(fast), frontend.copies_skipped)\n")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    size, skipped = map(int, out.stdout.split())
+    size, skipped = map(int, compiling(code).split())
     assert size > 10_000 and skipped > 100   # a real kernel, and copies were skipped in it
 
 
@@ -371,17 +377,14 @@ def test_kernel_cache_keys_tell_every_kernel_apart():
             "          min_blocks_per_sm=m)), (), (9, 0)) for m in (0, 1, 2)}\n"
             "print('bounds', len(bounds))\n"
             "print(n, len(keys))")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    targets, keys = map(int, out.stdout.split()[-2:])
+    stdout = compiling(code, timeout=300)
+    targets, keys = map(int, stdout.split()[-2:])
     assert targets > 30 and keys == targets
-    assert "bounds 3" in out.stdout
+    assert "bounds 3" in stdout
     # The source in a key: common/ and the variants modules the kernel is built from (fa1's
     # backward runs fa2_backward's kernel, so an edit to fa2_backward.py must invalidate it;
     # standard's must not).
-    assert "fa1 ('variants.fa2_backward',)" in out.stdout and "standard ('variants.standard',)" in out.stdout
+    assert "fa1 ('variants.fa2_backward',)" in stdout and "standard ('variants.standard',)" in stdout
 
     from common.host.kernel_cache import closure_constants
 
