@@ -10,9 +10,10 @@
     FA_STOCK_FRONTEND=1 python -m experiments.compile_report ...   # numba-cuda's own frontend
                                                    # (common/hardware/frontend.py off)
 
-For each kernel: the seconds numba.cuda.compile_ptx took (JSON: compile_ptx_seconds), the count of mma.sync / ldmatrix / cp.async instructions and of float64 operations
-in the PTX, and, when ptxas is installed (the `test` extra brings CUDA 13.0's), the registers,
-spills and stack frame ptxas reports for sm_90 (and with --sass, counts of SASS instructions:
+For each kernel: the seconds numba.cuda.compile_ptx took (JSON: compile_ptx_seconds), the count
+of mma.sync / ldmatrix / cp.async instructions and of float64 operations in the PTX, and, when
+ptxas is installed (the `test` extra brings CUDA 13.0's), the registers, spills and stack frame
+ptxas reports for sm_90 (and with --sass, counts of SASS instructions:
 HMMA tensor-core ops, LDSM/LDGSTS loads, MUFU, integer IMAD/ISETP, local LDL/STL, and the main
 loop's instructions; the innermost MMA loop's instructions and stall cycles from the control
 bits: `step_loop_stalls`). Needs

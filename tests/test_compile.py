@@ -337,7 +337,8 @@ FRONTEND_TARGET = "fa3 backward d=64 bf16 causal=False"   # ~6 s: the mbarrier r
 
 def test_faster_frontend_leaves_the_ptx_unchanged():
     """common.hardware.frontend (installed by target.py off the simulator: the inliner without
-    its copies of fresh IR, liveness in postorder): a kernel's PTX is the same byte for byte with
+    its copies of fresh IR, liveness in postorder, SSA over the blocks naming a variable): a
+    kernel's PTX is the same byte for byte with
     it and without it (symbol names aside), and it is installed, so that a numba-cuda it does not
     know fails here instead of silently compiling slower."""
     code = ("import re\nfrom numba import cuda\n"

@@ -52,6 +52,8 @@ import os
 import threading
 from collections import defaultdict
 
+import numpy as np
+
 _fresh = threading.local()   # .on: inline_ir is running over IR made for this call site alone
 installed = False
 skipped = None               # why install() left the compiler alone, if it did
@@ -191,7 +193,6 @@ class _Names:
     def names(self, bits):
         if not bits:
             return set()
-        import numpy as np
         raw = np.frombuffer(bits.to_bytes(self.nbytes, "little"), np.uint8)
         order = self.order
         return {order[i] for i in np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()}
