@@ -1,0 +1,114 @@
+"""score_mod and mask_mod on a score accumulator: a user's functions, compiled into the kernel.
+
+FlexAttention's interface (and FlashAttention-4's): a variant of the scores is two scalar functions
+
+    score_mod(score, b, h, q_idx, kv_idx, aux) -> score     the scaled score QK^T / sqrt(d), modified
+    mask_mod(b, h, q_idx, kv_idx, aux) -> bool              False: the key is masked (-inf)
+
+and for the backward the derivative of score_mod, as FA4's score_mod_bwd:
+
+    score_mod_grad(grad, score, b, h, q_idx, kv_idx, aux) -> grad * d score_mod / d score
+
+(grad: dLoss / d score_mod(score), score: the unmodified scaled score). b is the batch (a packed
+batch's sequence), h the query head, q_idx and kv_idx the positions within the sequence, aux a
+tuple of device arrays the call passes. Each is a Numba device function inlined here, so one
+kernel is compiled per distinct set of functions (common/host/mods.py makes them and keys them).
+
+The kernels keep raw scores S = Q K^T in their accumulators (softmax_scale enters through the
+exponent), so `apply` scales each score for the user's function and unscales its result; the
+accumulator's element (m, n, j) of a lane is row row0 + 16 m + lane / 4 + 8 (j / 2), column
+col0 + 8 n + 2 (lane % 4) + j % 2 (common/hardware/lanes.py). Transposed accumulators (the
+backward's S^T) hold keys in rows and queries in columns. Only elements inside the problem
+(q_idx < N_q, kv_idx < N_k) are passed to the functions, so they may index tables of N_q or N_k
+entries; the kernels' own masks deal with the rest.
+"""
+from functools import lru_cache
+
+from numba import float32, int32
+
+from common.hardware.target import device_function
+from common.tile.tiles import NEG_INF
+
+
+@device_function
+def unmodified(score, b, h, q_idx, kv_idx, aux):
+    """The score_mod of a kernel without one (never called: its branch is compiled out)."""
+    return score
+
+
+@device_function
+def unmasked(b, h, q_idx, kv_idx, aux):
+    """The mask_mod of a kernel without one."""
+    return True
+
+
+@device_function
+def unchanged_grad(grad, score, b, h, q_idx, kv_idx, aux):
+    """The score_mod_grad of score + bias(b, h, q_idx, kv_idx): the gradient passes unchanged."""
+    return grad
+
+
+@lru_cache(maxsize=None)
+def applier(score_mod, mask_mod, transposed, keep_scores):
+    """apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane): s <- the
+    modified scores, in place, for the lane's elements; row0, col0: the warp's first row and the
+    tile's first column (transposed: rows are keys); scale, inv_scale: softmax_scale and its
+    inverse. keep_scores: each element's scaled score before score_mod is kept in `saved` (same
+    shape as s), for score_mod_grad in the backward. score_mod or mask_mod None: that step is
+    compiled out."""
+    SCORE, MASK, KEEP, T = score_mod is not None, mask_mod is not None, keep_scores, transposed
+    score_fn = score_mod if SCORE else unmodified
+    mask_fn = mask_mod if MASK else unmasked
+
+    @device_function
+    def apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane):
+        g, t2 = lane >> 2, 2 * (lane & 3)
+        for m in range(s.shape[0]):
+            for n in range(s.shape[1]):
+                for j in range(4):
+                    r = int32(row0 + m * 16 + g + 8 * (j >> 1))
+                    c = int32(col0 + n * 8 + t2 + (j & 1))
+                    q_idx = c if T else r
+                    kv_idx = r if T else c
+                    if q_idx < n_q and kv_idx < n_k:
+                        x = s[m, n, j]
+                        if SCORE:
+                            score = x * scale
+                            if KEEP:
+                                saved[m, n, j] = score
+                            x = float32(score_fn(score, b, h, q_idx, kv_idx, aux)) * inv_scale
+                        if MASK:
+                            if not mask_fn(b, h, q_idx, kv_idx, aux):
+                                x = NEG_INF
+                        s[m, n, j] = x
+
+    return apply
+
+
+@lru_cache(maxsize=None)
+def grad_applier(score_mod_grad, transposed):
+    """apply_grad(ds, saved, row0, col0, n_q, n_k, b, h, aux, lane): dS <- score_mod_grad(dS,
+    score, ...) for the lane's elements inside the problem whose dS is not 0 (a masked score's,
+    or one whose P underflowed: score_mod_grad is linear in its first argument, so it stays 0 and
+    a function that accumulates a gradient into aux does no work for it); `saved` holds the
+    scores `applier(..., keep_scores=True)` kept. score_mod_grad None: compiled out."""
+    GRAD, T = score_mod_grad is not None, transposed
+    grad_fn = score_mod_grad if GRAD else unchanged_grad
+
+    @device_function
+    def apply_grad(ds, saved, row0, col0, n_q, n_k, b, h, aux, lane):
+        if GRAD:
+            g, t2 = lane >> 2, 2 * (lane & 3)
+            for m in range(ds.shape[0]):
+                for n in range(ds.shape[1]):
+                    for j in range(4):
+                        r = int32(row0 + m * 16 + g + 8 * (j >> 1))
+                        c = int32(col0 + n * 8 + t2 + (j & 1))
+                        q_idx = c if T else r
+                        kv_idx = r if T else c
+                        grad = ds[m, n, j]
+                        if q_idx < n_q and kv_idx < n_k and grad != float32(0):
+                            ds[m, n, j] = float32(grad_fn(grad, saved[m, n, j], b, h, q_idx,
+                                                          kv_idx, aux))
+
+    return apply_grad

@@ -1,0 +1,77 @@
+"""Ready-made score_mods and mask_mods (common/tile/mods.py has the interface), each a few lines of
+Python that fa2 compiles into its forward and backward kernels, and each checked in
+tests/test_mods.py against the float64 reference applying the same function. Pass them as
+
+    variants.forward(q, k, v, variant="fa2", score_mod=score_mods.alibi, aux=(slopes,))
+    python experiments/run.py variant=fa2 +score_mod=variants.score_mods.alibi ...
+
+Writing one: the arguments are a float32 score (the scaled QK^T), int32 b, h, q_idx, kv_idx and
+the call's aux tuple. Keep the arithmetic in float32: Numba types int32 - int32 as int64 and
+float32 * int64 as float64, so convert positions with float32(...) before they meet a float, and
+write float constants as float32(c) (on the GPU a float64 operation runs at half rate or worse).
+A score_mod's backward needs score_mod_grad(grad, score, b, h, q_idx, kv_idx, aux) -> grad *
+d score_mod / d score: `unchanged_grad` for any score + bias(b, h, q_idx, kv_idx). To learn a
+parameter held in aux, add its gradient there with cuda.atomic.add (relative_bias_grad).
+"""
+import math
+
+from numba import cuda, float32
+
+from common.tile.mods import unchanged_grad  # noqa: F401  (the grad of every additive bias here)
+
+
+def alibi(score, b, h, q_idx, kv_idx, aux):
+    """ALiBi (Press et al. 2022; flash_attn's alibi_slopes with N_q = N_k): score - slope_h |i - j|,
+    aux = (slopes (H,) float32,)."""
+    return score - aux[0][h] * float32(abs(q_idx - kv_idx))
+
+
+def relative_bias(score, b, h, q_idx, kv_idx, aux):
+    """A learned bias by relative position (T5's, with one bucket per distance up to R and the
+    rest clamped): score + table[h, clamp(j - i, -R, R) + R], aux = (table (H, 2R + 1) float32,
+    and for relative_bias_grad its gradient, same shape, zeroed)."""
+    radius = (aux[0].shape[1] - 1) // 2
+    return score + aux[0][h, min(max(kv_idx - q_idx, -radius), radius) + radius]
+
+
+def relative_bias_grad(grad, score, b, h, q_idx, kv_idx, aux):
+    """relative_bias's score_mod_grad: the score passes the gradient unchanged, and the table's
+    entry takes it too (summed over every score that read it: atomics into aux[1])."""
+    radius = (aux[0].shape[1] - 1) // 2
+    cuda.atomic.add(aux[1], (h, min(max(kv_idx - q_idx, -radius), radius) + radius), grad)
+    return grad
+
+
+def document_mask(b, h, q_idx, kv_idx, aux):
+    """Document masking over a packed sequence: a query sees the keys of its own document,
+    aux = (document id of each position (N,) int32,). With causal=True: causal within each."""
+    return aux[0][q_idx] == aux[0][kv_idx]
+
+
+def prefix_lm(b, h, q_idx, kv_idx, aux):
+    """Prefix-LM (T5, PaLM's prefix decoder): the first prefix_b keys are seen by every query of
+    batch b, the rest causally, aux = (prefix lengths (B,) int32,)."""
+    return kv_idx <= q_idx or kv_idx < aux[0][b]
+
+
+def dilated(b, h, q_idx, kv_idx, aux):
+    """A dilated causal mask (Longformer's dilated window, dilation 2): every other key behind the
+    query, the query itself included."""
+    return kv_idx <= q_idx and (q_idx - kv_idx) % 2 == 0
+
+
+def sliding_window(b, h, q_idx, kv_idx, aux):
+    """A causal sliding window of aux[0][0] keys (the query and the keys just before it), as a
+    mask_mod: the same keys as causal=True, window_size=(w - 1, 0)."""
+    return kv_idx <= q_idx and q_idx - kv_idx < aux[0][0]
+
+
+def tanh_softcap(score, b, h, q_idx, kv_idx, aux):
+    """Gemma 2's soft cap of 30 as a score_mod (the built-in: softcap=30.0)."""
+    return float32(30) * math.tanh(score / float32(30))
+
+
+def tanh_softcap_grad(grad, score, b, h, q_idx, kv_idx, aux):
+    """tanh_softcap's score_mod_grad: grad (1 - tanh^2(score / 30))."""
+    t = math.tanh(score / float32(30))
+    return grad * (float32(1) - t * t)
