@@ -83,7 +83,7 @@ def parts(do, q, k, v, o, lse, causal, path):
     out[f"kv_{path}"] = median_ms(lambda: launch(
         fa2_backward.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
         prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales, *cu,
-        *prob.score_args(), *prob.dropout_args()))
+        *prob.score_args(), *prob.dropout_args(), prob.aux))
     if atomic:
         out[f"convert_{path}"] = median_ms(lambda: bwd.convert_dq(g))
     else:
@@ -91,7 +91,7 @@ def parts(do, q, k, v, o, lse, causal, path):
         out["dqk"] = median_ms(lambda: launch(
             fa2_backward.build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
             prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales, *cu,
-            *prob.score_args(), *prob.dropout_args()))
+            *prob.score_args(), *prob.dropout_args(), prob.aux))
     return out
 
 

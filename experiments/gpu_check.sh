@@ -38,6 +38,8 @@
 #   dropout  dropout on P (issue 59): tests/test_dropout.py and the torch / transformers doors' dropout
 #            tests on the GPU, then its cost (experiments/score_terms.py --cases plain,dropout: fa2
 #            with and without dropout_p=0.1, SDPA's flash backend with and without its own)
+#   mods     score_mod / mask_mod: fa2 with a mod against its built-in, its plain mask and
+#            FlexAttention (experiments/mods.py)
 #   first_call  a new process's import, first call and the calls after it, cold and warm cache
 #            (experiments/first_call.py)
 set -uo pipefail
@@ -205,6 +207,10 @@ for step in $steps; do
         --cases plain,dropout --seqlens "${DROPOUT_SEQLENS:-4096,16384}" --csv "$OUT/dropout.csv" \
         > "$OUT/dropout_cost.txt" 2>&1 || status=1
       tail -20 "$OUT/dropout_cost.txt" ;;
+    mods)
+      timeout "${MODS_TIMEOUT:-540}" python3 experiments/mods.py --csv "$OUT/mods.csv" ${MODS_ARGS:-} \
+        > "$OUT/mods.txt" 2>&1 || status=1
+      tail -20 "$OUT/mods.txt" ;;
     first_call)
       timeout "${FIRST_CALL_TIMEOUT:-600}" python3 experiments/first_call.py ${FIRST_CALL_ARGS:-} \
         > "$OUT/first_call.txt" 2>&1 || status=1

@@ -66,6 +66,8 @@ PASSES = ("fwd", "bwd", "fwd_bwd", "decode")
 # pass=decode (experiments/decode.py): GB/s of K and V read, and their fraction of the run's copy
 # bandwidth; the paged cache's page size
 COLUMNS += ["gbs", "of_copy", "page_size"]
+# score_mod / mask_mod (docs/score_mods.md): the dotted names, "n=name;..."
+COLUMNS += ["mods"]
 
 SIM_BANNER = ("No CUDA GPU here: the kernels run in Numba's CUDA simulator, on a small problem, and "
               "are checked against float64 exactly as on a GPU.\nThe times printed are the "
@@ -139,7 +141,32 @@ def resolve_problem(cfg, mode):
                 window_size=tuple(p.get("window") or (-1, -1)),
                 softcap=float(p.get("softcap") or 0.0), align=p.get("align") or "bottom_right",
                 alibi=bool(p.get("alibi")), sinks=bool(p.get("sinks")),
-                dropout=float(p.get("dropout") or 0.0))
+                dropout=float(p.get("dropout") or 0.0),
+                **{n: p.get(n) for n in MOD_KEYS if p.get(n)})
+
+
+# score_mod / mask_mod by dotted name (docs/score_mods.md); aux: a function (rng, batch, heads,
+# n_q, n_k) -> tuple of host arrays
+MOD_KEYS = ("score_mod", "mask_mod", "score_mod_grad", "aux")
+
+
+def mods_of(prob, rng, library):
+    """(the call's score_mod keywords, the reference's) for problem.score_mod, mask_mod,
+    score_mod_grad (dotted names) and aux (a dotted factory); ({}, {}) for none."""
+    if not any(prob.get(n) for n in MOD_KEYS):
+        return {}, {}
+    from common.host.mods import device_function_of
+    from experiments.measure import inputs
+    fns = {n: device_function_of(prob[n], n) for n in MOD_KEYS[:3] if prob.get(n)}
+    host_aux = ()
+    if prob.get("aux"):
+        module, _, attr = prob["aux"].rpartition(".")
+        import importlib
+        host_aux = tuple(getattr(importlib.import_module(module), attr)(
+            rng, prob["batch"], prob["heads"], prob["seqlen"], prob["seqlen_k"]))
+    call = dict(fns, aux=tuple(inputs.to_device(x, library) for x in host_aux))
+    ref = {n: f for n, f in fns.items() if n != "score_mod_grad"}
+    return call, dict(ref, aux=host_aux)
 
 
 def score_terms(prob, rng):
@@ -181,6 +208,7 @@ def sdpa_takes(prob):
     mask = mask_of(prob)
     plain = not mask or mask == dict(window_size=(-1, -1), softcap=0.0, align="top_left")
     plain = plain and not prob.get("alibi") and not prob.get("sinks") and not prob.get("dropout")
+    plain = plain and not any(prob.get(n) for n in MOD_KEYS)
     return plain and (not prob["causal"] or prob["seqlen"] == prob["seqlen_k"]
                       or mask.get("align") == "top_left")
 
@@ -241,8 +269,10 @@ def run_job(cfg, mode):
     terms = {name: inputs.to_device(x, library) for name, x in host_terms.items()}
     drop, ref_drop = dropout_of(prob, seed, check_rows)
     terms.update(drop)
+    mods_call, mods_ref = mods_of(prob, rng, library)
+    terms.update(mods_call)
     ref = reference.attention(*host[:3], causal=prob["causal"], softmax_scale=prob["softmax_scale"],
-                              rows=check_rows, **mask, **host_terms, **ref_drop)
+                              rows=check_rows, **mask, **host_terms, **ref_drop, **mods_ref)
     grad_ref = None
     if backward:   # batch 0, K/V head 0 and the query heads that share it
         group = prob["heads"] // prob["heads_kv"]
@@ -251,7 +281,8 @@ def run_job(cfg, mode):
                                                 do[:1, :, :group], causal=prob["causal"],
                                                 softmax_scale=prob["softmax_scale"], **mask,
                                                 **{n: x[:group] for n, x in host_terms.items()},
-                                                **dropout_of(prob, seed, None, group)[1])
+                                                **dropout_of(prob, seed, None, group)[1],
+                                                **mods_ref)
 
     lse_tol = checks.fp8_lse_tolerance(host[0], host[1], prob["softmax_scale"]) if fp8_run \
         else checks.LSE_TOL
@@ -527,7 +558,8 @@ def measure(name, fn, ctx, options=None, workspace=0, config_of=None):
                label=ctx["label"], seed=ctx["seed"], job=ctx["job"], check="", status="ok",
                window="{},{}".format(*prob["window_size"]), softcap=prob["softcap"],
                align=prob["align"], alibi=prob.get("alibi", False), sinks=prob.get("sinks", False),
-               dropout=prob.get("dropout", 0.0), **{"pass": pass_})
+               dropout=prob.get("dropout", 0.0), **{"pass": pass_},
+               mods=";".join(f"{n}={prob[n]}" for n in MOD_KEYS if prob.get(n)))
     free = _free_device_bytes(ctx)
     if workspace and free is not None and workspace > free:
         row["status"] = f"skipped: needs {workspace / 2**30:.1f} GiB of work memory"

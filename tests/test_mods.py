@@ -28,20 +28,12 @@ DTYPE = "bfloat16"
 
 
 def aux_of(name, rng, batch, heads, n):
-    """Host aux arrays for each example."""
-    if name == "alibi":
-        return (inputs.alibi_slopes(heads).astype(np.float32),)
-    if name == "relative_bias":
-        table = rng.uniform(-2, 2, (heads, 2 * 8 + 1)).astype(np.float32)
-        return table, np.zeros_like(table)
-    if name == "document_mask":   # three documents, boundaries off the blocks' edges
-        return (np.repeat(np.arange(3), [n // 3 - 5, n // 3 + 9, n - 2 * (n // 3) - 4])
-                .astype(np.int32),)
-    if name == "prefix_lm":
-        return (rng.integers(1, n // 2, batch).astype(np.int32),)
-    if name == "sliding_window":
-        return (np.array([n // 4], np.int32),)
-    return ()
+    """Host aux arrays for each example (variants/score_mods.py's factories; three documents
+    whose boundaries fall off the blocks' edges)."""
+    make = {"alibi": score_mods.alibi_aux, "relative_bias": score_mods.relative_bias_aux,
+            "document_mask": score_mods.document_aux, "prefix_lm": score_mods.prefix_aux,
+            "sliding_window": score_mods.window_aux}.get(name)
+    return () if make is None else make(rng, batch, heads, n, n)
 
 
 # (score_mod, score_mod_grad, mask_mod, built-in mask keywords beside them)

@@ -28,15 +28,16 @@ def _function_class():
     class FlashAttentionFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, alibi_slopes, sinks, variant, causal, softmax_scale, mask,
-                    forward_options, backward_options, dropout_p, generator):
-            terms = dict(_terms(alibi_slopes, sinks), **_dropout(q, dropout_p, generator))
+                    forward_options, backward_options, dropout_p, generator, mods):
+            terms = dict(_terms(alibi_slopes, sinks), **_dropout(q, dropout_p, generator),
+                         **dict(mods))
             o, lse = registry.forward(q, k, v, variant=variant, causal=causal,
                                       softmax_scale=softmax_scale, **dict(mask), **terms,
                                       **dict(forward_options))
             ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks)
             drop = {n: x for n, x in terms.items() if n.startswith("dropout")}
             ctx.settings = (variant, causal, softmax_scale,
-                            dict(mask, **dict(backward_options), **drop))
+                            dict(mask, **dict(backward_options), **drop, **dict(mods)))
             ctx.mark_non_differentiable(lse)
             return o, lse
 
@@ -47,7 +48,7 @@ def _function_class():
             grads = registry.backward(do.contiguous(), q, k, v, o, lse, variant=variant,
                                       causal=causal, softmax_scale=softmax_scale,
                                       **_terms(alibi_slopes, sinks), **options)
-            return tuple(grads[:3]) + (None, _sink_grad(grads, sinks)) + (None,) * 8
+            return tuple(grads[:3]) + (None, _sink_grad(grads, sinks)) + (None,) * 9
 
     class FlashAttentionVarlenFunction(torch.autograd.Function):
         """The same over a packed batch (flash_attn_varlen_func): forward_varlen, backward_varlen."""
@@ -129,6 +130,20 @@ def _fp32(x, name):
     return x.float().contiguous()
 
 
+def _mods(score_mod, mask_mod, score_mod_grad, aux):
+    """The score_mod keywords of a call (common/host/mods.py), only those given."""
+    given = dict(score_mod=score_mod, mask_mod=mask_mod, score_mod_grad=score_mod_grad,
+                 aux=None if aux is None else tuple(aux))
+    return tuple((n, x) for n, x in given.items() if x is not None)
+
+
+def _refuse_compiled_mods(mods):
+    if mods:
+        raise NotImplementedError("score_mod / mask_mod under torch.compile: not built yet (the "
+                                  "custom operators take no functions); run the attention "
+                                  "eagerly (torch.compiler.disable)")
+
+
 def _mask(window_size, softcap, align):
     if softcap or align != "bottom_right" or tuple(window_size) != (-1, -1):
         return (("window_size", tuple(window_size)), ("softcap", softcap), ("align", align))
@@ -187,15 +202,20 @@ def _refuse_compiled_dropout(dropout_p):
 
 def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, window_size=(-1, -1),
               softcap=0.0, align="bottom_right", alibi_slopes=None, sinks=None, dropout_p=0.0,
-              generator=None, forward_options=None, backward_options=None, return_lse=False):
+              generator=None, forward_options=None, backward_options=None, return_lse=False,
+              score_mod=None, mask_mod=None, score_mod_grad=None, aux=None):
     """O = softmax(softmax_scale Q K^T) V with the named variant, differentiable in q, k, v (and
     sinks); the mask (causal, window_size, softcap, align) as flash_attn_func's
     (common/tile/masks.py), the score terms alibi_slopes and sinks (fa2, fa3), dropout_p (fa2;
-    torch's CUDA generator, or `generator`, gives the seed and offset). Returns o, or
+    torch's CUDA generator, or `generator`, gives the seed and offset), score_mod, mask_mod,
+    score_mod_grad and aux (fa2: common/host/mods.py; a gradient into aux is the
+    score_mod_grad's to accumulate, autograd does not see it). Returns o, or
     (o, lse (B, H, N_q) fp32) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention")
+    mods = _mods(score_mod, mask_mod, score_mod_grad, aux)
     if _compiling():   # torch.compile traces the custom operators (variants/torch_ops.py)
         _refuse_compiled_dropout(dropout_p)
+        _refuse_compiled_mods(mods)
         from variants import torch_ops
         return torch_ops.attention(q, k, v, alibi_slopes=_fp32(alibi_slopes, "alibi_slopes"),
                                    sinks=_fp32(sinks, "sinks"), variant=variant, causal=causal,
@@ -206,5 +226,5 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, windo
                                         _fp32(sinks, "sinks"), variant, causal, softmax_scale,
                                         _mask(window_size, softcap, align),
                                         _options(forward_options), _options(backward_options),
-                                        dropout_p, generator)
+                                        dropout_p, generator, mods)
     return (o, lse) if return_lse else o

@@ -34,9 +34,11 @@ from common.hardware.elements import BFLOAT16, FLOAT16, Element
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_with_launch_bounds
 from common.host import arrays, configs
 from common.host.launching import launch
+from common.host.mods import with_mods
 from common.host.problem import (
     LSE_TYPE,
     MASK_TYPES,
+    MOD_TYPES,
     OUT_TYPE,
     QKV_TYPE,
     DROPOUT_TYPES,
@@ -48,7 +50,7 @@ from common.host.problem import (
     with_score_terms,
 )
 from common.host.replay import replayed
-from common.tile import dropout, masks, pipeline, softmax, tiles
+from common.tile import dropout, masks, mods, pipeline, softmax, tiles
 from common.tile.smem import SharedLayout
 from variants import fa2_backward
 
@@ -71,6 +73,7 @@ class Config:
     alibi: bool = False     # ALiBi's bias by distance (alibi_slopes)
     sinks: bool = False     # an attention sink a head (gpt-oss): a logit in each row's softmax
     dropout: bool = False   # dropout on P (Philox in the kernel: common/tile/dropout.py)
+    mods: object = None     # a user's score_mod / mask_mod (common/host/mods.py: ScoreMods)
     block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
     block_n: int = 64       # B_c: keys per inner step
     warps: int = 4          # split-Q: each warp owns block_m / warps query rows
@@ -175,6 +178,9 @@ def build(cfg):
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     ALIBI, SINKS, DROPOUT = cfg.alibi, cfg.sinks, cfg.dropout
+    MODS = cfg.mods is not None
+    APPLY_MODS = mods.applier(cfg.mods.score_mod, cfg.mods.mask_mod, False, False) if MODS else \
+        mods.applier(None, None, False, False)
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer
@@ -213,7 +219,7 @@ def build(cfg):
     @kernel_with_launch_bounds(THREADS, cfg.min_blocks_per_sm)
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
                     scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks, seed_lo,
-                    seed_hi, offset_lo, offset_hi, keep_below, drop_scale, drop_cg):
+                    seed_hi, offset_lo, offset_hi, keep_below, drop_scale, drop_cg, aux):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
         lo, hi: the band of keys a query sees (lo <= key - query <= hi, when BANDED); softcap: the
         cap on raw scores (when SOFTCAP). VARLEN: B = 1 and batch b of the grid is the sequence of
@@ -222,7 +228,8 @@ def build(cfg):
         alibi_stride + h], distances from key query + alibi_shift; sinks: a sink logit a head
         (when SINKS). (common/host/problem.py: score_args.) seed_lo .. drop_cg: dropout's Philox
         seed and offset, keep threshold, 1 / (1 - p) and column groups (when DROPOUT;
-        problem.dropout_args)."""
+        problem.dropout_args); aux: the arrays score_mod and mask_mod read (when MODS;
+        common/tile/mods.py)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
@@ -247,6 +254,7 @@ def build(cfg):
         slope = alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0)
         rng = (seed_lo, seed_hi, offset_lo, offset_hi, keep_below)   # dropout's Philox stream
         bh = b * cuda.gridDim.z + h
+        inv_scale = float32(1) / softmax_scale if MODS else float32(0)
 
         smem = cuda.shared.array(0, uint16)   # Q_i | STAGES x (K, V) | P~ (p_in_registers=False)
         q_s = smem[Q_START:Q_START + Q_TILE]
@@ -311,6 +319,9 @@ def build(cfg):
                 softmax.softcap_scores(s, softcap)
             if ALIBI:
                 tiles.add_alibi(s, row0 + warp_row + alibi_shift, col0, slope, lane)
+            if MODS:   # the user's score_mod, then mask_mod (common/tile/mods.py)
+                APPLY_MODS(s, s, row0 + warp_row, col0, n_q, n_k, int32(b), int32(h), aux,
+                           softmax_scale, inv_scale, lane)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
@@ -365,25 +376,30 @@ def build(cfg):
 @replayed(3)
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
             align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
-            dropout_offset=0, out=None, **options):
+            dropout_offset=0, score_mod=None, mask_mod=None, score_mod_grad=None, aux=None,
+            out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or
     bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and lse (B, H, N_q) fp32.
     causal, window_size, softcap, align: the mask, as flash_attn_func (common/tile/masks.py);
     alibi_slopes ((H,) or (B, H) fp32) and sinks ((H,) fp32): the score terms of
     problem.with_score_terms; dropout_p, dropout_seed, dropout_offset: dropout on P, its mask
     drawn by Philox from the seed and offset (common/tile/dropout.py: the backward given the same
-    three drops the same elements). options: see Config and OPTIONS."""
+    three drops the same elements); score_mod, mask_mod (and the backward's score_mod_grad), aux:
+    a user's functions of the scores compiled into the kernel (common/host/mods.py,
+    docs/score_mods.md). options: see Config and OPTIONS."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,
                    align=align)
     with_dropout(prob, dropout_p, dropout_seed, dropout_offset)
+    with_mods(prob, score_mod, mask_mod, score_mod_grad, aux)
     return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                    align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                   dropout_seed=0, dropout_offset=0, out=None, **options):
+                   dropout_seed=0, dropout_offset=0, score_mod=None, mask_mod=None,
+                   score_mod_grad=None, aux=None, out=None, **options):
     """FA2 forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
     k, v (total_k, H_kv, d), sequence b being rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32
     device arrays, batch + 1 entries). Returns o (total_q, H, d) and lse (H, total_q) fp32. The
@@ -394,6 +410,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                           head_dims=HEAD_DIMS, variant="fa2", window_size=window_size,
                           softcap=softcap, align=align)
     with_dropout(prob, dropout_p, dropout_seed, dropout_offset)
+    with_mods(prob, score_mod, mask_mod, score_mod_grad, aux)
     return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
@@ -409,7 +426,7 @@ def _run(prob, options):
            prob.q, prob.k, prob.v, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k, *prob.score_args(),
-           *prob.dropout_args())
+           *prob.dropout_args(), prob.aux)
     return prob.result()
 
 
@@ -423,7 +440,7 @@ def compile_targets():
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
                 types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE) + \
-        SCORE_TYPES + DROPOUT_TYPES
+        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES
     for head_dim in REPORTED_HEAD_DIMS:
         for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):

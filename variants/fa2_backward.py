@@ -14,9 +14,11 @@ from common.hardware.elements import BFLOAT16, Element
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel
 from common.host import arrays, configs
 from common.host.launching import launch
+from common.host.mods import with_mods
 from common.host.problem import (
     LSE_TYPE,
     MASK_TYPES,
+    MOD_TYPES,
     OUT_TYPE,
     QKV_TYPE,
     DROPOUT_TYPES,
@@ -26,7 +28,7 @@ from common.host.problem import (
     with_score_terms,
 )
 from common.host.replay import replayed
-from common.tile import dropout, masks, pipeline, softmax, tiles
+from common.tile import dropout, masks, mods, pipeline, softmax, tiles
 from common.tile.smem import SharedLayout
 from variants import backward_shared as bwd
 
@@ -81,6 +83,7 @@ class BackwardConfig:
     softcap: bool = False      # scores soft-capped (Gemma 2): dS times 1 - tanh^2
     alibi: bool = False        # ALiBi's bias in the recomputed S (no term in dS)
     dropout: bool = False      # dropout on P: the forward's mask regenerated (common/tile/dropout.py)
+    mods: object = None        # score_mod / mask_mod and score_mod_grad (common/host/mods.py)
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
@@ -244,6 +247,19 @@ class BackwardConfig:
 _SLICES = {True: "powers of two >= 16", False: "multiples of 16 (of d: of 8)"}
 
 
+def _mods_of(cfg, transposed, acc_shape):
+    """(MODS, apply, apply_grad, shape of the saved scores) of a backward kernel: the forward's
+    score_mod and mask_mod on S (transposed: S^T), keeping each scaled score for score_mod_grad
+    (common/tile/mods.py); a configuration without mods compiles them out."""
+    m = cfg.mods
+    if m is None:
+        return False, mods.applier(None, None, transposed, False), \
+            mods.grad_applier(None, transposed), (1, 1, 1)
+    keep = m.score_mod_grad is not None
+    return True, mods.applier(m.score_mod, m.mask_mod, transposed, keep), \
+        mods.grad_applier(m.score_mod_grad, transposed), acc_shape if keep else (1, 1, 1)
+
+
 def _column_slice(width, swizzle, unit=8):
     """Whether a warp's slice of `width` tile columns is whole n8 tiles of the products it takes
     part in (`unit`: 16 for S^T's queries, taken in pairs by tiles.gemm_abt; 8 for d's columns,
@@ -338,6 +354,7 @@ def build_backward(cfg):
     ST_ACC, P_FRAG, DKV_ACC = (M, QC // 8, 4), (M, BR // 16, 4), (M, DC // 8, 4)
     DQ_ACC, DS_FRAG = (MQ, DQ_COLS // 8, 4), (MQ, BC // 16, 4)
     CAP_GRAD = ST_ACC if SOFTCAP else (1, 1, 1)      # 1 - tanh^2 of each score (softcap)
+    MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = _mods_of(cfg, True, ST_ACC)
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
     @device_function
@@ -408,10 +425,11 @@ def build_backward(cfg):
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
                  lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k, alibi,
-                 alibi_stride, alibi_shift, rng, drop_scale, drop_cg):
+                 alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux):
         """l.6-17 for K/V block j of batch b, K/V head h_kv (VARLEN: of sequence b, whose rows
         start at first_q and first_k of the packed batch); ALiBi's slopes and shift as the
-        forward's (fa2.py); rng, drop_scale, drop_cg: dropout's (DROPOUT; fa2.py)."""
+        forward's (fa2.py); rng, drop_scale, drop_cg: dropout's (DROPOUT; fa2.py); aux: the
+        arrays of score_mod, mask_mod and score_mod_grad (MODS; common/tile/mods.py)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         key0 = int32(j * BC)
@@ -463,6 +481,8 @@ def build_backward(cfg):
         dsa = cuda.local.array(DS_FRAG, uint32)
         dq = cuda.local.array(DQ_ACC, float32)
         cap_grad = cuda.local.array(CAP_GRAD, float32)
+        saved = cuda.local.array(SAVED, float32)     # the scaled scores score_mod_grad takes
+        inv_scale = float32(1) / softmax_scale if MODS else float32(0)
         next_lse2 = cuda.local.array(STATS_PER_THREAD, float32)
         next_d = cuda.local.array(STATS_PER_THREAD, float32)
         if KV_IN_REGISTERS:                 # K_j, V_j's A fragments of the warp's keys, once
@@ -513,6 +533,9 @@ def build_backward(cfg):
             if ALIBI:   # the forward's bias, S^T[key, query] -= slope |query + shift - key|
                 tiles.add_alibi_transposed(s, key0 + warp_key - alibi_shift, q0 + warp_q,
                                            alibi[b * alibi_stride + h] / softmax_scale, lane)
+            if MODS:   # the forward's score_mod and mask_mod, on S^T (keys in rows)
+                APPLY_MODS(s, saved, key0 + warp_key, q0 + warp_q, n_q, n_k, int32(b), int32(h),
+                           aux, softmax_scale, inv_scale, lane)
             if int32(q0 + BR) > n_q or masks.block_is_partial(q0, BR, key0, BC, n_k, BANDED, lo,
                                                               hi, WINDOW):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, BANDED,
@@ -529,6 +552,9 @@ def build_backward(cfg):
             softmax.grad_columns(s, dp, d_s, lane, warp_q, DROPOUT)
             if DROPOUT:   # l.12's operand: Z o P^T / (1 - p)
                 dropout.unsign(s, drop_scale)
+            if MODS:   # dS of the unmodified scores: through score_mod's derivative
+                APPLY_MOD_GRAD(dp, saved, key0 + warp_key, q0 + warp_q, n_q, n_k, int32(b),
+                               int32(h), aux, lane)
             if SOFTCAP:   # dS of the raw scores: through the cap's derivative
                 tiles.multiply(dp, cap_grad)
             ds = DS0 + stage * DS_TILE
@@ -593,7 +619,7 @@ def build_backward(cfg):
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
                         softcap, softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride,
                         alibi_shift, sinks, seed_lo, seed_hi, offset_lo, offset_hi, keep_below,
-                        drop_scale, drop_cg):
+                        drop_scale, drop_cg, aux):
         """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, D)
         fp32 (D = tiles.tile_columns(d)); dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py).
         VARLEN: B = 1, and batch b of the grid is the sequence of rows cu_q[b] .. cu_q[b+1] - 1
@@ -614,12 +640,12 @@ def build_backward(cfg):
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
                          kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                         alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg)
+                         alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux)
                 cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
         else:            # l.5: "for 1 <= j <= T_c" is the grid
             kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
                      n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                     alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg)
+                     alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux)
 
     return fa2_backward_kv
 
@@ -643,12 +669,13 @@ def build_backward_dq(cfg):
     CAP_GRAD = S_ACC if SOFTCAP else (1, 1, 1)
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     ALIBI, DROPOUT = cfg.alibi, cfg.dropout
+    MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = _mods_of(cfg, False, S_ACC)
 
     @kernel
     def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, lo, hi, softcap,
                         softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift,
                         sinks, seed_lo, seed_hi, offset_lo, offset_hi, keep_below, drop_scale,
-                        drop_cg):
+                        drop_cg, aux):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         i = masks.query_block(BANDED)   # with a band, the blocks with the most K/V blocks first
@@ -700,6 +727,8 @@ def build_backward_dq(cfg):
         pa = cuda.local.array(P_FRAG, uint32)
         dq = cuda.local.array(DQ_ACC, float32)
         cap_grad = cuda.local.array(CAP_GRAD, float32)
+        saved = cuda.local.array(SAVED, float32)
+        inv_scale = float32(1) / softmax_scale if MODS else float32(0)
         tiles.fill(dq, float32(0))
         for j in range(j0, j1):
             col0 = j * BC
@@ -723,6 +752,9 @@ def build_backward_dq(cfg):
                 softmax.softcap_scores_with_grad(s, cap_grad, softcap)
             if ALIBI:
                 tiles.add_alibi(s, row0 + warp_row + alibi_shift, col0, slope, lane)
+            if MODS:
+                APPLY_MODS(s, saved, row0 + warp_row, col0, n_q, n_k, int32(b), int32(h), aux,
+                           softmax_scale, inv_scale, lane)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             softmax.recompute_p_rows(s, lse2, scale_log2)
@@ -734,6 +766,9 @@ def build_backward_dq(cfg):
                                   drop_cg, (seed_lo, seed_hi, offset_lo, offset_hi, keep_below),
                                   drop_scale)
             softmax.grad_rows(s, dp, d_rows)
+            if MODS:
+                APPLY_MOD_GRAD(dp, saved, row0 + warp_row, col0, n_q, n_k, int32(b), int32(h),
+                               aux, lane)
             if SOFTCAP:
                 tiles.multiply(dp, cap_grad)
             # l.15: dQ_i += dS K_j, dS straight from its accumulator into A fragments.
@@ -755,16 +790,19 @@ def build_backward_dq(cfg):
 @replayed(6)
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
              softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
-             dropout_seed=0, dropout_offset=0, grads=None, **options):
+             dropout_seed=0, dropout_offset=0, score_mod=None, mask_mod=None, score_mod_grad=None,
+             aux=None, grads=None, **options):
     """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs
     (o, lse) and dO = dLoss/dO (like o); the mask, score terms and dropout as the forward's (with
-    sinks, a fourth gradient: d sinks (H,) fp32; dropout: the forward's seed and offset).
+    sinks, a fourth gradient: d sinks (H,) fp32; dropout: the forward's seed and offset;
+    score_mod with its score_mod_grad, mask_mod, aux: common/host/mods.py).
     options: see BackwardConfig and BACKWARD_OPTIONS."""
     g = bwd.prepare_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=softmax_scale,
                              grads=grads, head_dims=HEAD_DIMS, variant="fa2",
                              window_size=window_size, softcap=softcap, align=align)
     with_score_terms(g.prob, alibi_slopes, sinks, align)
     with_dropout(g.prob, dropout_p, dropout_seed, dropout_offset)
+    with_mods(g.prob, score_mod, mask_mod, score_mod_grad, aux, "fa2", backward=True)
     cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
                                   configs.mask_fields(g.prob, backward=True), **options)
     return run_backward(g, cfg)
@@ -773,7 +811,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
 def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                     align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                    dropout_seed=0, dropout_offset=0, grads=None, **options):
+                    dropout_seed=0, dropout_offset=0, score_mod=None, mask_mod=None,
+                    score_mod_grad=None, aux=None, grads=None, **options):
     """FA2 backward of a packed batch (fa2.forward_varlen): (dq, dk, dv) shaped like (q, k, v),
     from the forward's inputs, o (total_q, H, d), lse (H, total_q) and dO like o. dQ is added by
     vector atomics into a row-major accumulator (dq_reduce="red", the default here) or computed
@@ -782,11 +821,12 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         (do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
              align=align, grads=grads), options, "fa2", default_backward_config,
-        (alibi_slopes, sinks), (dropout_p, dropout_seed, dropout_offset))
+        (alibi_slopes, sinks), (dropout_p, dropout_seed, dropout_offset),
+        (score_mod, mask_mod, score_mod_grad, aux))
 
 
 def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_function,
-                        score_terms=(None, None), drop=(0.0, 0, 0)):
+                        score_terms=(None, None), drop=(0.0, 0, 0), mods=(None,) * 4):
     """A packed batch's backward through this module's kernels, for fa2 and fa1 (which differ in
     the variant's name and its configuration function): checked, dQ by vector atomics unless
     options say otherwise (the bulk reduction's staging is per query block of one sequence)."""
@@ -794,6 +834,7 @@ def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_funct
                                     **mask)
     with_score_terms(g.prob, *score_terms, mask.get("align", masks.BOTTOM_RIGHT))
     with_dropout(g.prob, *drop)
+    with_mods(g.prob, *mods, variant, backward=True)
     options.setdefault("dq_reduce", "red")
     cfg = config_function(g.prob.head_dim, g.prob.element, g.prob.banded,
                           configs.mask_fields(g.prob, backward=True), **options)
@@ -818,14 +859,14 @@ def run_backward(g, cfg):
     grid = (kv_blocks, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
-           scale, scale_log2, *cu, *terms)
+           scale, scale_log2, *cu, *terms, prob.aux)
     if atomic:
         bwd.convert_dq(g)
     else:
         grid = ((rows_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         launch(build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
                prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2,
-               *cu, *terms)
+               *cu, *terms, prob.aux)
     return g.result() if prob.sinks is None else g.result() + (bwd.sink_grad(g),)
 
 
@@ -836,7 +877,7 @@ def backward_compile_targets(cfg, tag):
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
     sizes = (types.int32, types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32,
                                                                      SEQS_TYPE, SEQS_TYPE) + \
-        SCORE_TYPES + DROPOUT_TYPES
+        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES
     # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
     # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
     # atomics dQ's product appears twice (in the loop and for the last step):

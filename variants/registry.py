@@ -15,6 +15,21 @@ REGISTRY = {
 }
 
 
+# The variants whose kernels take score_mod / mask_mod (common/host/mods.py, docs/score_mods.md)
+MOD_VARIANTS = ("fa2",)
+_MOD_KEYWORDS = ("score_mod", "mask_mod", "score_mod_grad", "aux")
+
+
+def _check_mods(variant, options):
+    """Refuse score_mod and friends, by name, for a variant that does not compile them in."""
+    if variant not in MOD_VARIANTS:
+        given = [n for n in _MOD_KEYWORDS if options.get(n) is not None]
+        if given:
+            raise ValueError(f"variant {variant!r} takes no {', '.join(given)}; score_mod and "
+                             f"mask_mod are compiled into {', '.join(MOD_VARIANTS)} "
+                             f"(docs/score_mods.md)")
+
+
 def get(name):
     """The module of variant `name` (it has forward(q, k, v, *, causal, softmax_scale, **options))."""
     module = _MODULES.get(name)
@@ -30,6 +45,7 @@ _MODULES = {}
 
 def forward(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention forward with the named variant; options are that variant's tuning knobs."""
+    _check_mods(variant, options)
     if _empty(q, k, v, 4):
         return _empty_forward(q, k, options.get("out"), (q.shape[0], q.shape[2], q.shape[1]),
                               options.get("sinks"), heads_axis=1)
@@ -114,6 +130,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     heads, d), k and v (total_k, heads_kv, d), cu_seqlens_q/k int32 device arrays (batch + 1) of
     the sequences' first rows; returns o (total_q, heads, d) and lse (heads, total_q) float32. The
     mask keywords are forward's, applied within each sequence."""
+    _check_mods(variant, options)
     if _empty(q, k, v, 3):
         return _empty_forward(q, k, options.get("out"), (q.shape[1], q.shape[0]),
                               options.get("sinks"), heads_axis=0)
@@ -128,6 +145,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     *, variant="fa2", causal=False, softmax_scale=None, **options):
     """The backward of forward_varlen: (dq, dk, dv) like (q, k, v) of the packed batch."""
+    _check_mods(variant, options)
     if _empty(q, k, v, 3):
         return _empty_backward(q, k, v, options.get("grads"), options.get("sinks"))
     module = get(variant)
@@ -142,6 +160,7 @@ def backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 def backward(do, q, k, v, o, lse, *, variant="fa2", causal=False, softmax_scale=None, **options):
     """Attention backward with the named variant: (dq, dk, dv) like (q, k, v), from the forward's
     inputs and outputs (o, lse) and dO (like o). options: the variant's backward knobs."""
+    _check_mods(variant, options)
     if _empty(q, k, v, 4):
         return _empty_backward(q, k, v, options.get("grads"), options.get("sinks"))
     module = get(variant)

@@ -15,6 +15,7 @@ parameter held in aux, add its gradient there with cuda.atomic.add (relative_bia
 """
 import math
 
+import numpy as np
 from numba import cuda, float32
 
 from common.tile.mods import unchanged_grad  # noqa: F401  (the grad of every additive bias here)
@@ -75,3 +76,34 @@ def tanh_softcap_grad(grad, score, b, h, q_idx, kv_idx, aux):
     """tanh_softcap's score_mod_grad: grad (1 - tanh^2(score / 30))."""
     t = math.tanh(score / float32(30))
     return grad * (float32(1) - t * t)
+
+
+# aux factories for the examples above: (rng, batch, heads, n_q, n_k) -> a tuple of host arrays
+# (the Hydra app's `problem.aux`, the tests' inputs)
+
+def alibi_aux(rng, batch, heads, n_q, n_k):
+    """ALiBi's slopes as its paper sets them, 2^(-8 h / H) for heads h = 1..H."""
+    return ((2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32),)
+
+
+def relative_bias_aux(rng, batch, heads, n_q, n_k, radius=8):
+    """A random (H, 2R + 1) bias table and its zeroed gradient."""
+    table = rng.uniform(-2, 2, (heads, 2 * radius + 1)).astype(np.float32)
+    return table, np.zeros_like(table)
+
+
+def document_aux(rng, batch, heads, n_q, n_k, documents=3):
+    """Document ids of the n_k positions: `documents` documents of random lengths."""
+    cuts = np.sort(rng.choice(np.arange(1, n_k), documents - 1, replace=False))
+    return (np.repeat(np.arange(documents), np.diff(np.concatenate([[0], cuts, [n_k]])))
+            .astype(np.int32),)
+
+
+def prefix_aux(rng, batch, heads, n_q, n_k):
+    """A random prefix length a batch, 1 .. N_k / 2."""
+    return (rng.integers(1, max(2, n_k // 2), batch).astype(np.int32),)
+
+
+def window_aux(rng, batch, heads, n_q, n_k):
+    """A window of N_k / 4 keys."""
+    return (np.array([max(1, n_k // 4)], np.int32),)

@@ -90,9 +90,53 @@ def closure_constants(fn, _seen=None):
         return "<seen>"
     _seen.add(id(fn))
     parts = [f"{fn.__module__}.{fn.__qualname__}"]
+    if not _is_own(fn):   # a user's function (score_mod, mask_mod): its code is not in our source
+        parts.append(f"code={function_digest(fn)}")
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         parts.append(f"{name}={_describe(cell.cell_contents, _seen)}")
     return "(" + ",".join(parts) + ")"
+
+
+OWN_PACKAGES = ("variants", "common")   # whose source source_digest covers
+
+
+def _is_own(fn):
+    return (getattr(fn, "__module__", None) or "").split(".")[0] in OWN_PACKAGES
+
+
+def function_digest(fn, _seen=None):
+    """sha256 (16 hex digits) of a function that is not this package's (a user's score_mod): its
+    code object (bytecode, constants, nested functions, names) and the globals it names: numbers
+    and tuples by value, modules by name, functions by their own digest (this package's by name:
+    source_digest covers them). TypeError for a global it cannot describe (the kernel is then
+    compiled, never cached)."""
+    import marshal
+    fn = getattr(fn, "py_func", fn)
+    _seen = set() if _seen is None else _seen
+    if id(fn) in _seen:
+        return "<seen>"
+    _seen.add(id(fn))
+    code = fn.__code__
+    h = hashlib.sha256(marshal.dumps(code))
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
+    for name in sorted(names):
+        if name not in fn.__globals__:
+            continue
+        value = fn.__globals__[name]
+        if type(value).__name__ == "module":
+            part = f"module {value.__name__}"
+        elif callable(getattr(value, "py_func", None)) or hasattr(value, "__code__"):
+            inner = getattr(value, "py_func", value)
+            part = f"{inner.__module__}.{inner.__qualname__}" if _is_own(inner) else \
+                function_digest(inner, _seen)
+        else:
+            part = _describe(value, _seen)
+        h.update(f"{name}={part}\0".encode())
+    return h.hexdigest()[:16]
 
 
 def _describe(value, seen):

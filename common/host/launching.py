@@ -107,12 +107,13 @@ def launch(kern, grid, block, shared_bytes, stream, *args, programmatic=False):
     (numba-cuda has no API for it: numba-cuda issue #94)."""
     if SIMULATOR:
         for a in args:   # what the GPU path below can pass, so that the simulator refuses the rest
-            if not isinstance(a, KernelView) and type(a) not in _SCALAR_TYPES:
-                raise TypeError(f"launch takes KernelViews and np.int32 / np.uint32 / np.float32 "
-                                f"scalars, got "
-                                f"{type(a).__name__} {a!r}")
-        kern[grid, block, 0, shared_bytes](*(a.array if isinstance(a, KernelView) else a
-                                             for a in args))
+            if not isinstance(a, KernelView) and type(a) not in _SCALAR_TYPES and not (
+                    type(a) is tuple and all(type(x) is KernelView for x in a)):
+                raise TypeError(f"launch takes KernelViews, tuples of them and np.int32 / "
+                                f"np.uint32 / np.float32 scalars, got {type(a).__name__} {a!r}")
+        kern[grid, block, 0, shared_bytes](*(
+            a.array if isinstance(a, KernelView) else
+            tuple(x.array for x in a) if type(a) is tuple else a for a in args))
         return
     if not getattr(_thread, "has_context", False):
         # cuLaunchKernel needs a current context in the calling thread, and callers are not all
@@ -122,11 +123,12 @@ def launch(kern, grid, block, shared_bytes, stream, *args, programmatic=False):
         _thread.has_context = True
     # keyed by identities (Numba types are interned in _ARRAY_TYPES and _SCALAR_TYPES; the
     # launcher keeps the kernel): hashing the types themselves costs ~1 us each
-    key = (id(kern), *[id(a.layout.numba_type) if type(a) is KernelView else type(a) for a in args])
+    key = (id(kern), *[id(a.layout.numba_type) if type(a) is KernelView else
+                       tuple(id(x.layout.numba_type) for x in a) if type(a) is tuple else type(a)
+                       for a in args])
     launcher = _compiled.get(key)
     if launcher is None:
-        sig = tuple(a.numba_type if isinstance(a, KernelView) else _SCALAR_TYPES[type(a)]
-                    for a in args)
+        sig = tuple(_numba_type(a) for a in args)
         launcher = _compiled[key] = _Launcher(kern, sig)
     launcher(grid, block, shared_bytes, stream, args, programmatic)
     recording = getattr(_thread, "recording", None)
@@ -161,8 +163,7 @@ class _Launcher:
         self.buffers = threading.local()
         # an array: meminfo, parent, size, itemsize (q), data (Q), shape and strides (q); a scalar:
         # its 4 bytes, then 4 of padding
-        self.struct = struct.Struct("<" + "".join(
-            f"4qQ{2 * t.ndim}q" if hasattr(t, "ndim") else _SCALAR_FORMATS[str(t)] for t in sig))
+        self.struct = struct.Struct("<" + "".join(_format(t) for t in sig))
         self.words = self.struct.size // 8
         # CuPy's binding of cuLaunchKernel takes plain integers and checks nothing else: ~0.8 us a
         # launch less than cuda-python's, which converts its arguments (a launch is ~4 us).
@@ -190,7 +191,7 @@ class _Launcher:
     def pack(self, words, args):
         """Write the parameter words of `args` (KernelViews and NumPy scalars) into `words`."""
         values = []
-        for a in args:
+        for a in _flat(args):
             if type(a) is KernelView:
                 layout = a.layout
                 values += layout.head
@@ -281,7 +282,7 @@ class PackedLaunch:
         self.words = launcher.new_buffer()[0]
         launcher.pack(self.words, args)
         slots, at = [], 0
-        for a in args:
+        for a in _flat(args):
             if type(a) is KernelView:
                 where = resolve(a)
                 if where is not None:
@@ -313,6 +314,36 @@ def replay_buffers(launches):
         buf[0][:] = step.words
         buffers.append(buf)
     return buffers
+
+
+def _flat(args):
+    """The arguments with each tuple's members in its place (Numba's kernel ABI flattens tuples)."""
+    for a in args:
+        if type(a) is tuple:
+            yield from a
+        else:
+            yield a
+
+
+def _numba_type(a):
+    """What the kernel is compiled for: a view's array type, a tuple of views' Tuple type (a
+    score_mod's aux arrays), a scalar's type."""
+    if isinstance(a, KernelView):
+        return a.numba_type
+    if type(a) is tuple:
+        from numba import types
+        return types.Tuple(tuple(x.numba_type for x in a))
+    return _SCALAR_TYPES[type(a)]
+
+
+def _format(t):
+    """struct format of a parameter of Numba type t: an array's words, a tuple's members', a
+    scalar's 4 bytes and padding."""
+    if hasattr(t, "ndim"):
+        return f"4qQ{2 * t.ndim}q"
+    if hasattr(t, "types"):
+        return "".join(_format(m) for m in t.types)
+    return _SCALAR_FORMATS[str(t)]
 
 
 def _check(result):

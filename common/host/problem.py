@@ -36,6 +36,8 @@ SCORE_TYPES = (F32_VEC, types.int32, types.int32, F32_VEC)   # AttentionProblem.
 # AttentionProblem.dropout_args(): seed (lo, hi), offset (lo, hi), the 8-bit keep threshold,
 # 1 / (1 - p), and the mask's column groups a row (common/tile/dropout.py)
 DROPOUT_TYPES = (types.uint32,) * 5 + (types.float32, types.int32)
+# the aux arrays of score_mod / mask_mod (AttentionProblem.aux; none: an empty tuple)
+MOD_TYPES = (types.Tuple(()),)
 
 
 @dataclass
@@ -86,6 +88,9 @@ class AttentionProblem:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     dropout_offset: int = 0
+    # score_mod / mask_mod (common/host/mods.py: with_mods): the call's ScoreMods and its aux views
+    mods: object = None
+    aux: tuple = ()
 
     @property
     def element(self):

@@ -8,7 +8,11 @@
     normaliser,
     LSE[i] = log sum_j exp(S[i, j])  (+ exp(s_h) with sinks),  O = exp(S - LSE) V,
     dropout (dropout_p, dropout_mask Z (B, H, N_q, N_k) bool): O = (Z o P / (1 - p)) V, LSE as
-    without (common/tile/dropout.py's keep_mask gives the kernels' Z).
+    without (common/tile/dropout.py's keep_mask gives the kernels' Z),
+    score_mod(score, b, h, q_idx, kv_idx, aux) and mask_mod(b, h, q_idx, kv_idx, aux) (common/tile/
+    mods.py; aux: host arrays): S[i, j] <- score_mod(S[i, j], ...) after the cap and ALiBi, -inf
+    where mask_mod is False; the backward differentiates score_mod by central differences in
+    float64 (independently of the kernels' score_mod_grad, which it so checks).
 
 Layouts are flash_attn_func's: q (B, N_q, H, d), k and v (B, N_k, H_kv, d) with H a multiple of
 H_kv (grouped-query attention: query head h reads K/V head h // (H / H_kv)). Returns O (B, N_q, H, d)
@@ -54,9 +58,52 @@ def alibi_bias(slopes, batch, heads, rows, n_k, n_q, align):
     return -slopes[:, :, None, None] * dist[None, None]
 
 
+def modded(score_mod=None, mask_mod=None, aux=(), batch_offset=0):
+    """mod(s, rows) -> (s', keep, d s'/d s) for softmax_rows, applying a user's score_mod and
+    mask_mod to scaled scores s (B, H, len(rows), N_k) in float64, or None without either. The
+    functions are called once on whole index grids (NumPy broadcasting) when they allow it, else
+    element by element. b counts from batch_offset (a packed batch's sequence checked alone)."""
+    if score_mod is None and mask_mod is None:
+        return None
+    aux = tuple(np.asarray(a) for a in aux)
+
+    def call(fn, *args):
+        shape = np.broadcast_shapes(*(np.shape(a) for a in args))
+        try:
+            out = np.asarray(fn(*args, aux), dtype=np.float64)
+            if out.shape == shape:
+                return out
+        except Exception:
+            pass
+        vec = np.vectorize(lambda *x: float(fn(*x, aux)), otypes=[np.float64])
+        return vec(*args)
+
+    def mod(s, rows):
+        b, h, _, n_k = s.shape
+        bi = np.arange(b)[:, None, None, None] + batch_offset
+        hi = np.arange(h)[None, :, None, None]
+        qi = np.asarray(rows)[None, None, :, None]
+        ki = np.arange(n_k)[None, None, None, :]
+        grad = np.ones_like(s)
+        if score_mod is not None:
+            fn = getattr(score_mod, "py_func", score_mod)
+            eps = 1e-5 * np.maximum(1.0, np.abs(s))
+            grad = (call(fn, s + eps, bi, hi, qi, ki) - call(fn, s - eps, bi, hi, qi, ki)) / (2 * eps)
+            grad = np.where(np.isfinite(grad), grad, 0.0)   # a score_mod that returns -inf
+            s = call(fn, s, bi, hi, qi, ki)
+        keep = np.ones(s.shape, dtype=bool)
+        if mask_mod is not None:
+            fn = getattr(mask_mod, "py_func", mask_mod)
+            keep = np.broadcast_to(call(fn, bi, hi, qi, ki) != 0, s.shape)
+        return s, keep, grad
+
+    return mod
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_size=(-1, -1),
               softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None,
-              dropout_p=0.0, dropout_mask=None, attention_chunk=0):
+              dropout_p=0.0, dropout_mask=None, attention_chunk=0, score_mod=None,
+              mask_mod=None, aux=(), batch_offset=0):
     """float64 attention. `rows` (optional int array) restricts the output to those query rows,
     which makes checking long sequences cheap: each row's result is exact on its own."""
     b, n_q, h, d = q.shape
@@ -70,7 +117,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, rows=None, window_si
     vh = np.repeat(np.asarray(v, dtype=np.float64), group, axis=2).transpose(0, 2, 1, 3)  # (B, H, N_k, d)
     ok = visible(rows, k.shape[1], causal, window_size, align, n_q, attention_chunk)
     bias = alibi_bias(alibi_slopes, b, h, rows, k.shape[1], n_q, align)
-    p, lse, _ = softmax_rows(qh @ kh, ok, softmax_scale, softcap, bias, sinks)
+    p, lse, _ = softmax_rows(qh @ kh, ok, softmax_scale, softcap, bias, sinks,
+                             modded(score_mod, mask_mod, aux, batch_offset), rows)
     p = dropped(p, dropout_p, dropout_mask, rows)
     return (p @ vh).transpose(0, 2, 1, 3), lse
 
@@ -86,17 +134,23 @@ def dropped(x, dropout_p, dropout_mask, rows):
     return x * z / (1.0 - dropout_p)
 
 
-def softmax_rows(qk, ok, softmax_scale, softcap=0.0, bias=0.0, sinks=None):
-    """P = softmax(S) of S = softmax_scale * QK^T (soft-capped if softcap > 0, plus `bias`), its
-    log-sum-exp, and dS_capped/dS (1 where there is no cap); `ok` marks the scores that count
-    (others are masked); sinks (H,): each head's sink logit joins its rows' normaliser. A row with
-    every score masked gets P = 0 and LSE = -inf (with a sink: the sink's logit)."""
+def softmax_rows(qk, ok, softmax_scale, softcap=0.0, bias=0.0, sinks=None, mod=None, rows=None):
+    """P = softmax(S) of S = softmax_scale * QK^T (soft-capped if softcap > 0, plus `bias`, then
+    `mod`ded: `modded`'s function of S and the query rows), its log-sum-exp, and dS_final/dS (1
+    where there is no cap and no score_mod); `ok` marks the scores that count (others are
+    masked); sinks (H,): each head's sink logit joins its rows' normaliser. A row with every
+    score masked gets P = 0 and LSE = -inf (with a sink: the sink's logit)."""
     s = qk * softmax_scale
     cap_grad = np.ones_like(s)
     if softcap:
         t = np.tanh(s / softcap)
         s, cap_grad = softcap * t, 1 - t * t
-    s = np.where(ok, s + bias, -np.inf)
+    s = s + bias
+    if mod is not None:
+        s, keep, mod_grad = mod(s, rows)
+        ok = ok & keep
+        cap_grad = cap_grad * mod_grad
+    s = np.where(ok, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     sink = None
     if sinks is not None:
@@ -116,7 +170,8 @@ def softmax_rows(qk, ok, softmax_scale, softcap=0.0, bias=0.0, sinks=None):
 def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_rows=1024,
                        window_size=(-1, -1), softcap=0.0, align=masks.BOTTOM_RIGHT,
                        alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_mask=None,
-                       attention_chunk=0):
+                       attention_chunk=0, score_mod=None, mask_mod=None, aux=(), batch_offset=0,
+                       return_ds=False):
     """float64 gradients (dq, dk, dv) of sum(O * dO) for O = attention(q, k, v): with P the
     softmax, dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(dO o O)) (times 1 - tanh^2 with a
     softcap; with dropout, P_Z = Z o P / (1 - p): dV = P_Z^T dO, dP = Z o dO V^T / (1 - p), O and
@@ -125,7 +180,9 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
     the sink's share of each row, P_sink = exp(s_h - LSE), gives d s_h = -sum P_sink rowsum(dO o O)
     (its dP is 0: the sink has no value), returned as a fourth gradient (H,).
     Every row's P, dP and dS depend on that row alone, so rows are taken `block_rows` at a time
-    (memory: block_rows x N_k per head, not N_q x N_k)."""
+    (memory: block_rows x N_k per head, not N_q x N_k). score_mod, mask_mod, aux: as attention's,
+    dS taken through score_mod's derivative; return_ds: also dS of the modified scores
+    (B, H, N_q, N_k), what a learnable aux's gradient sums."""
     b, n_q, h, d = q.shape
     n_k, h_kv = k.shape[1], k.shape[2]
     if softmax_scale is None:
@@ -139,13 +196,15 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
     dk = np.zeros_like(kh)
     dv = np.zeros_like(vh)
     dsinks = np.zeros(h)
+    mod = modded(score_mod, mask_mod, aux, batch_offset)
+    ds_all = np.zeros((b, h, n_q, n_k)) if return_ds else None
     for r0 in range(0, n_q, block_rows):
         rows = np.arange(r0, min(n_q, r0 + block_rows))
         qb, dob = qh[:, :, rows], doh[:, :, rows]
         ok = visible(rows, n_k, causal, window_size, align, n_q, attention_chunk)
         bias = alibi_bias(alibi_slopes, b, h, rows, n_k, n_q, align)
         p, lse, cap_grad = softmax_rows(qb @ kh.transpose(0, 1, 3, 2), ok, softmax_scale,
-                                        softcap, bias, sinks)
+                                        softcap, bias, sinks, mod, rows)
         p_z = dropped(p, dropout_p, dropout_mask, rows)
         ob = p_z @ vh
         dv += p_z.transpose(0, 1, 3, 2) @ dob
@@ -154,6 +213,8 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
         if sinks is not None:
             p_sink = np.exp(np.asarray(sinks, np.float64)[None, :, None] - lse)   # (B, H, rows)
             dsinks -= (p_sink * d_rows[..., 0]).sum(axis=(0, 2))
+        if return_ds:
+            ds_all[:, :, rows] = ds
         ds = ds * cap_grad
         dq[:, :, rows] = softmax_scale * ds @ kh
         dk += softmax_scale * ds.transpose(0, 1, 3, 2) @ qb
@@ -162,4 +223,5 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
         return x.reshape(b, h_kv, group, n_k, x.shape[-1]).sum(axis=2).transpose(0, 2, 1, 3)
 
     grads = dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)
-    return grads if sinks is None else grads + (dsinks,)
+    grads = grads if sinks is None else grads + (dsinks,)
+    return grads + (ds_all,) if return_ds else grads
