@@ -73,9 +73,8 @@ def replayed(n_inputs):
                 if result is not None:
                     return result
                 return fn(*args, **kwargs)   # misaligned: the ordinary path says so
-            if plan is None:   # the first call: every check; the next one is recorded
-                _dispatch_ready()     # (starts the one-time torch imports a record needs)
-                result = fn(*args, **kwargs)
+            if plan is None:   # the first call: every check; the next one is recorded (it
+                result = fn(*args, **kwargs)   # starts the one-time imports a record needs)
                 if _plain(kwargs):   # an array among them is in the key by identity: never kept
                     remember(plans, key, _TRY)
                 return result
@@ -348,16 +347,25 @@ def _allocations_mode():
 _REFUSALS = []   # why recent recordings made no plan (read by tests/test_call_path.py)
 _first_use = None   # the thread running the first use of a dispatch mode (_first_use_apart)
 FIRST_USE_EXIT_WAIT = 15.0   # seconds an exiting process waits for that thread
+IMPORT_SWITCH_INTERVAL = 1e-4   # the interpreter's switch interval (s) while that thread imports
 _first_use_lock = threading.Lock()
 
 
 def _dispatch_ready():
     """True once a dispatch mode has been used in this process (the record's TorchDispatchMode
-    can then start at once). The first call of any replayed function starts that first use on a
-    thread of its own and returns False while it runs: the first use imports torch._dynamo (and
-    through it torch.fx, sympy, torch.distributed: ~4-5 s), which torch defers to then, and a call
-    that waited for it would stall a training loop's second step. Calls go the ordinary path
-    (every check, ~ms of host time) until it is done, and the next one is recorded. Where
+    can then start at once). The first call that would be recorded (the second of a geometry)
+    starts that first use on a thread of its own and returns False while it runs: the first use
+    imports torch._dynamo (and through it torch.fx, sympy, torch.distributed: ~4-5 s of CPU),
+    which torch defers to then, and a call that waited for it would stall a training loop's
+    second step. Calls go the ordinary path (every check, ~ms of host time) until it is done, and
+    the next one is recorded.
+
+    The import holds the GIL while it runs, so it is started no earlier than a second call: a
+    process's first calls (the cold compile, or the cubins loaded from the cache, of the forward
+    and the backward) run without it (started by the first call, it took 2-5 s of an H100's
+    warm first call, docs/compile_cache.md). While it runs, the interpreter's switch interval is
+    IMPORT_SWITCH_INTERVAL instead of its 5 ms: each time the calling thread gives the GIL up (a
+    driver call, a synchronize) it waits at most that long to get it back. Where
     torch._dynamo is imported already (torch.compile ran), there is nothing to wait for. The
     thread is a daemon that the process's exit waits for up to FIRST_USE_EXIT_WAIT seconds (an
     atexit join): an exit during the import lets it finish, and an import that never finishes
@@ -371,8 +379,10 @@ def _dispatch_ready():
                     _first_use = threading.Thread(target=lambda: None, daemon=True)
                 else:
                     _first_use = threading.Thread(target=_first_use_apart,
-                                                  args=(_allocations_mode,),
+                                                  args=(_allocations_mode,
+                                                        sys.getswitchinterval()),
                                                   name="replay: first dispatch mode", daemon=True)
+                    sys.setswitchinterval(IMPORT_SWITCH_INTERVAL)
                     atexit.register(_first_use.join, FIRST_USE_EXIT_WAIT)
                 _first_use.start()
     return not _first_use.is_alive()
@@ -385,15 +395,19 @@ def warm_up():
     _first_use.join()
 
 
-def _first_use_apart(mode_class):
-    """Run a dispatch mode of `mode_class()` over one allocation. Its import leaves reference
-    cycles through its frames; the frames of its callers would then stay alive until the collector
-    runs (experiments/probes/replay_refs.py saw it, when a recorded call itself made the first
-    use): on a thread of its own the import has no caller of ours."""
-    import torch
+def _first_use_apart(mode_class, switch_interval):
+    """Run a dispatch mode of `mode_class()` over one allocation, then set the interpreter's switch
+    interval back to `switch_interval`. Its import leaves reference cycles through its frames; the
+    frames of its callers would then stay alive until the collector runs
+    (experiments/probes/replay_refs.py saw it, when a recorded call itself made the first use): on
+    a thread of its own the import has no caller of ours."""
+    try:
+        import torch
 
-    with mode_class()():
-        torch.empty(1)
+        with mode_class()():
+            torch.empty(1)
+    finally:
+        sys.setswitchinterval(switch_interval)
 
 
 def _caller():
