@@ -8,7 +8,9 @@ ms (CUDA events, interleaved rounds: common timing.interleaved) and TFLOP/s coun
 (or causal) problem's FLOPs, the same count for every column, so the columns compare as times do.
 `builtin` is fa2 with the built-in that computes the same thing where there is one (alibi_slopes,
 causal + window_size); `plain` is fa2 with the mask alone (no score_mod, no mask_mod): the mod's
-cost is mod / plain. Prints one table; --csv writes it.
+cost is mod / plain; `blockmask` is fa2 with the mod and its BlockMask (variants.block_mask: the
+forward visits the kept blocks only; the backward, which takes none yet, the band's). Prints one
+table; --csv writes it.
 """
 import argparse
 import csv
@@ -102,6 +104,16 @@ def main(argv=None):
                         torch.autograd.grad(o, (qt, kt, vt), dot)
 
                 fns = {"mod": ours(mod), "plain": ours(plain), "flex": flexed}
+                if "mask_mod" in mod:   # and with its BlockMask: the forward visits kept blocks
+                    bm = variants.block_mask(mod["mask_mod"], n, n, aux=mod["aux"], like=q,
+                                             batch=batch if name == "prefix_lm" else 1)
+                    listed = dict(mod, block_mask=bm)
+
+                    def with_bm(_, listed=listed):
+                        o, lse = variants.forward(q, k, v, variant="fa2", **listed)
+                        if pass_ == "fwd_bwd":
+                            variants.backward(do, q, k, v, o, lse, variant="fa2", **mod)
+                    fns["blockmask"] = with_bm
                 if builtin is not None:
                     fns["builtin"] = ours(builtin)
                 names = list(fns)
@@ -117,10 +129,13 @@ def main(argv=None):
                            flex_over_mod=ms["flex"] / ms["mod"])
                 if "builtin" in ms:
                     row["mod_over_builtin"] = ms["mod"] / ms["builtin"]
+                if "blockmask" in ms:
+                    row["flex_over_blockmask"] = ms["flex"] / ms["blockmask"]
                 rows.append(row)
                 print(row, flush=True)
-    keys = ["example", "seqlen", "pass_", "plain_ms", "builtin_ms", "mod_ms", "flex_ms",
-            "mod_tflops", "mod_over_plain", "mod_over_builtin", "flex_over_mod"]
+    keys = ["example", "seqlen", "pass_", "plain_ms", "builtin_ms", "mod_ms", "blockmask_ms",
+            "flex_ms", "mod_over_plain", "mod_over_builtin", "flex_over_mod",
+            "flex_over_blockmask"]
     print(" ".join(f"{k:>15s}" for k in keys))
     for r in rows:
         print(" ".join(f"{r.get(k, float('nan')):15.3f}" if not isinstance(r.get(k, 0.0), str)

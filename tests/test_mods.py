@@ -250,3 +250,80 @@ def test_backward_needs_score_mod_grad_and_other_variants_refuse(rng):
         variants.forward(q, k, v, variant="fa2", aux=(o,))
     assert math.isfinite(float(inputs.to_host(lse).max()))
     _ = arrays, masks
+
+
+# ---------------------------------------------------------------------------- block masks
+
+def _classes(mask_mod, aux, batch, heads, n_q, n_k, bm, bn):
+    """NumPy's block lists: for each (b, h, query block), the kept key blocks with FULL."""
+    from common.tile.mods import FULL
+    keep = np.zeros((batch, heads, n_q, n_k), bool)
+    fn = getattr(mask_mod, "py_func", mask_mod)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(n_q):
+                for j in range(n_k):
+                    keep[b, h, i, j] = fn(b, h, i, j, aux)
+    lists = {}
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(-(-n_q // bm)):
+                entries = []
+                for j in range(-(-n_k // bn)):
+                    tile = keep[b, h, i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+                    if tile.any():
+                        entries.append(j | (FULL if tile.all() else 0))
+                lists[b, h, i] = entries
+    return lists
+
+
+@pytest.mark.parametrize("name, batch, causal", [("document_mask", 1, True),
+                                                  ("prefix_lm", 2, False),
+                                                  ("sliding_window", 1, True),
+                                                  ("dilated", 1, False)])
+def test_block_mask_visits_the_kept_blocks_and_changes_nothing(rng, name, batch, causal):
+    """The BlockMask's lists are NumPy's classification of every block; a forward that visits only
+    them (and tests no element of a FULL block) matches the float64 reference and, bit for bit,
+    the forward that visits every block of the band."""
+    n, heads = (2048, 4) if ON_GPU else (150, 2)
+    mask_mod = EXAMPLES[name][2]
+    q, k, v = inputs.random_qkv(rng, batch, n, heads, HEAD_DIM, DTYPE)
+    host_aux = aux_of(name, rng, batch, heads, n)
+    library = inputs.default_library()
+    dev = [inputs.to_device(x, library) for x in (q, k, v)]
+    aux = tuple(inputs.to_device(x, library) for x in host_aux)
+    bm = variants.block_mask(mask_mod, n, n, batch=batch, aux=aux, like=dev[0])
+    options = dict(FORWARD)
+    block_m, block_n = options.get("block_m", 128), options.get("block_n", 64)
+    if not ON_GPU:   # the lists against NumPy's (the simulator's small problem)
+        counts, blocks = bm.blocks_kept(block_m, block_n)
+        want = _classes(mask_mod, host_aux, batch, 1, n, n, block_m, block_n)
+        for (b, h, i), entries in want.items():
+            assert list(blocks[b, h, i, :counts[b, h, i]]) == entries, (b, h, i)
+    mask = dict(causal=causal)
+    o1, lse1 = variants.forward(*dev, variant="fa2", mask_mod=mask_mod, aux=aux, block_mask=bm,
+                                **mask, **options)
+    o2, lse2 = variants.forward(*dev, variant="fa2", mask_mod=mask_mod, aux=aux, **mask,
+                                **options)
+    ref = reference.attention(q, k, v, mask_mod=mask_mod, aux=host_aux, **mask)
+    got = checks.compare(inputs.to_host(o1), inputs.to_host(lse1), *ref, DTYPE)
+    assert got["ok"], f"{name}: " + checks.describe_failure(got)
+    assert np.array_equal(inputs.to_host(o1), inputs.to_host(o2))
+    assert np.array_equal(inputs.to_host(lse1), inputs.to_host(lse2))
+
+
+def test_block_mask_is_refused_for_another_mask_or_geometry(rng):
+    library = inputs.default_library()
+    q, k, v = (inputs.to_device(x, library) for x in inputs.random_qkv(rng, 1, 40, 1, 64, DTYPE))
+    window = inputs.to_device(np.array([8], np.int32), library)
+    bm = variants.block_mask(score_mods.sliding_window, 40, 40, aux=(window,))
+    with pytest.raises(ValueError, match="without its mask_mod"):
+        variants.forward(q, k, v, variant="fa2", block_mask=bm)
+    with pytest.raises(ValueError, match="was made for mask_mod"):
+        variants.forward(q, k, v, variant="fa2", mask_mod=score_mods.dilated, block_mask=bm)
+    small = variants.block_mask(score_mods.sliding_window, 32, 40, aux=(window,))
+    with pytest.raises(ValueError, match="block_mask is for N_q=32"):
+        variants.forward(q, k, v, variant="fa2", mask_mod=score_mods.sliding_window,
+                         aux=(window,), block_mask=small)
+    with pytest.raises(ValueError, match="needs `like`"):
+        variants.block_mask(score_mods.dilated, 40, 40)

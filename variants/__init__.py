@@ -54,3 +54,14 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     return split_kv_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                            causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                            split_kv=split_kv, **options)
+
+
+def block_mask(mask_mod, n_q, n_k, *, batch=1, heads=1, aux=(), like=None):
+    """A mask_mod's block structure for one geometry (FlexAttention's create_block_mask): pass it
+    as `block_mask=` beside the same mask_mod, and fa2's forward visits only the key blocks that
+    hold a kept element, testing no element of the blocks kept whole. batch, heads: those the
+    mask varies over (1: the same for all). Made on the GPU at its first use, then reused
+    (common/host/mods.py BlockMask, docs/score_mods.md)."""
+    from common.host.mods import BlockMask
+    return BlockMask(mask_mod, n_q, n_k, batch=batch, heads=heads, aux=aux, like=like)
+

@@ -36,6 +36,7 @@ from common.host import arrays, configs
 from common.host.launching import launch
 from common.host.mods import with_mods
 from common.host.problem import (
+    BLOCK_MASK_TYPES,
     LSE_TYPE,
     MASK_TYPES,
     MOD_TYPES,
@@ -74,6 +75,7 @@ class Config:
     sinks: bool = False     # an attention sink a head (gpt-oss): a logit in each row's softmax
     dropout: bool = False   # dropout on P (Philox in the kernel: common/tile/dropout.py)
     mods: object = None     # a user's score_mod / mask_mod (common/host/mods.py: ScoreMods)
+    block_mask: bool = False   # visit only the K/V blocks a BlockMask lists (common/tile/mods.py)
     block_m: int = 64       # B_r: query rows a thread block owns (DEFAULTS below: 128)
     block_n: int = 64       # B_c: keys per inner step
     warps: int = 4          # split-Q: each warp owns block_m / warps query rows
@@ -178,7 +180,7 @@ def build(cfg):
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     ALIBI, SINKS, DROPOUT = cfg.alibi, cfg.sinks, cfg.dropout
-    MODS = cfg.mods is not None
+    MODS, LISTED = cfg.mods is not None, cfg.block_mask
     APPLY_MODS = mods.applier(cfg.mods.score_mod, cfg.mods.mask_mod, False, False) if MODS else \
         mods.applier(None, None, False, False)
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
@@ -206,12 +208,12 @@ def build(cfg):
                               tid, THREADS, ADDRESS_ONCE, DV)
 
     @device_function
-    def refill_after_use(tile, src, j, j_end, n_rows, tid):
-        """One K/V buffer (FA2's schedule): once every warp has passed the barrier, block j is no
-        longer needed; start copying block j+1 (if before j_end) into the same tile."""
+    def refill_after_use(tile, src, t, t_end, listed, n_rows, tid):
+        """One K/V buffer (FA2's schedule): once every warp has passed the barrier, step t's block
+        is no longer needed; start copying step t+1's (if before t_end) into the same tile."""
         pipeline.release()
-        if j + 1 < j_end:
-            load_kv_tile(tile, src, (j + 1) * BC, n_rows, tid)
+        if t + 1 < t_end:
+            load_kv_tile(tile, src, mods.step_block(listed, t + 1, LISTED)[0] * BC, n_rows, tid)
         pipeline.commit()
         if not PIPELINE:
             pipeline.wait(0)
@@ -219,7 +221,8 @@ def build(cfg):
     @kernel_with_launch_bounds(THREADS, cfg.min_blocks_per_sm)
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
                     scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks, seed_lo,
-                    seed_hi, offset_lo, offset_hi, keep_below, drop_scale, drop_cg, aux):
+                    seed_hi, offset_lo, offset_hi, keep_below, drop_scale, drop_cg, aux,
+                    bm_blocks, bm_counts, bm_per_b, bm_per_h):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
         lo, hi: the band of keys a query sees (lo <= key - query <= hi, when BANDED); softcap: the
         cap on raw scores (when SOFTCAP). VARLEN: B = 1 and batch b of the grid is the sequence of
@@ -229,7 +232,8 @@ def build(cfg):
         (when SINKS). (common/host/problem.py: score_args.) seed_lo .. drop_cg: dropout's Philox
         seed and offset, keep threshold, 1 / (1 - p) and column groups (when DROPOUT;
         problem.dropout_args); aux: the arrays score_mod and mask_mod read (when MODS;
-        common/tile/mods.py)."""
+        common/tile/mods.py); bm_blocks, bm_counts: a BlockMask's lists (when LISTED), of batch
+        b * bm_per_b and head h * bm_per_h (0: one list for all)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
@@ -266,13 +270,20 @@ def build(cfg):
         j0, j1 = int32(0), int32((n_k + BC - 1) // BC)
         if SKIP:
             j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
+        # The steps t0 <= t < t1 of the loop: blocks j0 .. j1 - 1, or with a block mask the
+        # entries of Q_i's list within them (mods.step_block: step t's block).
+        listed = bm_blocks[b * bm_per_b, h * bm_per_h, i if LISTED else 0]
+        t0, t1 = j0, j1
+        if LISTED:
+            t0, t1 = mods.listed_range(listed, bm_counts[b * bm_per_b, h * bm_per_h, i], j0, j1)
+        first_col = mods.step_block(listed, t0, LISTED)[0] * BC
 
         # Alg.1 l.4: load Q_i (and, ahead of the loop, the first K_j and V_j) from HBM to SRAM.
         tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
                               tid, THREADS, ADDRESS_ONCE, DV)
-        load_kv_tile(smem[KV_START:KV_START + KV_TILE], k_h, j0 * BC, n_k, tid)
+        load_kv_tile(smem[KV_START:KV_START + KV_TILE], k_h, first_col, n_k, tid)
         pipeline.commit()
-        load_kv_tile(smem[KV_START + KV_TILE:KV_START + 2 * KV_TILE], v_h, j0 * BC, n_k, tid)
+        load_kv_tile(smem[KV_START + KV_TILE:KV_START + 2 * KV_TILE], v_h, first_col, n_k, tid)
         pipeline.commit()
         pipeline.wait_and_release(1)   # Q_i and K_j0 landed (V_j0 may still be in flight)
         q_frag = cuda.local.array(Q_FRAG, uint32)
@@ -292,9 +303,10 @@ def build(cfg):
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
 
-        for j in range(j0, j1):  # Alg.1 l.6
+        for t in range(t0, t1):  # Alg.1 l.6: "for 1 <= j <= T_c"
+            j, full = mods.step_block(listed, t, LISTED)
             col0 = j * BC
-            kv0 = pipeline.slot_start(KV_START, j - j0, STAGES, 2 * KV_TILE)   # this step's K, V
+            kv0 = pipeline.slot_start(KV_START, t - t0, STAGES, 2 * KV_TILE)   # this step's K, V
             k_s = smem[kv0:kv0 + KV_TILE]
             v_s = smem[kv0 + KV_TILE:kv0 + 2 * KV_TILE]
             # l.7: K_j (two stages: and V_j) in SRAM; their copies were issued one step earlier.
@@ -302,10 +314,11 @@ def build(cfg):
                 # ... and every warp is done with step j-1's buffers: refill them with K_{j+1}
                 # and V_{j+1} while this step computes.
                 pipeline.wait_and_release(0)
-                if j + 1 < j1:
-                    nxt = pipeline.slot_start(KV_START, j + 1 - j0, STAGES, 2 * KV_TILE)
-                    load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, tid)
-                    load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k, tid)
+                if t + 1 < t1:
+                    nxt = pipeline.slot_start(KV_START, t + 1 - t0, STAGES, 2 * KV_TILE)
+                    col1 = mods.step_block(listed, t + 1, LISTED)[0] * BC
+                    load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, col1, n_k, tid)
+                    load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col1, n_k, tid)
                 pipeline.commit()
                 if not PIPELINE:
                     pipeline.wait(0)
@@ -321,11 +334,11 @@ def build(cfg):
                 tiles.add_alibi(s, row0 + warp_row + alibi_shift, col0, slope, lane)
             if MODS:   # the user's score_mod, then mask_mod (common/tile/mods.py)
                 APPLY_MODS(s, s, row0 + warp_row, col0, n_q, n_k, int32(b), int32(h), aux,
-                           softmax_scale, inv_scale, lane)
+                           softmax_scale, inv_scale, lane, full)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
-                refill_after_use(k_s, k_h, j, j1, n_k, tid)
+                refill_after_use(k_s, k_h, t, t1, listed, n_k, tid)
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0), 0)
@@ -343,7 +356,7 @@ def build(cfg):
                 pipeline.wait_and_release(1)   # V_j landed (K_{j+1} may still be in flight)
             tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, ELEM)
             if STAGES == 1:  # every warp is done with V_j: refill the tile with V_{j+1}
-                refill_after_use(v_s, v_h, j, j1, n_k, tid)
+                refill_after_use(v_s, v_h, t, t1, listed, n_k, tid)
 
         # l.12-13: O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i), once.
         inv_l = cuda.local.array(ROWS, float32)
@@ -352,7 +365,7 @@ def build(cfg):
         if DROPOUT:   # ... and 1 / (1 - p) on the kept, with 1 / l
             dropout.scale_rows(inv_l, drop_scale)
         # l.14: write O_i to HBM, staged through the (now free) Q tile for 16-byte stores (every
-        # copy waited for: a block that visits no K/V block, j1 <= j0, has V_j0 in flight).
+        # copy waited for: a block that visits no K/V block, t1 <= t0, has its first V in flight).
         pipeline.wait_and_release(0)
         q_s32 = cuda.shared.array(0, uint32)[Q_START // 2:(Q_START + Q_TILE) // 2]
         tiles.scale_rows(o_acc, inv_l)
@@ -377,7 +390,7 @@ def build(cfg):
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
             align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=0,
             dropout_offset=0, score_mod=None, mask_mod=None, score_mod_grad=None, aux=None,
-            out=None, **options):
+            block_mask=None, out=None, **options):
     """FA2 forward. q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's layout, fp16 or
     bf16, on the GPU (CuPy, Numba or torch). Returns (o, lse) with o like q and lse (B, H, N_q) fp32.
     causal, window_size, softcap, align: the mask, as flash_attn_func (common/tile/masks.py);
@@ -385,13 +398,14 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     problem.with_score_terms; dropout_p, dropout_seed, dropout_offset: dropout on P, its mask
     drawn by Philox from the seed and offset (common/tile/dropout.py: the backward given the same
     three drops the same elements); score_mod, mask_mod (and the backward's score_mod_grad), aux:
-    a user's functions of the scores compiled into the kernel (common/host/mods.py,
+    a user's functions of the scores compiled into the kernel, block_mask: mask_mod's BlockMask
+    (variants.block_mask: only its kept K/V blocks are visited) (common/host/mods.py,
     docs/score_mods.md). options: see Config and OPTIONS."""
     prob = prepare(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out,
                    head_dims=HEAD_DIMS, variant="fa2", window_size=window_size, softcap=softcap,
                    align=align)
     with_dropout(prob, dropout_p, dropout_seed, dropout_offset)
-    with_mods(prob, score_mod, mask_mod, score_mod_grad, aux)
+    with_mods(prob, score_mod, mask_mod, score_mod_grad, aux, block_mask=block_mask)
     return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
@@ -399,7 +413,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                    align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
                    dropout_seed=0, dropout_offset=0, score_mod=None, mask_mod=None,
-                   score_mod_grad=None, aux=None, out=None, **options):
+                   score_mod_grad=None, aux=None, block_mask=None, out=None, **options):
     """FA2 forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
     k, v (total_k, H_kv, d), sequence b being rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32
     device arrays, batch + 1 entries). Returns o (total_q, H, d) and lse (H, total_q) fp32. The
@@ -410,7 +424,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                           head_dims=HEAD_DIMS, variant="fa2", window_size=window_size,
                           softcap=softcap, align=align)
     with_dropout(prob, dropout_p, dropout_seed, dropout_offset)
-    with_mods(prob, score_mod, mask_mod, score_mod_grad, aux)
+    with_mods(prob, score_mod, mask_mod, score_mod_grad, aux, block_mask=block_mask)
     return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
 
 
@@ -426,8 +440,19 @@ def _run(prob, options):
            prob.q, prob.k, prob.v, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k, *prob.score_args(),
-           *prob.dropout_args(), prob.aux)
+           *prob.dropout_args(), prob.aux, *_block_mask_args(prob, cfg))
     return prob.result()
+
+
+def _block_mask_args(prob, cfg):
+    """The kernel's block-mask arguments: the BlockMask's lists for cfg's blocks, and whether
+    they vary by batch and head; placeholders (one list of nothing, never read) without one."""
+    bm = prob.block_mask
+    if bm is None:
+        return (arrays.placeholder(prob.library, 4, prob.like, "int32"),
+                arrays.placeholder(prob.library, 3, prob.like, "int32"), np.int32(0), np.int32(0))
+    blocks, counts = bm.lists(cfg.block_m, cfg.block_n, prob.stream)
+    return blocks, counts, np.int32(bm.batch > 1), np.int32(bm.heads > 1)
 
 
 # The head dims the compile report covers: FA2's two, and one of each other layout (padded rows
@@ -440,7 +465,7 @@ def compile_targets():
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
                 types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE) + \
-        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES
+        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES + BLOCK_MASK_TYPES
     for head_dim in REPORTED_HEAD_DIMS:
         for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):

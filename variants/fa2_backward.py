@@ -535,7 +535,7 @@ def build_backward(cfg):
                                            alibi[b * alibi_stride + h] / softmax_scale, lane)
             if MODS:   # the forward's score_mod and mask_mod, on S^T (keys in rows)
                 APPLY_MODS(s, saved, key0 + warp_key, q0 + warp_q, n_q, n_k, int32(b), int32(h),
-                           aux, softmax_scale, inv_scale, lane)
+                           aux, softmax_scale, inv_scale, lane, False)
             if int32(q0 + BR) > n_q or masks.block_is_partial(q0, BR, key0, BC, n_k, BANDED, lo,
                                                               hi, WINDOW):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, BANDED,
@@ -754,7 +754,7 @@ def build_backward_dq(cfg):
                 tiles.add_alibi(s, row0 + warp_row + alibi_shift, col0, slope, lane)
             if MODS:
                 APPLY_MODS(s, saved, row0 + warp_row, col0, n_q, n_k, int32(b), int32(h), aux,
-                           softmax_scale, inv_scale, lane)
+                           softmax_scale, inv_scale, lane, False)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             softmax.recompute_p_rows(s, lse2, scale_log2)

@@ -15,7 +15,7 @@ from common.tile import tiles
 # inputs; softcap): set from the problem, never options. `causal` is the band mask of
 # common/tile/masks.py (causal or a sliding window): its bounds are kernel arguments.
 PROBLEM_FIELDS = ("head_dim", "element", "causal", "fp8", "k_block_scales", "softcap", "window",
-                  "varlen", "bottom_right", "alibi", "sinks", "dropout", "mods")
+                  "varlen", "bottom_right", "alibi", "sinks", "dropout", "mods", "block_mask")
 
 
 def once_per_config(method):
@@ -118,6 +118,8 @@ def mask_fields(prob, backward=False):
                    if on)
     if getattr(prob, "mods", None) is not None:   # score_mod / mask_mod (common/host/mods.py)
         fields += (("mods", prob.mods),)
+    if getattr(prob, "block_mask", None) is not None:   # fa2's forward visits its lists only
+        fields += (("block_mask", True),)
     if prob.varlen is not None:   # a packed batch (prepare_varlen): where its diagonal sits
         fields += (("varlen", True), ("bottom_right", prob.varlen.bottom_right))
     return fields

@@ -195,13 +195,15 @@ def _typed_result(fn, role, aux, aux_types):
 
 
 def with_mods(prob, score_mod=None, mask_mod=None, score_mod_grad=None, aux=None, variant="fa2",
-              backward=False):
+              backward=False, block_mask=None):
     """prob with the call's mods resolved, checked and its aux viewed (prob.mods, prob.aux), in
     place. The forward's kernels do not use score_mod_grad: its ScoreMods leaves it out, so that
     a forward with and without it runs one kernel."""
     from dataclasses import replace
     mods = resolve(score_mod, mask_mod, score_mod_grad)
     if mods is None:
+        if block_mask is not None:
+            raise ValueError("block_mask without its mask_mod: pass mask_mod too")
         if aux:
             raise ValueError("aux without score_mod or mask_mod: nothing would read it")
         return prob
@@ -215,5 +217,81 @@ def with_mods(prob, score_mod=None, mask_mod=None, score_mod_grad=None, aux=None
         mods = replace(mods, score_mod_grad=None)
     check(mods, views, variant, backward)
     prob.mods, prob.aux = mods, views
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a variants.block_mask(...), got "
+                            f"{type(block_mask).__name__}")
+        block_mask.check(prob, mods)
+        prob.block_mask = block_mask
     return prob
 
+
+
+class BlockMask:
+    """A mask_mod's block structure for one geometry (FlexAttention's BlockMask): which key
+    blocks each query block of a kernel meets, listed on the GPU the first time a kernel with
+    those block sizes asks (`lists`) and kept, so that one BlockMask serves every call and layer
+    of that geometry. `batch` and `heads` are those the mask varies over: 1 where it is the same
+    for every batch or head (a document mask: batch=1, heads=1, one list for all). The lists read
+    `aux` when they are made: a BlockMask is for the contents aux had then."""
+
+    def __init__(self, mask_mod, n_q, n_k, batch=1, heads=1, aux=(), like=None):
+        self.mask_mod = device_function_of(mask_mod, "mask_mod")
+        for name, n in (("n_q", n_q), ("n_k", n_k), ("batch", batch), ("heads", heads)):
+            if not isinstance(n, (int, np.integer)) or n < (0 if name.startswith("n_") else 1):
+                raise ValueError(f"block_mask: {name} must be a {'count' if name[0] == 'n' else 'positive count'}, got {n!r}")
+        self.n_q, self.n_k, self.batch, self.heads = int(n_q), int(n_k), int(batch), int(heads)
+        self.aux = tuple(aux)
+        self.like = like if like is not None else (self.aux[0] if self.aux else None)
+        if self.like is None:
+            raise ValueError("block_mask needs `like` (an array of the inputs' library and device) "
+                             "when it has no aux")
+        self.library = arrays.describe(self.like, "like").library
+        self._lists = {}
+
+    def check(self, prob, mods):
+        """Refuse a call whose mask_mod or geometry is not this BlockMask's."""
+        if mods is None or mods.mask_mod is not self.mask_mod:
+            raise ValueError(f"block_mask was made for mask_mod {name_of(self.mask_mod)}; the call's "
+                             f"is {name_of(mods.mask_mod) if mods and mods.mask_mod else None}")
+        if prob.varlen is not None:
+            raise ValueError("block_mask with a packed batch (varlen): not built yet")
+        if (self.n_q, self.n_k) != (prob.n_q, prob.n_k) or self.batch not in (1, prob.batch) or \
+                self.heads not in (1, prob.heads):
+            raise ValueError(f"block_mask is for N_q={self.n_q}, N_k={self.n_k}, batch "
+                             f"{self.batch}, heads {self.heads}; the call has N_q={prob.n_q}, "
+                             f"N_k={prob.n_k}, batch {prob.batch}, heads {prob.heads}")
+
+    def lists(self, block_m, block_n, stream=0):
+        """(blocks, counts) kernel views for query blocks of block_m rows and key blocks of
+        block_n keys: blocks (batch, heads, N_q / block_m, N_k / block_n) int32 entries (common/
+        tile/mods.py FULL), counts (batch, heads, N_q / block_m) int32; made once."""
+        hit = self._lists.get((block_m, block_n))
+        if hit is None:
+            from common.host.launching import launch
+            from common.tile.mods import block_lister
+            n_qb, n_kb = -(-self.n_q // block_m), -(-self.n_k // block_n)
+            blocks = arrays.zeros(self.library, (self.batch, self.heads, max(n_qb, 1),
+                                                 max(n_kb, 1)), "int32", like=self.like)
+            counts = arrays.zeros(self.library, (self.batch, self.heads, max(n_qb, 1)), "int32",
+                                  like=self.like)
+            views = tuple(arrays.bits_view(arrays.describe(x), np.int32) for x in (blocks, counts))
+            aux = aux_views(_Like(self.library), self.aux)
+            check(ScoreMods(mask_mod=self.mask_mod), aux, "block_mask")
+            if n_qb and n_kb:
+                launch(block_lister(self.mask_mod, block_m, block_n, 128),
+                       (n_qb, self.batch * self.heads), 128, 0, stream, *views,
+                       np.int32(self.n_q), np.int32(self.n_k), np.int32(self.heads), aux)
+            hit = self._lists[(block_m, block_n)] = (views, (blocks, counts))
+        return hit[0]
+
+    def blocks_kept(self, block_m, block_n):
+        """Host (counts, blocks) of `lists` (tests, statistics)."""
+        self.lists(block_m, block_n)
+        blocks, counts = self._lists[(block_m, block_n)][1]
+        return arrays.to_host(counts), arrays.to_host(blocks)
+
+
+class _Like:
+    def __init__(self, library):
+        self.library = library

@@ -38,6 +38,9 @@ SCORE_TYPES = (F32_VEC, types.int32, types.int32, F32_VEC)   # AttentionProblem.
 DROPOUT_TYPES = (types.uint32,) * 5 + (types.float32, types.int32)
 # the aux arrays of score_mod / mask_mod (AttentionProblem.aux; none: an empty tuple)
 MOD_TYPES = (types.Tuple(()),)
+# fa2's block-mask lists (common/host/mods.py BlockMask.lists) and whether they vary by batch, head
+BLOCK_MASK_TYPES = (types.Array(types.int32, 4, "C"), types.Array(types.int32, 3, "C"),
+                    types.int32, types.int32)
 
 
 @dataclass
@@ -91,6 +94,7 @@ class AttentionProblem:
     # score_mod / mask_mod (common/host/mods.py: with_mods): the call's ScoreMods and its aux views
     mods: object = None
     aux: tuple = ()
+    block_mask: object = None   # a BlockMask of mods.mask_mod (fa2's forward)
 
     @property
     def element(self):

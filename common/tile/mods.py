@@ -24,9 +24,9 @@ entries; the kernels' own masks deal with the rest.
 """
 from functools import lru_cache
 
-from numba import float32, int32
+from numba import cuda, float32, int32
 
-from common.hardware.target import device_function
+from common.hardware.target import device_function, kernel
 from common.tile.tiles import NEG_INF
 
 
@@ -50,18 +50,19 @@ def unchanged_grad(grad, score, b, h, q_idx, kv_idx, aux):
 
 @lru_cache(maxsize=None)
 def applier(score_mod, mask_mod, transposed, keep_scores):
-    """apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane): s <- the
+    """apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane, full): s <- the
     modified scores, in place, for the lane's elements; row0, col0: the warp's first row and the
     tile's first column (transposed: rows are keys); scale, inv_scale: softmax_scale and its
     inverse. keep_scores: each element's scaled score before score_mod is kept in `saved` (same
-    shape as s), for score_mod_grad in the backward. score_mod or mask_mod None: that step is
+    shape as s), for score_mod_grad in the backward; full: the block is kept whole (a block
+    mask's FULL entry), mask_mod is not evaluated. score_mod or mask_mod None: that step is
     compiled out."""
     SCORE, MASK, KEEP, T = score_mod is not None, mask_mod is not None, keep_scores, transposed
     score_fn = score_mod if SCORE else unmodified
     mask_fn = mask_mod if MASK else unmasked
 
     @device_function
-    def apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane):
+    def apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane, full):
         g, t2 = lane >> 2, 2 * (lane & 3)
         for m in range(s.shape[0]):
             for n in range(s.shape[1]):
@@ -77,7 +78,7 @@ def applier(score_mod, mask_mod, transposed, keep_scores):
                             if KEEP:
                                 saved[m, n, j] = score
                             x = float32(score_fn(score, b, h, q_idx, kv_idx, aux)) * inv_scale
-                        if MASK:
+                        if MASK and not full:
                             if not mask_fn(b, h, q_idx, kv_idx, aux):
                                 x = NEG_INF
                         s[m, n, j] = x
@@ -112,3 +113,76 @@ def grad_applier(score_mod_grad, transposed):
                                                           kv_idx, aux))
 
     return apply_grad
+
+
+# --------------------------------------------------------------------------- block masks
+# A mask_mod's blocks, listed once per geometry (common/host/mods.py BlockMask): for each query
+# block i of B_r rows, the key blocks j of B_c keys that hold a kept element, in order, each
+# entry j | FULL when every element of the block inside the problem is kept (the kernel then
+# evaluates no mask_mod there). A kernel visits the listed blocks only: an empty block costs
+# nothing, not even its copy.
+FULL = 1 << 30
+
+
+@device_function
+def listed_block(entry):
+    """(j, full) of a block list's entry."""
+    return int32(entry & (FULL - 1)), entry >= FULL
+
+
+@device_function
+def step_block(blocks, t, listed):
+    """(j, full) of a kernel's step t: the t-th entry of its block list (listed; a step past the
+    list reads its last entry), or block t itself, not full."""
+    if listed:
+        return listed_block(blocks[min(t, blocks.shape[0] - 1)])
+    return int32(t), False
+
+
+@device_function
+def listed_range(blocks, count, j0, j1):
+    """(t0, t1): the entries of a query block's list (`count` of them) whose blocks lie in
+    [j0, j1), the band a kernel visits (entries are in increasing j)."""
+    t0 = int32(0)
+    while t0 < count and int32(blocks[t0] & (FULL - 1)) < j0:
+        t0 += 1
+    t1 = int32(count)
+    while t1 > t0 and int32(blocks[t1 - 1] & (FULL - 1)) >= j1:
+        t1 -= 1
+    return t0, t1
+
+
+@lru_cache(maxsize=None)
+def block_lister(mask_mod, block_m, block_n, threads):
+    """The kernel list_blocks(blocks, counts, n_q, n_k, heads, aux): thread block (i, b * heads +
+    h) evaluates mask_mod on every element of query block i against each key block j in turn
+    (its threads splitting the B_r x B_c elements) and writes the kept blocks' entries to
+    blocks[b, h, i, :] and their number to counts[b, h, i]."""
+    BM, BN, THREADS, mask_fn = block_m, block_n, threads, mask_mod
+
+    @kernel
+    def list_blocks(blocks, counts, n_q, n_k, heads, aux):
+        tid = int32(cuda.threadIdx.x)
+        i, bh = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y)
+        b, h = int32(bh // heads), int32(bh % heads)
+        n = int32(0)
+        for j in range((n_k + BN - 1) // BN):
+            seen, every = False, True
+            for e in range(tid, BM * BN, THREADS):
+                q_idx = int32(i * BM + e // BN)
+                kv_idx = int32(j * BN + e % BN)
+                if q_idx < n_q and kv_idx < n_k:
+                    if mask_fn(b, h, q_idx, kv_idx, aux):
+                        seen = True
+                    else:
+                        every = False
+            seen_any = cuda.syncthreads_or(seen)
+            all_kept = cuda.syncthreads_and(every)
+            if seen_any:
+                if tid == 0:
+                    blocks[b, h, i, n] = int32(j) | (FULL if all_kept else int32(0))
+                n += 1
+        if tid == 0:
+            counts[b, h, i] = n
+
+    return list_blocks
