@@ -34,7 +34,7 @@ from common.hardware.elements import BFLOAT16, FLOAT16, Element
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_with_launch_bounds
 from common.host import arrays, configs
 from common.host.launching import launch
-from common.host.mods import with_mods
+from common.host.mods import no_block_mask, with_mods
 from common.host.problem import (
     BLOCK_MASK_TYPES,
     LSE_TYPE,
@@ -447,12 +447,9 @@ def _run(prob, options):
 def _block_mask_args(prob, cfg):
     """The kernel's block-mask arguments: the BlockMask's lists for cfg's blocks, and whether
     they vary by batch and head; placeholders (one list of nothing, never read) without one."""
-    bm = prob.block_mask
-    if bm is None:
-        return (arrays.placeholder(prob.library, 4, prob.like, "int32"),
-                arrays.placeholder(prob.library, 3, prob.like, "int32"), np.int32(0), np.int32(0))
-    blocks, counts = bm.lists(cfg.block_m, cfg.block_n, prob.stream)
-    return blocks, counts, np.int32(bm.batch > 1), np.int32(bm.heads > 1)
+    if prob.block_mask is None:
+        return no_block_mask(prob)
+    return prob.block_mask.args(cfg.block_m, cfg.block_n, prob.stream)
 
 
 # The head dims the compile report covers: FA2's two, and one of each other layout (padded rows

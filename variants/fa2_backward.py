@@ -14,8 +14,9 @@ from common.hardware.elements import BFLOAT16, Element
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel
 from common.host import arrays, configs
 from common.host.launching import launch
-from common.host.mods import with_mods
+from common.host.mods import no_block_mask, with_mods
 from common.host.problem import (
+    BLOCK_MASK_TYPES,
     LSE_TYPE,
     MASK_TYPES,
     MOD_TYPES,
@@ -84,6 +85,7 @@ class BackwardConfig:
     alibi: bool = False        # ALiBi's bias in the recomputed S (no term in dS)
     dropout: bool = False      # dropout on P: the forward's mask regenerated (common/tile/dropout.py)
     mods: object = None        # score_mod / mask_mod and score_mod_grad (common/host/mods.py)
+    block_mask: bool = False   # visit only the blocks a BlockMask lists (common/tile/mods.py)
     block_m: int = 64          # B_r
     block_n: int = 128         # B_c
     warps: int = 8             # each warp owns block_n / (warps / query_warps) keys
@@ -355,6 +357,7 @@ def build_backward(cfg):
     DQ_ACC, DS_FRAG = (MQ, DQ_COLS // 8, 4), (MQ, BC // 16, 4)
     CAP_GRAD = ST_ACC if SOFTCAP else (1, 1, 1)      # 1 - tanh^2 of each score (softcap)
     MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = _mods_of(cfg, True, ST_ACC)
+    LISTED = cfg.block_mask
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
     @device_function
@@ -368,7 +371,8 @@ def build_backward(cfg):
     @device_function
     def next_position(h, i, i0, i1):
         """The inner step after (query head h, query block i): the steps walk every query head of
-        the K/V head's group, each over the query blocks i0..i1-1 that block j meets. Heads are
+        the K/V head's group, each over the query blocks i0..i1-1 that block j meets (with a
+        block mask: the entries i0..i1-1 of block j's list). Heads are
         unsigned so that indexing with them costs no negative-index wrap-around."""
         if int32(i + 1) < i1:
             return uint32(h), int32(i + 1)
@@ -425,11 +429,14 @@ def build_backward(cfg):
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
                  lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k, alibi,
-                 alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux):
+                 alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux, bm_blocks, bm_counts,
+                 bm_per_b, bm_per_h):
         """l.6-17 for K/V block j of batch b, K/V head h_kv (VARLEN: of sequence b, whose rows
         start at first_q and first_k of the packed batch); ALiBi's slopes and shift as the
         forward's (fa2.py); rng, drop_scale, drop_cg: dropout's (DROPOUT; fa2.py); aux: the
-        arrays of score_mod, mask_mod and score_mod_grad (MODS; common/tile/mods.py)."""
+        arrays of score_mod, mask_mod and score_mod_grad (MODS; common/tile/mods.py); bm_*: a
+        BlockMask's lists of the key blocks (LISTED: one list for the K/V head's group), as
+        fa2.py's."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         key0 = int32(j * BC)
@@ -451,7 +458,14 @@ def build_backward(cfg):
         i0, i1 = int32(0), int32((n_q + BR - 1) // BR)
         if SKIP:
             i0, i1 = masks.query_blocks(key0, BC, n_q, n_k, BR, lo, hi)
-        n_i = max(int32(i1 - i0), int32(0))
+        # With a block mask the steps walk the entries u0 .. u1 - 1 of block j's list within
+        # [i0, i1) instead (mods.step_block: entry u's query block).
+        listed = bm_blocks[b * bm_per_b, h_kv * kv_group * bm_per_h, j if LISTED else 0]
+        u0, u1 = i0, i1
+        if LISTED:
+            u0, u1 = mods.listed_range(listed, bm_counts[b * bm_per_b, h_kv * kv_group * bm_per_h,
+                                                         j], i0, i1)
+        n_i = max(int32(u1 - u0), int32(0))
         n_steps = int32(kv_group * n_i)
 
         # l.6: K_j, V_j to SRAM, with the first step's Q_i, dO_i, L_i, D_i (l.9).
@@ -459,7 +473,8 @@ def build_backward(cfg):
                               SWIZZLE, tid, THREADS, True, DV)
         tiles.load_tile_async(v_s, rows_of(v, b, h_kv, first_k, n_k), key0, n_k, 0, BC, D, STRIDE,
                               SWIZZLE, tid, THREADS, True, DV)
-        h, i = uint32(h_kv * kv_group), int32(i0)   # the first step's query head and block
+        h, u = uint32(h_kv * kv_group), int32(u0)   # the first step's query head and entry
+        i, full = mods.step_block(listed, u, LISTED)   # ... and query block
         q0 = int32(i * BR)                 # first query of Q_i
         load_q_do(smem, 0, q, do, b, h, i, n_q, first_q, tid)
         pipeline.commit()
@@ -504,10 +519,12 @@ def build_backward(cfg):
             pipeline.wait_and_release(0)
             h_prev = h
             if step > 0:
-                h, i = next_position(h, i, i0, i1)
+                h, u = next_position(h, u, u0, u1)
+                i, full = mods.step_block(listed, u, LISTED)
             more = int32(step + 1) < n_steps
             if more:
-                h_next, i_next = next_position(h, i, i0, i1)
+                h_next, u_next = next_position(h, u, u0, u1)
+                i_next = mods.step_block(listed, u_next, LISTED)[0]
                 load_q_do(smem, pipeline.other(stage), q, do, b, h_next, i_next, n_q, first_q,
                           tid)
                 for r in range(STATS_PER_THREAD):
@@ -535,7 +552,7 @@ def build_backward(cfg):
                                            alibi[b * alibi_stride + h] / softmax_scale, lane)
             if MODS:   # the forward's score_mod and mask_mod, on S^T (keys in rows)
                 APPLY_MODS(s, saved, key0 + warp_key, q0 + warp_q, n_q, n_k, int32(b), int32(h),
-                           aux, softmax_scale, inv_scale, lane, False)
+                           aux, softmax_scale, inv_scale, lane, full)
             if int32(q0 + BR) > n_q or masks.block_is_partial(q0, BR, key0, BC, n_k, BANDED, lo,
                                                               hi, WINDOW):
                 tiles.mask_scores_transposed(s, key0 + warp_key, n_k, q0 + warp_q, n_q, BANDED,
@@ -619,7 +636,7 @@ def build_backward(cfg):
     def fa2_backward_kv(q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group, lo, hi,
                         softcap, softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride,
                         alibi_shift, sinks, seed_lo, seed_hi, offset_lo, offset_hi, keep_below,
-                        drop_scale, drop_cg, aux):
+                        drop_scale, drop_cg, aux, bm_blocks, bm_counts, bm_per_b, bm_per_h):
         """q, k, v, do: (B, H, N, d) uint16 views; lse, d_vec: (B, H, N_q); dq_acc: (B, H, N_q, D)
         fp32 (D = tiles.tile_columns(d)); dk32, dv32: (B, H_kv, N_k, d/2) uint32 views; lo, hi, softcap: the mask (fa2.py).
         VARLEN: B = 1, and batch b of the grid is the sequence of rows cu_q[b] .. cu_q[b+1] - 1
@@ -640,12 +657,14 @@ def build_backward(cfg):
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
                          kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                         alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux)
+                         alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux,
+                         bm_blocks, bm_counts, bm_per_b, bm_per_h)
                 cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
         else:            # l.5: "for 1 <= j <= T_c" is the grid
             kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
                      n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                     alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux)
+                     alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux, bm_blocks,
+                     bm_counts, bm_per_b, bm_per_h)
 
     return fa2_backward_kv
 
@@ -670,12 +689,13 @@ def build_backward_dq(cfg):
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     ALIBI, DROPOUT = cfg.alibi, cfg.dropout
     MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = _mods_of(cfg, False, S_ACC)
+    LISTED = cfg.block_mask
 
     @kernel
     def fa2_backward_dq(q, k, v, do, lse, d_vec, dq32, n_q, n_k, kv_group, lo, hi, softcap,
                         softmax_scale, scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift,
                         sinks, seed_lo, seed_hi, offset_lo, offset_hi, keep_below, drop_scale,
-                        drop_cg, aux):
+                        drop_cg, aux, bm_blocks, bm_counts, bm_per_b, bm_per_h):
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         i = masks.query_block(BANDED)   # with a band, the blocks with the most K/V blocks first
@@ -705,14 +725,19 @@ def build_backward_dq(cfg):
         j0, j1 = int32(0), int32((n_k + BC - 1) // BC)
         if SKIP:
             j0, j1 = masks.key_blocks(row0, BR, n_q, n_k, BC, lo, hi)
+        listed = bm_blocks[b * bm_per_b, h * bm_per_h, i if LISTED else 0]   # as the forward's
+        t0, t1 = j0, j1
+        if LISTED:
+            t0, t1 = mods.listed_range(listed, bm_counts[b * bm_per_b, h * bm_per_h, i], j0, j1)
+        first_col = mods.step_block(listed, t0, LISTED)[0] * BC
         tiles.load_tile_async(q_s, q_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS,
                               True, DV)
         tiles.load_tile_async(do_s, do_h, row0, n_q, 0, BR, D, STRIDE, SWIZZLE, tid, THREADS,
                               True, DV)
-        tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, j0 * BC, n_k, 0, BC, D, STRIDE, SWIZZLE,
-                              tid, THREADS, True, DV)
-        tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, j0 * BC, n_k, 0, BC, D,
-                              STRIDE, SWIZZLE, tid, THREADS, True, DV)
+        tiles.load_tile_async(smem[KV0:KV0 + KV_TILE], k_h, first_col, n_k, 0, BC, D, STRIDE,
+                              SWIZZLE, tid, THREADS, True, DV)
+        tiles.load_tile_async(smem[KV0 + KV_TILE:KV0 + 2 * KV_TILE], v_h, first_col, n_k, 0, BC,
+                              D, STRIDE, SWIZZLE, tid, THREADS, True, DV)
         pipeline.commit()
         # L_i * log2(e) and D_i of the lane's rows, in registers.
         lse2 = cuda.local.array(ROWS, float32)
@@ -730,18 +755,20 @@ def build_backward_dq(cfg):
         saved = cuda.local.array(SAVED, float32)
         inv_scale = float32(1) / softmax_scale if MODS else float32(0)
         tiles.fill(dq, float32(0))
-        for j in range(j0, j1):
+        for t in range(t0, t1):
+            j, full = mods.step_block(listed, t, LISTED)
             col0 = j * BC
-            kv = pipeline.slot_start(KV0, j - j0, 2, 2 * KV_TILE)   # K_j, V_j: two stages
+            kv = pipeline.slot_start(KV0, t - t0, 2, 2 * KV_TILE)   # K_j, V_j: two stages
             k_s = smem[kv:kv + KV_TILE]
             v_s = smem[kv + KV_TILE:kv + 2 * KV_TILE]
-            # K_j, V_j landed, and every warp is done with the other stage: K_{j+1}, V_{j+1} there
+            # K_j, V_j landed, and every warp is done with the other stage: the next ones there
             pipeline.wait_and_release(0)
-            if j + 1 < j1:
-                nxt = pipeline.slot_start(KV0, j + 1 - j0, 2, 2 * KV_TILE)
-                tiles.load_tile_async(smem[nxt:nxt + KV_TILE], k_h, col0 + BC, n_k, 0, BC, D,
+            if t + 1 < t1:
+                nxt = pipeline.slot_start(KV0, t + 1 - t0, 2, 2 * KV_TILE)
+                col1 = mods.step_block(listed, t + 1, LISTED)[0] * BC
+                tiles.load_tile_async(smem[nxt:nxt + KV_TILE], k_h, col1, n_k, 0, BC, D,
                                       STRIDE, SWIZZLE, tid, THREADS, True, DV)
-                tiles.load_tile_async(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col0 + BC, n_k,
+                tiles.load_tile_async(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col1, n_k,
                                       0, BC, D, STRIDE, SWIZZLE, tid, THREADS, True, DV)
             pipeline.commit()
             # l.10-11: S = Q_i K_j^T, P = exp(S - L_i); l.13-14: dP = dO_i V_j^T, dS = P o (dP - D_i)
@@ -754,7 +781,7 @@ def build_backward_dq(cfg):
                 tiles.add_alibi(s, row0 + warp_row + alibi_shift, col0, slope, lane)
             if MODS:
                 APPLY_MODS(s, saved, row0 + warp_row, col0, n_q, n_k, int32(b), int32(h), aux,
-                           softmax_scale, inv_scale, lane, False)
+                           softmax_scale, inv_scale, lane, full)
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             softmax.recompute_p_rows(s, lse2, scale_log2)
@@ -791,7 +818,7 @@ def build_backward_dq(cfg):
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
              softcap=0.0, align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
              dropout_seed=0, dropout_offset=0, score_mod=None, mask_mod=None, score_mod_grad=None,
-             aux=None, grads=None, **options):
+             aux=None, block_mask=None, grads=None, **options):
     """FA2 backward: (dq, dk, dv) shaped like (q, k, v), from the forward's inputs, its outputs
     (o, lse) and dO = dLoss/dO (like o); the mask, score terms and dropout as the forward's (with
     sinks, a fourth gradient: d sinks (H,) fp32; dropout: the forward's seed and offset;
@@ -802,7 +829,8 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, window_si
                              window_size=window_size, softcap=softcap, align=align)
     with_score_terms(g.prob, alibi_slopes, sinks, align)
     with_dropout(g.prob, dropout_p, dropout_seed, dropout_offset)
-    with_mods(g.prob, score_mod, mask_mod, score_mod_grad, aux, "fa2", backward=True)
+    with_mods(g.prob, score_mod, mask_mod, score_mod_grad, aux, "fa2", backward=True,
+              block_mask=block_mask)
     cfg = default_backward_config(g.prob.head_dim, g.prob.element, g.prob.banded,
                                   configs.mask_fields(g.prob, backward=True), **options)
     return run_backward(g, cfg)
@@ -841,6 +869,14 @@ def run_backward_varlen(arrays_and_lengths, mask, options, variant, config_funct
     return run_backward(g, cfg)
 
 
+def _block_mask_args(prob, cfg, block_m, block_n, transposed):
+    """A backward kernel's block-mask arguments (the K/V kernel's lists transposed: query blocks
+    of each key block), placeholders without one."""
+    if not cfg.block_mask:
+        return no_block_mask(prob)
+    return prob.block_mask.args(block_m, block_n, prob.stream, transposed)
+
+
 def run_backward(g, cfg):
     """Launch Algorithm 2 (or, with cfg.kv_blocks="sequential", FA1's schedule of it) for the
     checked problem `g` (variants.backward_shared.prepare_backward)."""
@@ -859,14 +895,16 @@ def run_backward(g, cfg):
     grid = (kv_blocks, prob.batch, prob.heads_kv)
     launch(build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream,
            prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes,
-           scale, scale_log2, *cu, *terms, prob.aux)
+           scale, scale_log2, *cu, *terms, prob.aux,
+           *_block_mask_args(prob, cfg, cfg.block_m, cfg.block_n, True))
     if atomic:
         bwd.convert_dq(g)
     else:
         grid = ((rows_q + cfg.dq_block_m - 1) // cfg.dq_block_m, prob.batch, prob.heads)
         launch(build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
                prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, scale, scale_log2,
-               *cu, *terms, prob.aux)
+               *cu, *terms, prob.aux,
+               *_block_mask_args(prob, cfg, cfg.dq_block_m, cfg.dq_block_n, False))
     return g.result() if prob.sinks is None else g.result() + (bwd.sink_grad(g),)
 
 
@@ -877,7 +915,7 @@ def backward_compile_targets(cfg, tag):
     f32_4, f32_3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
     sizes = (types.int32, types.int32, types.int32) + MASK_TYPES + (types.float32, types.float32,
                                                                      SEQS_TYPE, SEQS_TYPE) + \
-        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES
+        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES + BLOCK_MASK_TYPES
     # S^T, dP^T, dV, dK: 4 * M * (B_r / query_warps) * d / 128 mma a step (2-D warp tiles: a warp
     # has M m16 tiles of keys and a query_warps-th of B_r in S^T, dP^T and of d in dV, dK); with
     # atomics dQ's product appears twice (in the loop and for the last step):

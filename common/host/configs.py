@@ -118,7 +118,10 @@ def mask_fields(prob, backward=False):
                    if on)
     if getattr(prob, "mods", None) is not None:   # score_mod / mask_mod (common/host/mods.py)
         fields += (("mods", prob.mods),)
-    if getattr(prob, "block_mask", None) is not None:   # fa2's forward visits its lists only
+    bm = getattr(prob, "block_mask", None)
+    if bm is not None and (not backward or bm.heads == 1 or prob.kv_group == 1):
+        # fa2 visits its lists only (a backward's K/V kernel walks a group of query heads with
+        # one list: a mask by head under GQA leaves the backward visiting the band)
         fields += (("block_mask", True),)
     if prob.varlen is not None:   # a packed batch (prepare_varlen): where its diagonal sits
         fields += (("varlen", True), ("bottom_right", prob.varlen.bottom_right))

@@ -262,36 +262,50 @@ class BlockMask:
                              f"{self.batch}, heads {self.heads}; the call has N_q={prob.n_q}, "
                              f"N_k={prob.n_k}, batch {prob.batch}, heads {prob.heads}")
 
-    def lists(self, block_m, block_n, stream=0):
+    def lists(self, block_m, block_n, stream=0, transposed=False):
         """(blocks, counts) kernel views for query blocks of block_m rows and key blocks of
         block_n keys: blocks (batch, heads, N_q / block_m, N_k / block_n) int32 entries (common/
-        tile/mods.py FULL), counts (batch, heads, N_q / block_m) int32; made once."""
-        hit = self._lists.get((block_m, block_n))
+        tile/mods.py FULL), counts (batch, heads, N_q / block_m) int32; transposed: the lists of
+        the key blocks, (batch, heads, N_k / block_n, N_q / block_m); made once."""
+        hit = self._lists.get((block_m, block_n, transposed))
         if hit is None:
             from common.host.launching import launch
             from common.tile.mods import block_lister
             n_qb, n_kb = -(-self.n_q // block_m), -(-self.n_k // block_n)
-            blocks = arrays.zeros(self.library, (self.batch, self.heads, max(n_qb, 1),
-                                                 max(n_kb, 1)), "int32", like=self.like)
-            counts = arrays.zeros(self.library, (self.batch, self.heads, max(n_qb, 1)), "int32",
+            own, other = (n_kb, n_qb) if transposed else (n_qb, n_kb)
+            blocks = arrays.zeros(self.library, (self.batch, self.heads, max(own, 1),
+                                                 max(other, 1)), "int32", like=self.like)
+            counts = arrays.zeros(self.library, (self.batch, self.heads, max(own, 1)), "int32",
                                   like=self.like)
             views = tuple(arrays.bits_view(arrays.describe(x), np.int32) for x in (blocks, counts))
             aux = aux_views(_Like(self.library), self.aux)
             check(ScoreMods(mask_mod=self.mask_mod), aux, "block_mask")
             if n_qb and n_kb:
-                launch(block_lister(self.mask_mod, block_m, block_n, 128),
-                       (n_qb, self.batch * self.heads), 128, 0, stream, *views,
+                launch(block_lister(self.mask_mod, block_m, block_n, 128, transposed),
+                       (own, self.batch * self.heads), 128, 0, stream, *views,
                        np.int32(self.n_q), np.int32(self.n_k), np.int32(self.heads), aux)
-            hit = self._lists[(block_m, block_n)] = (views, (blocks, counts))
+            hit = self._lists[(block_m, block_n, transposed)] = (views, (blocks, counts))
         return hit[0]
 
-    def blocks_kept(self, block_m, block_n):
+    def blocks_kept(self, block_m, block_n, transposed=False):
         """Host (counts, blocks) of `lists` (tests, statistics)."""
-        self.lists(block_m, block_n)
-        blocks, counts = self._lists[(block_m, block_n)][1]
+        self.lists(block_m, block_n, transposed=transposed)
+        blocks, counts = self._lists[(block_m, block_n, transposed)][1]
         return arrays.to_host(counts), arrays.to_host(blocks)
+
+    def args(self, block_m, block_n, stream=0, transposed=False):
+        """A kernel's block-mask arguments: lists, counts, and whether they vary by batch and
+        head (0: one list for all)."""
+        blocks, counts = self.lists(block_m, block_n, stream, transposed)
+        return blocks, counts, np.int32(self.batch > 1), np.int32(self.heads > 1)
 
 
 class _Like:
     def __init__(self, library):
         self.library = library
+
+
+def no_block_mask(prob):
+    """Block-mask arguments of a kernel without one: one empty list (never read)."""
+    return (arrays.placeholder(prob.library, 4, prob.like, "int32"),
+            arrays.placeholder(prob.library, 3, prob.like, "int32"), np.int32(0), np.int32(0))

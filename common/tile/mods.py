@@ -153,12 +153,13 @@ def listed_range(blocks, count, j0, j1):
 
 
 @lru_cache(maxsize=None)
-def block_lister(mask_mod, block_m, block_n, threads):
+def block_lister(mask_mod, block_m, block_n, threads, transposed=False):
     """The kernel list_blocks(blocks, counts, n_q, n_k, heads, aux): thread block (i, b * heads +
     h) evaluates mask_mod on every element of query block i against each key block j in turn
     (its threads splitting the B_r x B_c elements) and writes the kept blocks' entries to
-    blocks[b, h, i, :] and their number to counts[b, h, i]."""
-    BM, BN, THREADS, mask_fn = block_m, block_n, threads, mask_mod
+    blocks[b, h, i, :] and their number to counts[b, h, i]. transposed: the lists of the key
+    blocks (the backward's outer loop), each of the query blocks it meets."""
+    BM, BN, THREADS, mask_fn, T = block_m, block_n, threads, mask_mod, transposed
 
     @kernel
     def list_blocks(blocks, counts, n_q, n_k, heads, aux):
@@ -166,11 +167,12 @@ def block_lister(mask_mod, block_m, block_n, threads):
         i, bh = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y)
         b, h = int32(bh // heads), int32(bh % heads)
         n = int32(0)
-        for j in range((n_k + BN - 1) // BN):
+        others = (n_q + BM - 1) // BM if T else (n_k + BN - 1) // BN
+        for j in range(others):
             seen, every = False, True
             for e in range(tid, BM * BN, THREADS):
-                q_idx = int32(i * BM + e // BN)
-                kv_idx = int32(j * BN + e % BN)
+                q_idx = int32((j if T else i) * BM + e // BN)
+                kv_idx = int32((i if T else j) * BN + e % BN)
                 if q_idx < n_q and kv_idx < n_k:
                     if mask_fn(b, h, q_idx, kv_idx, aux):
                         seen = True
