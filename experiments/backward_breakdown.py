@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import variants  # noqa: E402
 from common.host import arrays
 from common.host.launching import launch  # noqa: E402
+from common.host.mods import no_block_mask  # noqa: E402
 from experiments.measure import flops, timing  # noqa: E402
 from variants import backward_shared as bwd  # noqa: E402
 from variants import fa2_backward  # noqa: E402
@@ -83,7 +84,7 @@ def parts(do, q, k, v, o, lse, causal, path):
     out[f"kv_{path}"] = median_ms(lambda: launch(
         fa2_backward.build_backward(cfg), grid, cfg.threads, cfg.smem_bytes(), prob.stream, prob.q, prob.k,
         prob.v, g.do, prob.lse, g.d_vec, g.dq_acc, g.dk32, g.dv32, *sizes, *scales, *cu,
-        *prob.score_args(), *prob.dropout_args(), prob.aux))
+        *prob.score_args(), *prob.dropout_args(), prob.aux, *no_block_mask(prob)))
     if atomic:
         out[f"convert_{path}"] = median_ms(lambda: bwd.convert_dq(g))
     else:
@@ -91,7 +92,7 @@ def parts(do, q, k, v, o, lse, causal, path):
         out["dqk"] = median_ms(lambda: launch(
             fa2_backward.build_backward_dq(cfg), grid, 32 * cfg.dq_warps, cfg.dq_smem_bytes(), prob.stream,
             prob.q, prob.k, prob.v, g.do, prob.lse, g.d_vec, g.dq32, *sizes, *scales, *cu,
-            *prob.score_args(), *prob.dropout_args(), prob.aux))
+            *prob.score_args(), *prob.dropout_args(), prob.aux, *no_block_mask(prob)))
     return out
 
 

@@ -146,8 +146,9 @@ def resolve_problem(cfg, mode):
 
 
 # score_mod / mask_mod by dotted name (docs/score_mods.md); aux: a function (rng, batch, heads,
-# n_q, n_k) -> tuple of host arrays
-MOD_KEYS = ("score_mod", "mask_mod", "score_mod_grad", "aux")
+# n_q, n_k) -> tuple of host arrays; block_mask: true for mask_mod's BlockMask (the same for every
+# batch and head)
+MOD_KEYS = ("score_mod", "mask_mod", "score_mod_grad", "aux", "block_mask")
 
 
 def mods_of(prob, rng, library):
@@ -165,6 +166,11 @@ def mods_of(prob, rng, library):
         host_aux = tuple(getattr(importlib.import_module(module), attr)(
             rng, prob["batch"], prob["heads"], prob["seqlen"], prob["seqlen_k"]))
     call = dict(fns, aux=tuple(inputs.to_device(x, library) for x in host_aux))
+    if prob.get("block_mask"):   # the mask_mod's BlockMask (one for every batch and head)
+        import variants
+        call["block_mask"] = variants.block_mask(
+            fns["mask_mod"], prob["seqlen"], prob["seqlen_k"], aux=call["aux"],
+            like=inputs.to_device(np.zeros(1, np.float32), library))
     ref = {n: f for n, f in fns.items() if n != "score_mod_grad"}
     return call, dict(ref, aux=host_aux)
 

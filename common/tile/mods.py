@@ -48,6 +48,17 @@ def unchanged_grad(grad, score, b, h, q_idx, kv_idx, aux):
     return grad
 
 
+@device_function
+def element_indices(row0, col0, m, n, j, lane, transposed):
+    """(q_idx, kv_idx) of element (m, n, j) of a lane's accumulator whose warp starts at row0,
+    col0 (transposed: rows are keys)."""
+    r = int32(row0 + m * 16 + (lane >> 2) + 8 * (j >> 1))
+    c = int32(col0 + n * 8 + 2 * (lane & 3) + (j & 1))
+    if transposed:
+        return c, r
+    return r, c
+
+
 @lru_cache(maxsize=None)
 def applier(score_mod, mask_mod, transposed, keep_scores):
     """apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane, full): s <- the
@@ -63,14 +74,10 @@ def applier(score_mod, mask_mod, transposed, keep_scores):
 
     @device_function
     def apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane, full):
-        g, t2 = lane >> 2, 2 * (lane & 3)
         for m in range(s.shape[0]):
             for n in range(s.shape[1]):
                 for j in range(4):
-                    r = int32(row0 + m * 16 + g + 8 * (j >> 1))
-                    c = int32(col0 + n * 8 + t2 + (j & 1))
-                    q_idx = c if T else r
-                    kv_idx = r if T else c
+                    q_idx, kv_idx = element_indices(row0, col0, m, n, j, lane, T)
                     if q_idx < n_q and kv_idx < n_k:
                         x = s[m, n, j]
                         if SCORE:
@@ -99,14 +106,10 @@ def grad_applier(score_mod_grad, transposed):
     @device_function
     def apply_grad(ds, saved, row0, col0, n_q, n_k, b, h, aux, lane):
         if GRAD:
-            g, t2 = lane >> 2, 2 * (lane & 3)
             for m in range(ds.shape[0]):
                 for n in range(ds.shape[1]):
                     for j in range(4):
-                        r = int32(row0 + m * 16 + g + 8 * (j >> 1))
-                        c = int32(col0 + n * 8 + t2 + (j & 1))
-                        q_idx = c if T else r
-                        kv_idx = r if T else c
+                        q_idx, kv_idx = element_indices(row0, col0, m, n, j, lane, T)
                         grad = ds[m, n, j]
                         if q_idx < n_q and kv_idx < n_k and grad != float32(0):
                             ds[m, n, j] = float32(grad_fn(grad, saved[m, n, j], b, h, q_idx,

@@ -66,3 +66,13 @@ def compare_gradients(got, ref, dtype):
 def describe_failure(result):
     return (f"rel_err {result['rel_err']:.2e}, max_err {result['max_err']:.2e}, "
             f"lse_err {result['lse_err']:.2e}")
+
+
+def assert_moved_forward(o, lse, ref, plain, dtype, where, what):
+    """Assert that host (o, lse) match the reference `ref` (o, lse) within dtype's bound and do
+    not match `plain`, the reference without `what` (a score term, dropout, a mod): a kernel that
+    ignored it would fail."""
+    got = compare(o, lse, *ref, dtype)
+    assert got["ok"], f"forward {where}: " + describe_failure(got)
+    assert not compare(o, lse, *plain, dtype)["ok"], \
+        f"{where}: {what} did not move the output past the tolerance"
