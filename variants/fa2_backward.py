@@ -429,14 +429,15 @@ def build_backward(cfg):
     @device_function
     def kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k, kv_group,
                  lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k, alibi,
-                 alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux, bm_blocks, bm_counts,
-                 bm_per_b, bm_per_h):
+                 alibi_stride, alibi_shift, rng, drop_scale, drop_cg, mod_args):
         """l.6-17 for K/V block j of batch b, K/V head h_kv (VARLEN: of sequence b, whose rows
         start at first_q and first_k of the packed batch); ALiBi's slopes and shift as the
-        forward's (fa2.py); rng, drop_scale, drop_cg: dropout's (DROPOUT; fa2.py); aux: the
-        arrays of score_mod, mask_mod and score_mod_grad (MODS; common/tile/mods.py); bm_*: a
-        BlockMask's lists of the key blocks (LISTED: one list for the K/V head's group), as
-        fa2.py's."""
+        forward's (fa2.py); rng, drop_scale, drop_cg: dropout's (DROPOUT; fa2.py); mod_args:
+        (aux, the arrays of score_mod, mask_mod and score_mod_grad (MODS; common/tile/mods.py);
+        bm_blocks, bm_counts, bm_per_b, bm_per_h: a BlockMask's lists of the key blocks
+        (LISTED: one list for the K/V head's group), as fa2.py's) in one tuple: a call of more
+        than 30 arguments compiles to CALL_FUNCTION_EX, which Numba's inliner refuses."""
+        aux, bm_blocks, bm_counts, bm_per_b, bm_per_h = mod_args
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         key0 = int32(j * BC)
@@ -657,14 +658,14 @@ def build_backward(cfg):
             for j in range((n_k + BC - 1) // BC):
                 kv_block(j, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q, n_k,
                          kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                         alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux,
-                         bm_blocks, bm_counts, bm_per_b, bm_per_h)
+                         alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg,
+                         (aux, bm_blocks, bm_counts, bm_per_b, bm_per_h))
                 cuda.syncthreads()   # every warp is done with the tiles before the next K_j, V_j
         else:            # l.5: "for 1 <= j <= T_c" is the grid
             kv_block(cuda.blockIdx.x, b, h_kv, q, k, v, do, lse, d_vec, dq_acc, dk32, dv32, n_q,
                      n_k, kv_group, lo, hi, softcap, softmax_scale, scale_log2, first_q, first_k,
-                     alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg, aux, bm_blocks,
-                     bm_counts, bm_per_b, bm_per_h)
+                     alibi, alibi_stride, alibi_shift, rng, drop_scale, drop_cg,
+                     (aux, bm_blocks, bm_counts, bm_per_b, bm_per_h))
 
     return fa2_backward_kv
 

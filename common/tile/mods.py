@@ -59,6 +59,16 @@ def element_indices(row0, col0, m, n, j, lane, transposed):
     return r, c
 
 
+@device_function
+def tile_inside(s, row0, col0, n_q, n_k, transposed):
+    """Whether every element of the warp's accumulator s lies inside the problem (rows from row0,
+    columns from col0; transposed: rows are keys)."""
+    rows, cols = int32(row0 + 16 * s.shape[0]), int32(col0 + 8 * s.shape[1])
+    if transposed:
+        return rows <= n_k and cols <= n_q
+    return rows <= n_q and cols <= n_k
+
+
 @lru_cache(maxsize=None)
 def applier(score_mod, mask_mod, transposed, keep_scores):
     """apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane, full): s <- the
@@ -73,22 +83,34 @@ def applier(score_mod, mask_mod, transposed, keep_scores):
     mask_fn = mask_mod if MASK else unmasked
 
     @device_function
+    def modified(x, saved, m, n, j, q_idx, kv_idx, b, h, aux, scale, inv_scale, full):
+        if SCORE:
+            score = x * scale
+            if KEEP:
+                saved[m, n, j] = score
+            x = float32(score_fn(score, b, h, q_idx, kv_idx, aux)) * inv_scale
+        if MASK and not full:
+            if not mask_fn(b, h, q_idx, kv_idx, aux):
+                x = NEG_INF
+        return x
+
+    @device_function
     def apply(s, saved, row0, col0, n_q, n_k, b, h, aux, scale, inv_scale, lane, full):
-        for m in range(s.shape[0]):
-            for n in range(s.shape[1]):
-                for j in range(4):
-                    q_idx, kv_idx = element_indices(row0, col0, m, n, j, lane, T)
-                    if q_idx < n_q and kv_idx < n_k:
-                        x = s[m, n, j]
-                        if SCORE:
-                            score = x * scale
-                            if KEEP:
-                                saved[m, n, j] = score
-                            x = float32(score_fn(score, b, h, q_idx, kv_idx, aux)) * inv_scale
-                        if MASK and not full:
-                            if not mask_fn(b, h, q_idx, kv_idx, aux):
-                                x = NEG_INF
-                        s[m, n, j] = x
+        if tile_inside(s, row0, col0, n_q, n_k, T):   # no element test: straight-line code,
+            for m in range(s.shape[0]):                # in which loads of aux are shared
+                for n in range(s.shape[1]):
+                    for j in range(4):
+                        q_idx, kv_idx = element_indices(row0, col0, m, n, j, lane, T)
+                        s[m, n, j] = modified(s[m, n, j], saved, m, n, j, q_idx, kv_idx, b, h,
+                                              aux, scale, inv_scale, full)
+        else:
+            for m in range(s.shape[0]):
+                for n in range(s.shape[1]):
+                    for j in range(4):
+                        q_idx, kv_idx = element_indices(row0, col0, m, n, j, lane, T)
+                        if q_idx < n_q and kv_idx < n_k:
+                            s[m, n, j] = modified(s[m, n, j], saved, m, n, j, q_idx, kv_idx, b,
+                                                  h, aux, scale, inv_scale, full)
 
     return apply
 
@@ -96,16 +118,24 @@ def applier(score_mod, mask_mod, transposed, keep_scores):
 @lru_cache(maxsize=None)
 def grad_applier(score_mod_grad, transposed):
     """apply_grad(ds, saved, row0, col0, n_q, n_k, b, h, aux, lane): dS <- score_mod_grad(dS,
-    score, ...) for the lane's elements inside the problem whose dS is not 0 (a masked score's,
-    or one whose P underflowed: score_mod_grad is linear in its first argument, so it stays 0 and
-    a function that accumulates a gradient into aux does no work for it); `saved` holds the
-    scores `applier(..., keep_scores=True)` kept. score_mod_grad None: compiled out."""
+    score, ...) for the lane's elements inside the problem; `saved` holds the scores
+    `applier(..., keep_scores=True)` kept. In a tile that crosses the problem's edge, only the
+    elements whose dS is not 0 (score_mod_grad is linear in its first argument: a masked score's
+    stays 0, and a function that accumulates into aux does no work for it); inside, every
+    element, in straight-line code. score_mod_grad None: compiled out."""
     GRAD, T = score_mod_grad is not None, transposed
     grad_fn = score_mod_grad if GRAD else unchanged_grad
 
     @device_function
     def apply_grad(ds, saved, row0, col0, n_q, n_k, b, h, aux, lane):
-        if GRAD:
+        if GRAD and tile_inside(ds, row0, col0, n_q, n_k, T):   # (a masked score's dS is 0)
+            for m in range(ds.shape[0]):
+                for n in range(ds.shape[1]):
+                    for j in range(4):
+                        q_idx, kv_idx = element_indices(row0, col0, m, n, j, lane, T)
+                        ds[m, n, j] = float32(grad_fn(ds[m, n, j], saved[m, n, j], b, h, q_idx,
+                                                      kv_idx, aux))
+        elif GRAD:
             for m in range(ds.shape[0]):
                 for n in range(ds.shape[1]):
                     for j in range(4):
