@@ -11,8 +11,8 @@ import pytest
 from numba import float32
 
 import variants
-from common.host import arrays, mods
-from common.tile import masks
+from common.hardware.elements import UNIT_ROUNDOFF
+from common.host import mods
 from experiments.measure import checks, inputs, reference
 from tests.conftest import ON_GPU
 from tests.test_backward import SMALL
@@ -51,7 +51,7 @@ EXAMPLES = {
 }
 
 
-def run(rng, name, heads=2, heads_kv=1, batch=2):
+def run(rng, name, heads=2, heads_kv=1, batch=2 if ON_GPU else 1):
     score_mod, score_grad, mask_mod, mask = EXAMPLES[name]
     n_q, n_k = N
     q, k, v = inputs.random_qkv(rng, batch, n_q, heads, HEAD_DIM, DTYPE, seqlen_k=n_k,
@@ -88,7 +88,11 @@ def _documents_in_aux1(b, h, q_idx, kv_idx, aux):
     return aux[1][q_idx] == aux[1][kv_idx]
 
 
-@pytest.mark.parametrize("name", list(EXAMPLES))
+# In the simulator the masks that the block-mask and packed tests run too are left to the GPU
+SIMULATED = [n for n in EXAMPLES if ON_GPU or n not in ("prefix_lm", "dilated", "sliding_window")]
+
+
+@pytest.mark.parametrize("name", SIMULATED)
 def test_example_forward_backward(rng, name):
     aux, host_aux, ds = run(rng, name)
     if name == "relative_bias":   # the table's gradient: each bucket's sum of dS
@@ -97,12 +101,15 @@ def test_example_forward_backward(rng, name):
         n_q, n_k = N
         rel = np.clip(np.arange(n_k)[None, :] - np.arange(n_q)[:, None], -radius, radius) + radius
         want = np.zeros_like(table, dtype=np.float64)
+        size = np.zeros_like(want)   # each bucket's sum of |dS|: the scale of its rounding
         for bucket in range(table.shape[1]):
             want[:, bucket] = ds[:, :, rel == bucket].sum(axis=(0, 2))
+            size[:, bucket] = np.abs(ds[:, :, rel == bucket]).sum(axis=(0, 2))
         got = inputs.to_host(aux[1]).astype(np.float64)
-        scale = np.abs(ds).sum(axis=(0, 2, 3)).max()
-        assert np.abs(got - want).max() <= 1e-2 * scale, f"d table {got} vs {want}"
-        assert np.abs(want).max() > 1e-2 * scale   # the check can fail
+        # dS from bf16 inputs: a few units of roundoff of each term, summed
+        bound = 8 * UNIT_ROUNDOFF[DTYPE] * size + 1e-6
+        assert (np.abs(got - want) <= bound).all(), f"d table {got} vs {want}"
+        assert (np.abs(want) > bound).any()   # a table left at zero would fail
 
 
 def test_mods_match_the_built_ins(rng):
@@ -246,97 +253,3 @@ def test_backward_needs_score_mod_grad_and_other_variants_refuse(rng):
     with pytest.raises(ValueError, match="aux without"):
         variants.forward(q, k, v, variant="fa2", aux=(o,))
     assert math.isfinite(float(inputs.to_host(lse).max()))
-    _ = arrays, masks
-
-
-# ---------------------------------------------------------------------------- block masks
-
-def _classes(mask_mod, aux, batch, heads, n_q, n_k, bm, bn):
-    """NumPy's block lists: for each (b, h, query block), the kept key blocks with FULL."""
-    from common.tile.mods import FULL
-    keep = np.zeros((batch, heads, n_q, n_k), bool)
-    fn = getattr(mask_mod, "py_func", mask_mod)
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(n_q):
-                for j in range(n_k):
-                    keep[b, h, i, j] = fn(b, h, i, j, aux)
-    lists = {}
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(-(-n_q // bm)):
-                entries = []
-                for j in range(-(-n_k // bn)):
-                    tile = keep[b, h, i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
-                    if tile.any():
-                        entries.append(j | (FULL if tile.all() else 0))
-                lists[b, h, i] = entries
-    return lists
-
-
-@pytest.mark.parametrize("name, batch, causal", [("document_mask", 1, True),
-                                                  ("prefix_lm", 2, False),
-                                                  ("sliding_window", 1, True),
-                                                  ("dilated", 1, False)])
-def test_block_mask_visits_the_kept_blocks_and_changes_nothing(rng, name, batch, causal):
-    """The BlockMask's lists are NumPy's classification of every block; a forward that visits only
-    them (and tests no element of a FULL block) matches the float64 reference and, bit for bit,
-    the forward that visits every block of the band."""
-    n, heads = (2048, 4) if ON_GPU else (150, 2)
-    mask_mod = EXAMPLES[name][2]
-    q, k, v = inputs.random_qkv(rng, batch, n, heads, HEAD_DIM, DTYPE)
-    host_aux = aux_of(name, rng, batch, heads, n)
-    library = inputs.default_library()
-    dev = [inputs.to_device(x, library) for x in (q, k, v)]
-    aux = tuple(inputs.to_device(x, library) for x in host_aux)
-    bm = variants.block_mask(mask_mod, n, n, batch=batch, aux=aux, like=dev[0])
-    options = dict(FORWARD)
-    block_m, block_n = options.get("block_m", 128), options.get("block_n", 64)
-    if not ON_GPU:   # the lists against NumPy's (the simulator's small problem)
-        counts, blocks = bm.blocks_kept(block_m, block_n)
-        want = _classes(mask_mod, host_aux, batch, 1, n, n, block_m, block_n)
-        for (b, h, i), entries in want.items():
-            assert list(blocks[b, h, i, :counts[b, h, i]]) == entries, (b, h, i)
-    mask = dict(causal=causal)
-    o1, lse1 = variants.forward(*dev, variant="fa2", mask_mod=mask_mod, aux=aux, block_mask=bm,
-                                **mask, **options)
-    o2, lse2 = variants.forward(*dev, variant="fa2", mask_mod=mask_mod, aux=aux, **mask,
-                                **options)
-    ref = reference.attention(q, k, v, mask_mod=mask_mod, aux=host_aux, **mask)
-    got = checks.compare(inputs.to_host(o1), inputs.to_host(lse1), *ref, DTYPE)
-    assert got["ok"], f"{name}: " + checks.describe_failure(got)
-    assert np.array_equal(inputs.to_host(o1), inputs.to_host(o2))
-    assert np.array_equal(inputs.to_host(lse1), inputs.to_host(lse2))
-
-    # the backward: its K/V kernel walks each key block's transposed list, the separate dQ
-    # kernel (dq="separate") each query block's list
-    do = rng.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
-    ddo = inputs.to_device(do, library)
-    ref = reference.attention_backward(q, k, v, do, mask_mod=mask_mod, aux=host_aux, **mask)
-    for dq_path in ("atomic", "separate"):
-        small = dict(SMALL["fa2"], dq=dq_path)
-        g1 = variants.backward(ddo, *dev, o1, lse1, variant="fa2", mask_mod=mask_mod, aux=aux,
-                               block_mask=bm, **mask, **small)
-        g2 = variants.backward(ddo, *dev, o1, lse1, variant="fa2", mask_mod=mask_mod, aux=aux,
-                               **mask, **small)
-        errors = checks.compare_gradients([inputs.to_host(x) for x in g1[:3]], ref[:3], DTYPE)
-        assert errors["ok"], f"{name} backward dq={dq_path}: {errors}"
-        for x, y in zip(g1[1:3], g2[1:3]):   # dK, dV: registers, in order, bit for bit
-            assert np.array_equal(inputs.to_host(x), inputs.to_host(y))
-
-
-def test_block_mask_is_refused_for_another_mask_or_geometry(rng):
-    library = inputs.default_library()
-    q, k, v = (inputs.to_device(x, library) for x in inputs.random_qkv(rng, 1, 40, 1, 64, DTYPE))
-    window = inputs.to_device(np.array([8], np.int32), library)
-    bm = variants.block_mask(score_mods.sliding_window, 40, 40, aux=(window,))
-    with pytest.raises(ValueError, match="without its mask_mod"):
-        variants.forward(q, k, v, variant="fa2", block_mask=bm)
-    with pytest.raises(ValueError, match="was made for mask_mod"):
-        variants.forward(q, k, v, variant="fa2", mask_mod=score_mods.dilated, block_mask=bm)
-    small = variants.block_mask(score_mods.sliding_window, 32, 40, aux=(window,))
-    with pytest.raises(ValueError, match="block_mask is for N_q=32"):
-        variants.forward(q, k, v, variant="fa2", mask_mod=score_mods.sliding_window,
-                         aux=(window,), block_mask=small)
-    with pytest.raises(ValueError, match="needs `like`"):
-        variants.block_mask(score_mods.dilated, 40, 40)

@@ -239,7 +239,8 @@ class BlockMask:
         self.mask_mod = device_function_of(mask_mod, "mask_mod")
         for name, n in (("n_q", n_q), ("n_k", n_k), ("batch", batch), ("heads", heads)):
             if not isinstance(n, (int, np.integer)) or n < (0 if name.startswith("n_") else 1):
-                raise ValueError(f"block_mask: {name} must be a {'count' if name[0] == 'n' else 'positive count'}, got {n!r}")
+                kind = "count" if name.startswith("n_") else "positive count"
+                raise ValueError(f"block_mask: {name} must be a {kind}, got {n!r}")
         self.n_q, self.n_k, self.batch, self.heads = int(n_q), int(n_k), int(batch), int(heads)
         self.aux = tuple(aux)
         self.like = like if like is not None else (self.aux[0] if self.aux else None)
@@ -252,8 +253,9 @@ class BlockMask:
     def check(self, prob, mods):
         """Refuse a call whose mask_mod or geometry is not this BlockMask's."""
         if mods is None or mods.mask_mod is not self.mask_mod:
-            raise ValueError(f"block_mask was made for mask_mod {name_of(self.mask_mod)}; the call's "
-                             f"is {name_of(mods.mask_mod) if mods and mods.mask_mod else None}")
+            theirs = name_of(mods.mask_mod) if mods and mods.mask_mod else None
+            raise ValueError(f"block_mask was made for mask_mod {name_of(self.mask_mod)}; the "
+                             f"call's is {theirs}")
         if prob.varlen is not None:
             raise ValueError("block_mask with a packed batch (varlen): not built yet")
         if (self.n_q, self.n_k) != (prob.n_q, prob.n_k) or self.batch not in (1, prob.batch) or \

@@ -2,8 +2,8 @@
 
 FlexAttention's interface (and FlashAttention-4's): a variant of the scores is two scalar functions
 
-    score_mod(score, b, h, q_idx, kv_idx, aux) -> score     the scaled score QK^T / sqrt(d), modified
-    mask_mod(b, h, q_idx, kv_idx, aux) -> bool              False: the key is masked (-inf)
+    score_mod(score, b, h, q_idx, kv_idx, aux) -> score   (score: the scaled QK^T / sqrt(d))
+    mask_mod(b, h, q_idx, kv_idx, aux) -> bool            (False: the key is masked, -inf)
 
 and for the backward the derivative of score_mod, as FA4's score_mod_bwd:
 

@@ -69,10 +69,8 @@ def modded(score_mod=None, mask_mod=None, aux=(), batch_offset=0):
 
     def call(fn, *args):
         shape = np.broadcast_shapes(*(np.shape(a) for a in args))
-        try:
-            out = np.asarray(fn(*args, aux), dtype=np.float64)
-            if out.shape == shape:
-                return out
+        try:   # a function of fewer indices (a document mask: q_idx, kv_idx) broadcasts
+            return np.broadcast_to(np.asarray(fn(*args, aux), dtype=np.float64), shape)
         except Exception:
             pass
         vec = np.vectorize(lambda *x: float(fn(*x, aux)), otypes=[np.float64])
