@@ -8,9 +8,9 @@ ms (CUDA events, interleaved rounds: common timing.interleaved) and TFLOP/s coun
 (or causal) problem's FLOPs, the same count for every column, so the columns compare as times do.
 `builtin` is fa2 with the built-in that computes the same thing where there is one (alibi_slopes,
 causal + window_size); `plain` is fa2 with the mask alone (no score_mod, no mask_mod): the mod's
-cost is mod / plain; `blockmask` is fa2 with the mod and its BlockMask (variants.block_mask: the
-forward visits the kept blocks only; the backward, which takes none yet, the band's). Prints one
-table; --csv writes it.
+cost is mod / plain; `sdpa` is torch SDPA's flash kernel on the plain mask (the peer of `plain`);
+`blockmask` is fa2 with the mod and its BlockMask (variants.block_mask: the forward and the
+backward visit the kept blocks only). Prints one table; --csv writes it.
 """
 import argparse
 import csv
@@ -67,7 +67,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.functional import scaled_dot_product_attention
 
     import variants
     from experiments.measure import timing
@@ -94,8 +96,7 @@ def main(argv=None):
                     def run(_):
                         o, lse = variants.forward(q, k, v, variant="fa2", **kw)
                         if pass_ == "fwd_bwd":
-                            fwd_only = {x: y for x, y in kw.items()}
-                            variants.backward(do, q, k, v, o, lse, variant="fa2", **fwd_only)
+                            variants.backward(do, q, k, v, o, lse, variant="fa2", **kw)
                     return run
 
                 def flexed(_):
@@ -103,7 +104,14 @@ def main(argv=None):
                     if pass_ == "fwd_bwd":
                         torch.autograd.grad(o, (qt, kt, vt), dot)
 
-                fns = {"mod": ours(mod), "plain": ours(plain), "flex": flexed}
+                def sdpa_plain(_):   # the peer of `plain`: SDPA's flash kernel, the same mask
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        o = scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    if pass_ == "fwd_bwd":
+                        torch.autograd.grad(o, (qt, kt, vt), dot)
+
+                fns = {"mod": ours(mod), "plain": ours(plain), "flex": flexed,
+                       "sdpa": sdpa_plain}
                 if "mask_mod" in mod:   # and with its BlockMask: the forward visits kept blocks
                     bm = variants.block_mask(mod["mask_mod"], n, n, aux=mod["aux"], like=q,
                                              batch=batch if name == "prefix_lm" else 1)
@@ -112,7 +120,7 @@ def main(argv=None):
                     def with_bm(_, listed=listed):
                         o, lse = variants.forward(q, k, v, variant="fa2", **listed)
                         if pass_ == "fwd_bwd":
-                            variants.backward(do, q, k, v, o, lse, variant="fa2", **mod)
+                            variants.backward(do, q, k, v, o, lse, variant="fa2", **listed)
                     fns["blockmask"] = with_bm
                 if builtin is not None:
                     fns["builtin"] = ours(builtin)
@@ -133,8 +141,8 @@ def main(argv=None):
                     row["flex_over_blockmask"] = ms["flex"] / ms["blockmask"]
                 rows.append(row)
                 print(row, flush=True)
-    keys = ["example", "seqlen", "pass_", "plain_ms", "builtin_ms", "mod_ms", "blockmask_ms",
-            "flex_ms", "mod_over_plain", "mod_over_builtin", "flex_over_mod",
+    keys = ["example", "seqlen", "pass_", "sdpa_ms", "plain_ms", "builtin_ms", "mod_ms",
+            "blockmask_ms", "flex_ms", "mod_over_plain", "mod_over_builtin", "flex_over_mod",
             "flex_over_blockmask"]
     print(" ".join(f"{k:>15s}" for k in keys))
     for r in rows:

@@ -253,3 +253,34 @@ def test_backward_needs_score_mod_grad_and_other_variants_refuse(rng):
     with pytest.raises(ValueError, match="aux without"):
         variants.forward(q, k, v, variant="fa2", aux=(o,))
     assert math.isfinite(float(inputs.to_host(lse).max()))
+
+
+@pytest.mark.gpu
+def test_attention_autograd_takes_the_mods(rng):
+    """variants.attention (torch autograd, the door a model comes through) passes score_mod, its
+    grad, mask_mod and aux to fa2's forward and backward: its output matches the reference and
+    its gradients are those of the direct calls (the same kernels: dK, dV bit for bit)."""
+    torch = pytest.importorskip("torch")
+    n, heads = 300, 2
+    q, k, v = inputs.random_qkv(rng, 1, n, heads, 64, DTYPE)
+    do = rng.standard_normal(q.shape, dtype=np.float32).astype(q.dtype)
+    host_aux = score_mods.alibi_aux(rng, 1, heads, n, n) + score_mods.document_aux(rng, 1, heads,
+                                                                                  n, n)
+    dev = [inputs.to_device(x, "torch") for x in (q, k, v, do)]
+    aux = tuple(inputs.to_device(x, "torch") for x in host_aux)
+    fns = dict(score_mod=score_mods.alibi, mask_mod=_documents_in_aux1)
+    leaves = [x.clone().requires_grad_() for x in dev[:3]]
+    o = variants.attention(*leaves, variant="fa2", causal=True, **fns,
+                           score_mod_grad=score_mods.unchanged_grad, aux=aux)
+    o.backward(dev[3])
+    ref = reference.attention(q, k, v, causal=True, **fns, aux=host_aux)
+    o_direct, lse = variants.forward(*dev[:3], variant="fa2", causal=True, **fns, aux=aux)
+    got = checks.compare(inputs.to_host(o.detach()), inputs.to_host(lse), *ref, DTYPE)
+    assert got["ok"], checks.describe_failure(got)
+    assert torch.equal(o.detach(), o_direct)
+    grads = variants.backward(dev[3], *dev[:3], o_direct, lse, variant="fa2", causal=True, **fns,
+                              score_mod_grad=score_mods.unchanged_grad, aux=aux)
+    for leaf, g in zip(leaves[1:], grads[1:3]):   # dK, dV; dQ's atomics add in any order
+        assert torch.equal(leaf.grad, g)
+    dq = leaves[0].grad.float()
+    assert (dq - grads[0].float()).abs().max() <= 2 ** -7 * grads[0].float().abs().max()

@@ -180,9 +180,8 @@ def build(cfg):
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     ALIBI, SINKS, DROPOUT = cfg.alibi, cfg.sinks, cfg.dropout
-    MODS, LISTED = cfg.mods is not None, cfg.block_mask
-    APPLY_MODS = mods.applier(cfg.mods.score_mod, cfg.mods.mask_mod, False, False) if MODS else \
-        mods.applier(None, None, False, False)
+    MODS, APPLY_MODS, _, _ = mods.for_kernel(cfg.mods, False, (1, 1, 1))   # (no grad here)
+    LISTED = cfg.block_mask
     Q_IN_REGISTERS, P_IN_REGISTERS = cfg.q_in_registers, cfg.p_in_registers
     STRIDE = tiles.tile_row_stride(D, SWIZZLE)
     # Tile copies compute their global address once (tiles.load_tile_async's address_once, fewer

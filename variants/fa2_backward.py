@@ -249,19 +249,6 @@ class BackwardConfig:
 _SLICES = {True: "powers of two >= 16", False: "multiples of 16 (of d: of 8)"}
 
 
-def _mods_of(cfg, transposed, acc_shape):
-    """(MODS, apply, apply_grad, shape of the saved scores) of a backward kernel: the forward's
-    score_mod and mask_mod on S (transposed: S^T), keeping each scaled score for score_mod_grad
-    (common/tile/mods.py); a configuration without mods compiles them out."""
-    m = cfg.mods
-    if m is None:
-        return False, mods.applier(None, None, transposed, False), \
-            mods.grad_applier(None, transposed), (1, 1, 1)
-    keep = m.score_mod_grad is not None
-    return True, mods.applier(m.score_mod, m.mask_mod, transposed, keep), \
-        mods.grad_applier(m.score_mod_grad, transposed), acc_shape if keep else (1, 1, 1)
-
-
 def _column_slice(width, swizzle, unit=8):
     """Whether a warp's slice of `width` tile columns is whole n8 tiles of the products it takes
     part in (`unit`: 16 for S^T's queries, taken in pairs by tiles.gemm_abt; 8 for d's columns,
@@ -356,7 +343,7 @@ def build_backward(cfg):
     ST_ACC, P_FRAG, DKV_ACC = (M, QC // 8, 4), (M, BR // 16, 4), (M, DC // 8, 4)
     DQ_ACC, DS_FRAG = (MQ, DQ_COLS // 8, 4), (MQ, BC // 16, 4)
     CAP_GRAD = ST_ACC if SOFTCAP else (1, 1, 1)      # 1 - tanh^2 of each score (softcap)
-    MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = _mods_of(cfg, True, ST_ACC)
+    MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = mods.for_kernel(cfg.mods, True, ST_ACC)
     LISTED = cfg.block_mask
     STATS_PER_THREAD = (BR + THREADS - 1) // THREADS    # rows of L_i, D_i a thread loads
 
@@ -689,7 +676,7 @@ def build_backward_dq(cfg):
     CAP_GRAD = S_ACC if SOFTCAP else (1, 1, 1)
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
     ALIBI, DROPOUT = cfg.alibi, cfg.dropout
-    MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = _mods_of(cfg, False, S_ACC)
+    MODS, APPLY_MODS, APPLY_MOD_GRAD, SAVED = mods.for_kernel(cfg.mods, False, S_ACC)
     LISTED = cfg.block_mask
 
     @kernel

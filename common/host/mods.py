@@ -117,9 +117,9 @@ def resolve(score_mod=None, mask_mod=None, score_mod_grad=None):
                         for role, fn in given.items()})
 
 
-def aux_views(prob, aux):
-    """The call's aux arrays as a tuple of kernel views of the problem's library (any dtype and
-    layout; each as Numba types it)."""
+def aux_views(library, aux):
+    """The call's aux arrays as a tuple of kernel views, each of the inputs' `library` (any dtype
+    and layout; each as Numba types it)."""
     if aux is None:
         return ()
     if not isinstance(aux, (tuple, list)):
@@ -127,8 +127,8 @@ def aux_views(prob, aux):
     views = []
     for i, x in enumerate(aux):
         d = arrays.describe(x, f"aux[{i}]")
-        if d.library != prob.library:
-            raise TypeError(f"aux[{i}] is a {d.library} array but q is {prob.library}")
+        if d.library != library:
+            raise TypeError(f"aux[{i}] is a {d.library} array but q is {library}")
         if d.dtype not in AUX_DTYPES:
             raise TypeError(f"aux[{i}] is {d.dtype}; aux arrays may be "
                             f"{', '.join(AUX_DTYPES)}")
@@ -158,11 +158,10 @@ def check(mods, aux, variant, backward=False):
         if key in _CHECKED:
             continue
         result = _typed_result(fn, role, aux, aux_types)
-        wanted = types.boolean if role == "mask_mod" else types.Number
-        ok = result == types.boolean if role == "mask_mod" else isinstance(result, types.Number)
-        if not ok:
-            raise TypeError(f"{role} {name_of(fn)} returns {result}; it must return "
-                            f"{'a boolean' if wanted is types.boolean else 'a number'}")
+        if role == "mask_mod" and result != types.boolean:
+            raise TypeError(f"{role} {name_of(fn)} returns {result}; it must return a boolean")
+        if role != "mask_mod" and not isinstance(result, types.Number):
+            raise TypeError(f"{role} {name_of(fn)} returns {result}; it must return a number")
         _CHECKED[key] = result
 
 
@@ -212,7 +211,7 @@ def with_mods(prob, score_mod=None, mask_mod=None, score_mod_grad=None, aux=None
     if mods.score_mod is not None and prob.softmax_scale == 0:
         raise ValueError("score_mod needs softmax_scale != 0 (the kernels hold raw scores and "
                          "divide the modified score by the scale)")
-    views = aux_views(prob, aux)
+    views = aux_views(prob.library, aux)
     if not backward:
         mods = replace(mods, score_mod_grad=None)
     check(mods, views, variant, backward)
@@ -280,7 +279,7 @@ class BlockMask:
             counts = arrays.zeros(self.library, (self.batch, self.heads, max(own, 1)), "int32",
                                   like=self.like)
             views = tuple(arrays.bits_view(arrays.describe(x), np.int32) for x in (blocks, counts))
-            aux = aux_views(_Like(self.library), self.aux)
+            aux = aux_views(self.library, self.aux)
             check(ScoreMods(mask_mod=self.mask_mod), aux, "block_mask")
             if n_qb and n_kb:
                 launch(block_lister(self.mask_mod, block_m, block_n, 128, transposed),
@@ -300,11 +299,6 @@ class BlockMask:
         head (0: one list for all)."""
         blocks, counts = self.lists(block_m, block_n, stream, transposed)
         return blocks, counts, np.int32(self.batch > 1), np.int32(self.heads > 1)
-
-
-class _Like:
-    def __init__(self, library):
-        self.library = library
 
 
 def no_block_mask(prob):

@@ -148,6 +148,19 @@ def grad_applier(score_mod_grad, transposed):
     return apply_grad
 
 
+def for_kernel(score_mods, transposed, acc_shape):
+    """(on, apply, apply_grad, shape of the saved scores) of a kernel built with `score_mods` (a
+    configuration's ScoreMods, or None: everything compiled out): applier and grad_applier for
+    its accumulator layout, keeping each scaled score (an array of acc_shape) when there is a
+    score_mod_grad."""
+    if score_mods is None:
+        return False, applier(None, None, transposed, False), grad_applier(None, transposed), \
+            (1, 1, 1)
+    keep = score_mods.score_mod_grad is not None
+    return True, applier(score_mods.score_mod, score_mods.mask_mod, transposed, keep), \
+        grad_applier(score_mods.score_mod_grad, transposed), acc_shape if keep else (1, 1, 1)
+
+
 # --------------------------------------------------------------------------- block masks
 # A mask_mod's blocks, listed once per geometry (common/host/mods.py BlockMask): for each query
 # block i of B_r rows, the key blocks j of B_c keys that hold a kept element, in order, each
