@@ -38,6 +38,7 @@
 #   dropout  dropout on P (issue 59): tests/test_dropout.py and the torch / transformers doors' dropout
 #            tests on the GPU, then its cost (experiments/score_terms.py --cases plain,dropout: fa2
 #            with and without dropout_p=0.1, SDPA's flash backend with and without its own)
+#   mods_tests  tests/test_mods.py and test_block_masks.py on the GPU, failures rerun in one process
 #   mods     score_mod / mask_mod: fa2 with a mod against its built-in, its plain mask and
 #            FlexAttention (experiments/mods.py)
 #   first_call  a new process's import, first call and the calls after it, cold and warm cache
@@ -207,6 +208,21 @@ for step in $steps; do
         --cases plain,dropout --seqlens "${DROPOUT_SEQLENS:-4096,16384}" --csv "$OUT/dropout.csv" \
         > "$OUT/dropout_cost.txt" 2>&1 || status=1
       tail -20 "$OUT/dropout_cost.txt" ;;
+    mods_tests)
+      # tests/test_mods.py and test_block_masks.py on the GPU, -v under xdist (each result as it
+      # ends: docs/testing.md's hang after the last test loses the summary), then the failures
+      # again in one process, where their tracebacks are printed
+      timeout "${TESTS_TIMEOUT:-360}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark \
+        -n "${MODS_WORKERS:-8}" -rfE --tb=short tests/test_mods.py tests/test_block_masks.py \
+        > "$OUT/mods_tests.log" 2>&1 || status=1
+      echo "$(grep -c ' PASSED ' "$OUT/mods_tests.log") passed"
+      failed=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" "$OUT/mods_tests.log" | awk '{print $2}' | sort -u)
+      if [ -n "$failed" ]; then
+        echo "$failed"
+        timeout "${RERUN_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -p no:benchmark \
+          -p no:xdist -rfE --tb=long $failed > "$OUT/mods_failures.log" 2>&1
+        grep -E "^E |Error|^FAILED" "$OUT/mods_failures.log" | head -40
+      fi ;;
     mods)
       timeout "${MODS_TIMEOUT:-540}" python3 experiments/mods.py --csv "$OUT/mods.csv" ${MODS_ARGS:-} \
         > "$OUT/mods.txt" 2>&1 || status=1

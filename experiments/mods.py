@@ -18,22 +18,31 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from numba import float32
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 EXAMPLES = ("alibi", "document_mask", "prefix_lm", "sliding_window")
+# --examples may also name alibi_int64: ALiBi written with the integer difference converted,
+# float32(abs(q_idx - kv_idx)), which Numba types as int64 (variants/score_mods.py's advice, measured)
+
+
+def alibi_int64(score, b, h, q_idx, kv_idx, aux):
+    """score_mods.alibi as first written: the int64 difference converted once a score."""
+    return score - aux[0][h] * float32(abs(q_idx - kv_idx))
 
 
 def setups(torch, name, batch, heads, n, device):
     """(fa2 keywords with the mod, fa2 keywords of the built-in or None, fa2 keywords of the plain
     mask, flex score_mod, flex mask_mod, causal for the FLOP count)."""
     from variants import score_mods
-    if name == "alibi":
+    if name in ("alibi", "alibi_int64"):
         slopes = torch.tensor(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), device=device,
                               dtype=torch.float32)
-        return (dict(causal=True, score_mod=score_mods.alibi,
+        fn = score_mods.alibi if name == "alibi" else alibi_int64
+        return (dict(causal=True, score_mod=fn,
                      score_mod_grad=score_mods.unchanged_grad, aux=(slopes,)),
                 dict(causal=True, alibi_slopes=slopes), dict(causal=True),
                 lambda s, b, h, q, kv: s - slopes[h] * (q - kv).abs(), None, True)

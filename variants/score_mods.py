@@ -6,9 +6,16 @@ tests/test_mods.py against the float64 reference applying the same function. Pas
     python experiments/run.py variant=fa2 +score_mod=variants.score_mods.alibi ...
 
 Writing one: the arguments are a float32 score (the scaled QK^T), int32 b, h, q_idx, kv_idx and
-the call's aux tuple. Keep the arithmetic in float32: Numba types int32 - int32 as int64 and
-float32 * int64 as float64, so convert positions with float32(...) before they meet a float, and
-write float constants as float32(c) (on the GPU a float64 operation runs at half rate or worse).
+the call's aux tuple. The function runs once a score, so its cost is counted in instructions a
+score; two habits keep it near the built-ins':
+- Convert each position to float32 on its own before combining them: `float32(q_idx) -
+  float32(kv_idx)` (exact below 2^24), not `float32(q_idx - kv_idx)`. Numba types int32 - int32 as
+  int64, which the GPU converts in many instructions; and a row's or a column's conversion is
+  shared by every score in it, so the separate form costs one subtraction a score. Where an
+  integer difference is needed, wrap it: `int32(q_idx - kv_idx)` compiles to one 32-bit
+  subtraction.
+- Keep floats float32: `float32(c)` constants (float32 * int64 is float64, half rate or worse).
+(docs/performance/score_mods.md measures both forms of ALiBi.)
 A score_mod's backward needs score_mod_grad(grad, score, b, h, q_idx, kv_idx, aux) -> grad *
 d score_mod / d score: `unchanged_grad` for any score + bias(b, h, q_idx, kv_idx). To learn a
 parameter held in aux, add its gradient there with cuda.atomic.add (relative_bias_grad).
@@ -16,7 +23,7 @@ parameter held in aux, add its gradient there with cuda.atomic.add (relative_bia
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, int32
 
 from common.tile.mods import unchanged_grad  # noqa: F401  (the grad of every additive bias here)
 
@@ -24,22 +31,22 @@ from common.tile.mods import unchanged_grad  # noqa: F401  (the grad of every ad
 def alibi(score, b, h, q_idx, kv_idx, aux):
     """ALiBi (Press et al. 2022; flash_attn's alibi_slopes with N_q = N_k): score - slope_h |i - j|,
     aux = (slopes (H,) float32,)."""
-    return score - aux[0][h] * float32(abs(q_idx - kv_idx))
+    return score - aux[0][h] * abs(float32(q_idx) - float32(kv_idx))
 
 
 def relative_bias(score, b, h, q_idx, kv_idx, aux):
     """A learned bias by relative position (T5's, with one bucket per distance up to R and the
     rest clamped): score + table[h, clamp(j - i, -R, R) + R], aux = (table (H, 2R + 1) float32,
     and for relative_bias_grad its gradient, same shape, zeroed)."""
-    radius = (aux[0].shape[1] - 1) // 2
-    return score + aux[0][h, min(max(kv_idx - q_idx, -radius), radius) + radius]
+    radius = int32((aux[0].shape[1] - 1) // 2)
+    return score + aux[0][h, min(max(int32(kv_idx - q_idx), -radius), radius) + radius]
 
 
 def relative_bias_grad(grad, score, b, h, q_idx, kv_idx, aux):
     """relative_bias's score_mod_grad: the score passes the gradient unchanged, and the table's
     entry takes it too (summed over every score that read it: atomics into aux[1])."""
-    radius = (aux[0].shape[1] - 1) // 2
-    cuda.atomic.add(aux[1], (h, min(max(kv_idx - q_idx, -radius), radius) + radius), grad)
+    radius = int32((aux[0].shape[1] - 1) // 2)
+    cuda.atomic.add(aux[1], (h, min(max(int32(kv_idx - q_idx), -radius), radius) + radius), grad)
     return grad
 
 
@@ -58,13 +65,13 @@ def prefix_lm(b, h, q_idx, kv_idx, aux):
 def dilated(b, h, q_idx, kv_idx, aux):
     """A dilated causal mask (Longformer's dilated window, dilation 2): every other key behind the
     query, the query itself included."""
-    return kv_idx <= q_idx and (q_idx - kv_idx) % 2 == 0
+    return kv_idx <= q_idx and int32(q_idx - kv_idx) & 1 == 0
 
 
 def sliding_window(b, h, q_idx, kv_idx, aux):
     """A causal sliding window of aux[0][0] keys (the query and the keys just before it), as a
     mask_mod: the same keys as causal=True, window_size=(w - 1, 0)."""
-    return kv_idx <= q_idx and q_idx - kv_idx < aux[0][0]
+    return kv_idx <= q_idx and int32(q_idx - kv_idx) < aux[0][0]
 
 
 def tanh_softcap(score, b, h, q_idx, kv_idx, aux):

@@ -215,20 +215,20 @@ def block_lister(mask_mod, block_m, block_n, threads, transposed=False):
         n = int32(0)
         others = (n_q + BM - 1) // BM if T else (n_k + BN - 1) // BN
         for j in range(others):
-            seen, every = False, True
+            seen, every = int32(0), int32(1)   # (int: the GPU's syncthreads_or/_and take i32)
             for e in range(tid, BM * BN, THREADS):
                 q_idx = int32((j if T else i) * BM + e // BN)
                 kv_idx = int32((i if T else j) * BN + e % BN)
                 if q_idx < n_q and kv_idx < n_k:
                     if mask_fn(b, h, q_idx, kv_idx, aux):
-                        seen = True
+                        seen = int32(1)
                     else:
-                        every = False
+                        every = int32(0)
             seen_any = cuda.syncthreads_or(seen)
             all_kept = cuda.syncthreads_and(every)
-            if seen_any:
+            if seen_any != 0:
                 if tid == 0:
-                    blocks[b, h, i, n] = int32(j) | (FULL if all_kept else int32(0))
+                    blocks[b, h, i, n] = int32(j) | (FULL if all_kept != 0 else int32(0))
                 n += 1
         if tid == 0:
             counts[b, h, i] = n
