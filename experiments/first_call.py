@@ -1,13 +1,16 @@
 """What a new process pays before attention runs at kernel speed: the import, the first call
 (compiling, or loading cubins from the kernel cache), and the host time of the calls after it.
 
-    python experiments/first_call.py [--variants fa2,fa3] [--passes fwd,fwd_bwd] [--calls 5]
+    python experiments/first_call.py [--variants fa2,fa3,sdpa] [--passes fwd,fwd_bwd] [--calls 5]
 
 Each row is a fresh Python process (torch tensors B=2, N=2048, 16 heads of 128, causal, bf16, as
 `variants.attention` in a training loop would see them), run twice over one kernel-cache folder:
 `cold` (empty: everything compiles) then `warm` (the cubins the cold run stored). Times are wall
 clock with the GPU synchronised after each call, so a call's time is its host time plus its
-kernels'. Prints one table."""
+kernels'. `sdpa` is the baseline: torch's SDPA (its flash kernel) in the same fresh process, run
+once (it keeps no cache): what torch itself costs a new process's first call (its first
+`backward(grad)` imports torch.fx's symbolic shapes and sympy, whatever the attention), so that a
+variant's own first-call cost is its time less sdpa's. Prints one table."""
 import argparse
 import json
 import os
@@ -24,10 +27,20 @@ t_import = time.perf_counter() - t0
 variant, passes, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
 q, k, v = (torch.randn(2, 2048, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
+
+def attention(q, k, v):
+    if variant != "sdpa":
+        return variants.attention(q, k, v, variant=variant, causal=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+
+
 times = []
 for _ in range(calls):
     t = time.perf_counter()
-    o = variants.attention(q, k, v, variant=variant, causal=True)
+    o = attention(q, k, v)
     if passes == "fwd_bwd":
         o.backward(torch.ones_like(o))
     torch.cuda.synchronize()
@@ -48,7 +61,7 @@ def run(variant, passes, calls, cache):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", default="fa2,fa3")
+    parser.add_argument("--variants", default="fa2,fa3,sdpa")
     parser.add_argument("--passes", default="fwd,fwd_bwd")
     parser.add_argument("--calls", type=int, default=5)
     args = parser.parse_args(argv)
@@ -56,7 +69,7 @@ def main(argv=None):
     for variant in args.variants.split(","):
         for passes in args.passes.split(","):
             with tempfile.TemporaryDirectory(prefix="kcache-") as cache:
-                for state in ("cold", "warm"):
+                for state in (("cold", "warm") if variant != "sdpa" else ("-",)):
                     r = run(variant, passes, args.calls, cache)
                     rows.append((variant, passes, state, r["import"], r["calls"]))
     print(f"{'variant':8s} {'pass':8s} {'cache':6s} {'import s':>9s} " +

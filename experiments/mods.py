@@ -2,6 +2,7 @@
 FlexAttention (torch.compile(flex_attention)) given the same functions and its block mask.
 
     python experiments/mods.py [--seqlens 4096,16384] [--passes fwd,fwd_bwd] [--examples ...]
+                               [--variant fa2|fa3]
 
 Each row: bf16, d=128, 16 heads, batch 16384 / N, one example of variants/score_mods.py; times in
 ms (CUDA events, interleaved rounds: common timing.interleaved) and TFLOP/s counted as the dense
@@ -10,7 +11,9 @@ ms (CUDA events, interleaved rounds: common timing.interleaved) and TFLOP/s coun
 causal + window_size); `plain` is fa2 with the mask alone (no score_mod, no mask_mod): the mod's
 cost is mod / plain; `sdpa` is torch SDPA's flash kernel on the plain mask (the peer of `plain`);
 `blockmask` is fa2 with the mod and its BlockMask (variants.block_mask: the forward and the
-backward visit the kept blocks only). Prints one table; --csv writes it.
+backward visit the kept blocks only). --variant fa3: fa3's forward in every column of ours (its
+backward with a mod runs fa2's kernels; no block mask: that column is left out). Prints one
+table; --csv writes it.
 """
 import argparse
 import csv
@@ -73,6 +76,7 @@ def main(argv=None):
     parser.add_argument("--examples", default=",".join(EXAMPLES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--variant", default="fa2", choices=("fa2", "fa3"))
     args = parser.parse_args(argv)
 
     import torch
@@ -103,9 +107,9 @@ def main(argv=None):
             for pass_ in args.passes.split(","):
                 def ours(kw):
                     def run(_):
-                        o, lse = variants.forward(q, k, v, variant="fa2", **kw)
+                        o, lse = variants.forward(q, k, v, variant=args.variant, **kw)
                         if pass_ == "fwd_bwd":
-                            variants.backward(do, q, k, v, o, lse, variant="fa2", **kw)
+                            variants.backward(do, q, k, v, o, lse, variant=args.variant, **kw)
                     return run
 
                 def flexed(_):
@@ -121,15 +125,16 @@ def main(argv=None):
 
                 fns = {"mod": ours(mod), "plain": ours(plain), "flex": flexed,
                        "sdpa": sdpa_plain}
-                if "mask_mod" in mod:   # and with its BlockMask: the forward visits kept blocks
+                # and with its BlockMask (fa2's): the forward visits kept blocks
+                if "mask_mod" in mod and args.variant == "fa2":
                     bm = variants.block_mask(mod["mask_mod"], n, n, aux=mod["aux"], like=q,
                                              batch=batch if name == "prefix_lm" else 1)
                     listed = dict(mod, block_mask=bm)
 
                     def with_bm(_, listed=listed):
-                        o, lse = variants.forward(q, k, v, variant="fa2", **listed)
+                        o, lse = variants.forward(q, k, v, variant=args.variant, **listed)
                         if pass_ == "fwd_bwd":
-                            variants.backward(do, q, k, v, o, lse, variant="fa2", **listed)
+                            variants.backward(do, q, k, v, o, lse, variant=args.variant, **listed)
                     fns["blockmask"] = with_bm
                 if builtin is not None:
                     fns["builtin"] = ours(builtin)
@@ -139,7 +144,7 @@ def main(argv=None):
                     (3.5 if pass_ == "fwd_bwd" else 1.0)
                 ms = {x: float(np.median([t.median_ms for t in got[i]]))
                       for i, x in enumerate(names)}
-                row = dict(example=name, seqlen=n, batch=batch, pass_=pass_,
+                row = dict(example=name, variant=args.variant, seqlen=n, batch=batch, pass_=pass_,
                            **{f"{x}_ms": ms[x] for x in names},
                            mod_tflops=flops / ms["mod"] / 1e9,
                            mod_over_plain=ms["mod"] / ms["plain"],

@@ -1,9 +1,10 @@
 """score_mod and mask_mod (common/tile/mods.py, common/host/mods.py): a user's functions compiled
-into fa2's forward and backward kernels, checked against the float64 reference that applies the
-same functions (and differentiates score_mod by central differences, so a wrong score_mod_grad
-fails too); each case also checks that the mods moved the answer past the tolerance. The
-built-in masks and terms written as mods agree with the built-ins; a learnable relative-bias
-table's gradient (atomics into aux) matches the reference's; bad mods are refused by name."""
+into fa2's forward and backward kernels and fa3's forward (its backward runs fa2's), checked
+against the float64 reference that applies the same functions (and differentiates score_mod by
+central differences, so a wrong score_mod_grad fails too); each case also checks that the mods
+moved the answer past the tolerance. The built-in masks and terms written as mods agree with the
+built-ins; a learnable relative-bias table's gradient (atomics into aux) matches the
+reference's; bad mods are refused by name."""
 import math
 
 import numpy as np
@@ -20,6 +21,7 @@ from tests.test_varlen import SMALL_BACKWARD, packed
 from variants import score_mods
 
 FORWARD = {} if ON_GPU else dict(block_m=64, block_n=32, warps=2)
+FA3_FORWARD = {} if ON_GPU else dict(block_n=64)
 HEAD_DIM = 128 if ON_GPU else 64
 # (N_q, N_k) of the simulated cases: ragged blocks at both ends, so that the functions meet the
 # elements past the problem (which they must not be passed)
@@ -51,7 +53,7 @@ EXAMPLES = {
 }
 
 
-def run(rng, name, heads=2, heads_kv=1, batch=2 if ON_GPU else 1):
+def run(rng, name, heads=2, heads_kv=1, batch=2 if ON_GPU else 1, variant="fa2", backward=True):
     score_mod, score_grad, mask_mod, mask = EXAMPLES[name]
     n_q, n_k = N
     q, k, v = inputs.random_qkv(rng, batch, n_q, heads, HEAD_DIM, DTYPE, seqlen_k=n_k,
@@ -68,13 +70,16 @@ def run(rng, name, heads=2, heads_kv=1, batch=2 if ON_GPU else 1):
     dev = [inputs.to_device(x, library) for x in (q, k, v, do)]
     aux = tuple(inputs.to_device(x, library) for x in host_aux)
     fns = dict(score_mod=score_mod, mask_mod=mask_mod)
-    o, lse = variants.forward(*dev[:3], variant="fa2", **mask, **fns, aux=aux, **FORWARD)
-    where = f"{name} {mask}"
+    o, lse = variants.forward(*dev[:3], variant=variant, **mask, **fns, aux=aux,
+                              **(FORWARD if variant == "fa2" else FA3_FORWARD))
+    where = f"{variant} {name} {mask}"
     checks.assert_moved_forward(inputs.to_host(o), inputs.to_host(lse),
                                 reference.attention(q, k, v, **mask, **fns, aux=host_aux),
                                 reference.attention(q, k, v, **mask), DTYPE, where, "the mods")
+    if not backward:
+        return aux, host_aux, None
 
-    grads = variants.backward(dev[3], *dev[:3], o, lse, variant="fa2", **mask, **fns,
+    grads = variants.backward(dev[3], *dev[:3], o, lse, variant=variant, **mask, **fns,
                               score_mod_grad=score_grad, aux=aux, **SMALL["fa2"])
     ref = reference.attention_backward(q, k, v, do, **mask, **fns, aux=host_aux,
                                        return_ds=True)
@@ -112,6 +117,17 @@ def test_example_forward_backward(rng, name):
         assert (np.abs(want) > bound).any()   # a table left at zero would fail
 
 
+# fa3's forward with the mods; its backward (FA2's kernels, fa3.backward_kernel) on the GPU, where
+# every example runs; in the simulator two examples that together reach every path (a score_mod
+# reading aux by head, a mask_mod by position, a table gathered by relative position)
+FA3_EXAMPLES = list(EXAMPLES) if ON_GPU else ["alibi_and_documents", "relative_bias"]
+
+
+@pytest.mark.parametrize("name", FA3_EXAMPLES)
+def test_fa3_takes_the_mods(rng, name):
+    run(rng, name, variant="fa3", backward=ON_GPU)
+
+
 def test_mods_match_the_built_ins(rng):
     """ALiBi, a sliding window and a soft cap written as mods give the built-ins' answers within
     rounding (the mods' scores are scaled and unscaled around the function)."""
@@ -136,9 +152,11 @@ def test_mods_match_the_built_ins(rng):
         assert np.abs(o1 - o2).max() <= 2 * 2.0 ** -8 * np.abs(o1).max(), built_in
 
 
-def test_packed_batch_positions_are_each_sequences(rng):
+@pytest.mark.parametrize("variant", ["fa2", "fa3"])
+def test_packed_batch_positions_are_each_sequences(rng, variant):
     """A packed batch: b is the sequence, q_idx and kv_idx count from its first row (prefix_lm's
-    prefix per sequence), forward and backward against each sequence alone."""
+    prefix per sequence), forward and backward against each sequence alone (fa3 in the
+    simulator: the forward; its backward is fa2's kernels, checked with fa2's)."""
     lengths = [(17, 40), (0, 5), (33, 33), (9, 0), (30, 30)]
     heads, heads_kv, dtype = 2, 1, DTYPE
     q, k, v, cu_q, cu_k = packed(rng, lengths, heads, heads_kv, 64, dtype)
@@ -150,14 +168,15 @@ def test_packed_batch_positions_are_each_sequences(rng):
     max_q, max_k = max(n for n, _ in lengths), max(n for _, n in lengths)
     fns = dict(score_mod=score_mods.alibi, mask_mod=_prefix_in_aux1,
                aux=(inputs.to_device(np.array([0.5, 0.25], np.float32), library), dpre))
-    o, lse = variants.forward_varlen(dq_, dk_, dv_, dcq, dck, max_q, max_k, variant="fa2",
-                                     **fns, **({} if ON_GPU else dict(block_m=64, block_n=32,
-                                                                      warps=2)))
-    grads = variants.backward_varlen(ddo, dq_, dk_, dv_, o, lse, dcq, dck, max_q, max_k,
-                                     variant="fa2", score_mod_grad=score_mods.unchanged_grad,
-                                     **fns, **SMALL_BACKWARD)
+    o, lse = variants.forward_varlen(dq_, dk_, dv_, dcq, dck, max_q, max_k, variant=variant,
+                                     **fns, **(FORWARD if variant == "fa2" else FA3_FORWARD))
+    backward = variant == "fa2" or ON_GPU
+    if backward:
+        grads = variants.backward_varlen(ddo, dq_, dk_, dv_, o, lse, dcq, dck, max_q, max_k,
+                                         variant=variant, score_mod_grad=score_mods.unchanged_grad,
+                                         **fns, **SMALL_BACKWARD)
+        dq, dk, dv = (inputs.to_host(x).astype(np.float32) for x in grads[:3])
     o_h, lse_h = inputs.to_host(o), inputs.to_host(lse)
-    dq, dk, dv = (inputs.to_host(x).astype(np.float32) for x in grads[:3])
     host_aux = (np.array([0.5, 0.25], np.float32), prefix)
     for b, (n_q, n_k) in enumerate(lengths):
         if n_q == 0 or n_k == 0:
@@ -169,6 +188,8 @@ def test_packed_batch_positions_are_each_sequences(rng):
                                              **ref_fns)
         got = checks.compare(o_h[None, rows], lse_h[None, :, rows], ref_o, ref_lse, dtype)
         assert got["ok"], f"forward sequence {b}: " + checks.describe_failure(got)
+        if not backward:
+            continue
         ref = reference.attention_backward(q[None, rows], k[None, keys], v[None, keys],
                                            do[None, rows], **ref_fns)
         errors = checks.compare_gradients([dq[None, rows], dk[None, keys], dv[None, keys]],
@@ -247,19 +268,29 @@ def test_backward_needs_score_mod_grad_and_other_variants_refuse(rng):
                               **FORWARD)
     with pytest.raises(ValueError, match="needs its derivative"):
         variants.backward(o, q, k, v, o, lse, variant="fa2", score_mod=score_mods.tanh_softcap)
-    for variant in ("standard", "fa1", "fa3"):
+    for variant in ("standard", "fa1"):
         with pytest.raises(ValueError, match="takes no score_mod"):
             variants.forward(q, k, v, variant=variant, score_mod=score_mods.tanh_softcap)
+    # fa3: no block masks yet, and its wgmma backward does not take the mods (FA2's kernels do)
+    bm = variants.block_mask(score_mods.dilated, 16, 16, like=q)
+    with pytest.raises(ValueError, match="block_mask: fa3"):
+        variants.forward(q, k, v, variant="fa3", mask_mod=score_mods.dilated, block_mask=bm)
+    with pytest.raises(ValueError, match="wgmma backward does not compile them"):
+        variants.backward(o, q, k, v, o, lse, variant="fa3", kernel="wgmma",
+                          score_mod=score_mods.tanh_softcap,
+                          score_mod_grad=score_mods.tanh_softcap_grad)
     with pytest.raises(ValueError, match="aux without"):
         variants.forward(q, k, v, variant="fa2", aux=(o,))
     assert math.isfinite(float(inputs.to_host(lse).max()))
 
 
 @pytest.mark.gpu
-def test_attention_autograd_takes_the_mods(rng):
+@pytest.mark.parametrize("variant", ["fa2", "fa3"])
+def test_attention_autograd_takes_the_mods(rng, variant):
     """variants.attention (torch autograd, the door a model comes through) passes score_mod, its
-    grad, mask_mod and aux to fa2's forward and backward: its output matches the reference and
-    its gradients are those of the direct calls (the same kernels: dK, dV bit for bit)."""
+    grad, mask_mod and aux to the variant's forward and backward (fa3's: FA2's kernels): its
+    output matches the reference and its gradients are those of the direct calls (the same
+    kernels: dK, dV bit for bit)."""
     torch = pytest.importorskip("torch")
     n, heads = 300, 2
     q, k, v = inputs.random_qkv(rng, 1, n, heads, 64, DTYPE)
@@ -270,15 +301,15 @@ def test_attention_autograd_takes_the_mods(rng):
     aux = tuple(inputs.to_device(x, "torch") for x in host_aux)
     fns = dict(score_mod=score_mods.alibi, mask_mod=_documents_in_aux1)
     leaves = [x.clone().requires_grad_() for x in dev[:3]]
-    o = variants.attention(*leaves, variant="fa2", causal=True, **fns,
+    o = variants.attention(*leaves, variant=variant, causal=True, **fns,
                            score_mod_grad=score_mods.unchanged_grad, aux=aux)
     o.backward(dev[3])
     ref = reference.attention(q, k, v, causal=True, **fns, aux=host_aux)
-    o_direct, lse = variants.forward(*dev[:3], variant="fa2", causal=True, **fns, aux=aux)
+    o_direct, lse = variants.forward(*dev[:3], variant=variant, causal=True, **fns, aux=aux)
     got = checks.compare(inputs.to_host(o.detach()), inputs.to_host(lse), *ref, DTYPE)
     assert got["ok"], checks.describe_failure(got)
     assert torch.equal(o.detach(), o_direct)
-    grads = variants.backward(dev[3], *dev[:3], o_direct, lse, variant="fa2", causal=True, **fns,
+    grads = variants.backward(dev[3], *dev[:3], o_direct, lse, variant=variant, causal=True, **fns,
                               score_mod_grad=score_mods.unchanged_grad, aux=aux)
     for leaf, g in zip(leaves[1:], grads[1:3]):   # dK, dV; dQ's atomics add in any order
         assert torch.equal(leaf.grad, g)

@@ -96,11 +96,13 @@ from common.hardware.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.hardware.stamps import stamper
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm
 from common.host import arrays, configs, replay, tensormaps
+from common.host.mods import with_mods
 from common.host.launching import launch
 from common.host.problem import (
     FP8_DTYPES,
     HALF_DTYPES,
     LSE_TYPE,
+    MOD_TYPES,
     OUT_TYPE,
     QKV_TYPE,
     SCORE_TYPES,
@@ -109,7 +111,7 @@ from common.host.problem import (
     prepare_varlen,
     with_score_terms,
 )
-from common.tile import masks, softmax, tiles
+from common.tile import masks, mods, softmax, tiles
 from common.tile.mbarrier_ring import ring
 from common.tile.pingpong import turns
 from common.tile.scheduler import divider, divmod_by, tile_scheduler, work_items
@@ -164,6 +166,8 @@ class Config:
     softcap: bool = False        # scores soft-capped (Gemma 2): S <- cap tanh(S / cap) (16-bit)
     alibi: bool = False          # ALiBi's bias by distance (alibi_slopes; 16-bit)
     sinks: bool = False          # an attention sink a head (gpt-oss; 16-bit)
+    mods: object = None          # a user's score_mod / mask_mod (common/host/mods.py ScoreMods;
+                                 # 16-bit), applied to S_j after the soft cap and ALiBi
     varlen: bool = False         # a packed batch of sequences (forward_varlen): bounds per tile
     bottom_right: bool = True    # varlen: the band's diagonal at each sequence's bottom-right
     transpose_v: str = "prepass" # FP8: who makes V^T, the K-major V that the e4m3 P V wgmma
@@ -757,6 +761,7 @@ def _step_parts(cfg):
     D, BC, FP8, K_BLOCK_SCALES = cfg.tile_dim, cfg.block_n, cfg.fp8, cfg.k_block_scales
     HEAD_DIM, EB, OPERAND = cfg.head_dim, cfg.operand.bytes, cfg.operand.code
     CAUSAL, WINDOW, SOFTCAP, ALIBI = cfg.causal, cfg.window, cfg.softcap, cfg.alibi
+    MODS, APPLY_MODS, _, _ = mods.for_kernel(cfg.mods, False, (1, 1, 1))   # (no grad here)
     L = _layout(cfg)
     PANELS, STAGE_ELEMS, STAGE_BYTES, V0 = L.panels, L.stage_elems, L.stage_bytes, L.v0
     # wgmma descriptors: K-major panels (Q, K) step 32 bytes per 16 columns inside a 128-byte row
@@ -820,14 +825,18 @@ def _step_parts(cfg):
 
     @device_function
     def logits(s, j, n_k, lo, hi, terms, wg_row0, warp_row, lane):
-        """S_j as the softmax takes it: Gemma 2's soft cap on raw scores, ALiBi's bias, then -inf
-        outside the mask; terms: (cap, ALiBi's slope on raw scores, its diagonal's shift). (FP8's
-        per-block K descale joins the softmax's scale: `exponentiate`.)"""
-        cap, slope, shift = terms
+        """S_j as the softmax takes it: Gemma 2's soft cap on raw scores, ALiBi's bias, a user's
+        score_mod and mask_mod, then -inf outside the mask; terms: (cap, ALiBi's slope on raw
+        scores, its diagonal's shift, and for the mods (b, h, aux, softmax_scale, its inverse,
+        n_q): the tile's batch entry (a packed batch's sequence), query head, the call's aux).
+        (FP8's per-block K descale joins the softmax's scale: `exponentiate`.)"""
+        cap, slope, shift, b, h, aux, scale, inv_scale, n_q = terms
         if SOFTCAP:
             softmax.softcap_scores(s, cap)
         if ALIBI:
             tiles.add_alibi(s, warp_row + shift, j * BC, slope, lane)
+        if MODS:   # the user's score_mod, then mask_mod (common/tile/mods.py)
+            APPLY_MODS(s, s, warp_row, j * BC, n_q, n_k, b, h, aux, scale, inv_scale, lane, False)
         mask(s, j, n_k, lo, hi, wg_row0, warp_row, lane)
 
     @device_function
@@ -1001,6 +1010,7 @@ def build(cfg, stamps=False):
     D, BR, BC, STAGES, NWG = cfg.tile_dim, cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     FP8, K_BLOCK_SCALES, VARLEN = cfg.fp8, cfg.k_block_scales, cfg.varlen
     ALIBI, SINKS, SHIFT_ALIBI = cfg.alibi, cfg.sinks, cfg.varlen and cfg.bottom_right
+    MODS = cfg.mods is not None
     L = _layout(cfg)
     K0, WG_Q_ELEMS, K_BYTES, O_ROOM, WG_O_ELEMS = L.k0, L.wg_q_elems, L.k_bytes, L.o_room, \
         L.wg_o_elems
@@ -1048,7 +1058,7 @@ def build(cfg, stamps=False):
     @kernel_for_one_block_per_sm(cfg.threads)
     def fa3_forward(tmaps, q, k, v, o, lse, n_q, n_k, kv_group, heads, batch_heads, lo, hi, cap,
                     softmax_scale, scale_log2, q_descale, k_descale, v_descale, q_scale_rows,
-                    k_scale_rows, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks):
+                    k_scale_rows, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks, aux):
         """tmaps: (3, 16) tensor maps of q, k, v (FP8: V^T), read by producer="tma", and with
         o_store="tma" a fourth, of o (32-bit words: 16-bit pairs); q, k, v:
         (B, H, N, d) uint16 views, read by producer="cp_async" (FP8: unread); o: (B, H, N_q, d/2)
@@ -1060,7 +1070,8 @@ def build(cfg, stamps=False):
         batch entry b of the tiles is the sequence of rows cu_q[b] .. cu_q[b+1] - 1 (keys: cu_k),
         n_q the longest (the tiles cover it), lo and hi relative to its top-left corner; a tile
         past its sequence's end is skipped. alibi, alibi_stride, alibi_shift, sinks: the score
-        terms (16-bit; common/host/problem.py: score_args), as fa2's forward reads them."""
+        terms (16-bit; common/host/problem.py: score_args), as fa2's forward reads them. aux: the
+        arrays a score_mod / mask_mod reads (cfg.mods; an empty tuple without)."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
 
@@ -1122,6 +1133,7 @@ def build(cfg, stamps=False):
         alpha = cuda.local.array(2, float32)
         inv_l = cuda.local.array(2, float32)
         lse_rows = cuda.local.array(2, float32)
+        inv_scale = float32(1) / softmax_scale if MODS else float32(0)   # (the mods' unscale)
 
         plan = tile_plan(n_q, heads, batch_heads, kv_group)
         by_q_rows = divider(q_scale_rows) if FP8 else divider(int32(1))   # FP8: Q's scale blocks
@@ -1159,9 +1171,11 @@ def build(cfg, stamps=False):
                 softmax.init_rows_with_sink(m_i, l_i, sinks[h] / softmax_scale, lane)
             else:
                 softmax.init_rows(m_i, l_i)
-            # the score terms of this tile's head: (cap, ALiBi's slope, its diagonal's shift)
+            # the score terms of this tile's head: (cap, ALiBi's slope, its diagonal's shift), and
+            # what a score_mod / mask_mod is passed (`logits`)
             terms = (cap, alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0),
-                     int32(nk - nq) if VARLEN and SHIFT_ALIBI else alibi_shift)
+                     int32(nk - nq) if VARLEN and SHIFT_ALIBI else alibi_shift, int32(b),
+                     int32(h), aux, softmax_scale, inv_scale, nq)
             # FP8: S = descale_q descale_k Q8 K8^T; the factors join the softmax scale (K's per
             # block: in the loop, `exponentiate`), V's joins 1/l at the end (loaded here, with
             # the others, before the wait for Q: no descale load's latency is waited out).
@@ -1357,6 +1371,7 @@ def build(cfg, stamps=False):
 def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
             align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, q_descale=None,
             k_descale=None, v_descale=None, scale_block=fp8.DEFAULT_BLOCK, out_dtype="bfloat16",
+            score_mod=None, mask_mod=None, score_mod_grad=None, aux=None, block_mask=None,
             **options):
     """FA3 forward (Hopper: sm_90a). q: (B, N_q, H, d), k, v: (B, N_k, H_kv, d) in flash_attn_func's
     layout, on the GPU (CuPy, Numba or torch), fp16 or bf16 — or e4m3 (torch float8_e4m3fn, or
@@ -1369,7 +1384,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     (o, lse) with o like q (FP8: out_dtype) and lse (B, H, N_q) fp32. options: see Config and
     OPTIONS. Masks (common/tile/masks.py, flash_attn's conventions): causal (bottom-right, or
     align="top_left"), sliding windows, softcap; alibi_slopes and sinks (problem.with_score_terms;
-    16-bit inputs)."""
+    16-bit inputs); score_mod, mask_mod and their aux (16-bit inputs; common/host/mods.py,
+    docs/score_mods.md; score_mod_grad is the backward's, which runs FA2's kernels for them;
+    block masks are fa2's for now)."""
     if options.pop("dropout_p", 0):
         raise ValueError("fa3 has no dropout (FA3's kernels have none either): variant='fa2' "
                          "takes dropout_p (flash_attn's functions route it there)")
@@ -1386,6 +1403,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                    out_dtype=out_dtype if fp8_in else None, window_size=window_size,
                    softcap=softcap, align=align)
     with_score_terms(prob, alibi_slopes, sinks, align)
+    _with_mods(prob, score_mod, mask_mod, score_mod_grad, aux, block_mask)
     if fp8_in:
         scales, k_block_scales, rows = _fp8_scales(prob, descales, scale_block)
         if vt_given:
@@ -1417,7 +1435,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                   align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None, **options):
+                   align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, out=None,
+                   score_mod=None, mask_mod=None, score_mod_grad=None, aux=None, block_mask=None,
+                   **options):
     """FA3 forward over a packed batch of sequences, as flash_attn_varlen_func (and fa2's
     forward_varlen): q (total_q, H, d), k, v (total_k, H_kv, d) fp16/bf16, sequence b being rows
     cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32 device arrays, batch + 1 entries). Returns o
@@ -1437,8 +1457,19 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                           head_dims=HEAD_DIMS, variant="fa3", window_size=window_size,
                           softcap=softcap, align=align)
     with_score_terms(prob, alibi_slopes, sinks, align)
+    _with_mods(prob, score_mod, mask_mod, score_mod_grad, aux, block_mask)
     scales = (arrays.placeholder(prob.library, 3, prob.like),) * 3
     return _run(prob, (prob.q, prob.k, prob.v), prob.v, scales, (1, 1), (), options)
+
+
+def _with_mods(prob, score_mod, mask_mod, score_mod_grad, aux, block_mask):
+    """The call's score_mod / mask_mod on prob (common/host/mods.py with_mods), or the error that
+    names what fa3 does not take."""
+    if block_mask is not None:
+        raise ValueError("block_mask: fa3 visits the band's blocks (its producer and consumers "
+                         "walk the same steps); a BlockMask's lists are fa2's for now: "
+                         "variant='fa2', or fa3 with the mask_mod alone")
+    with_mods(prob, score_mod, mask_mod, score_mod_grad, aux, variant="fa3")
 
 
 def _run(prob, qkv, v_view, scales, rows, problem, options):
@@ -1476,7 +1507,7 @@ def _run(prob, qkv, v_view, scales, rows, problem, options):
            np.int32(prob.kv_group), np.int32(prob.heads), np.int32(prob.batch * prob.heads),
            *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), *scales,
-           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k, *prob.score_args(),
+           np.int32(rows[0]), np.int32(rows[1]), cu_q, cu_k, *prob.score_args(), prob.aux,
            programmatic=cfg.after_prepass and prepass is not None)
     return prob.result()
 
@@ -1517,13 +1548,16 @@ def _fp8_scales(prob, descales, block):
 BACKWARD_KERNELS = ("wgmma", "fa2")
 
 
-def backward_kernel(head_dim, softcap=0.0, kernel=None):
+def backward_kernel(head_dim, softcap=0.0, kernel=None, mods=False):
     """The backward `backward` runs: `kernel` if given, else "wgmma" (fa3's own) where it takes
-    the problem (its head dims, no softcap), else "fa2"."""
+    the problem (its head dims, no softcap, no score_mod / mask_mod), else "fa2"."""
     if kernel is not None:
+        if kernel == "wgmma" and mods:
+            raise ValueError("score_mod / mask_mod: fa3's wgmma backward does not compile them in "
+                             "yet; kernel='fa2' (or None) runs FA2's backward kernels, which do")
         return kernel
     from variants import fa3_backward
-    return "wgmma" if head_dim in fa3_backward.HEAD_DIMS and not softcap else "fa2"
+    return "wgmma" if head_dim in fa3_backward.HEAD_DIMS and not softcap and not mods else "fa2"
 
 
 def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=None, **options):
@@ -1531,9 +1565,10 @@ def backward(do, q, k, v, o, lse, *, causal=False, softmax_scale=None, kernel=No
     Algorithm 2 with wgmma, TMA and a producer warp, head_dim 32 to 128; options: its
     BackwardConfig) or "fa2" (FA2's kernels, variants/fa2_backward.py, which also take softcap and
     every head_dim; options: fa2's BackwardConfig). None: "wgmma" where it takes the problem, else
-    "fa2" (head dims past 128, softcap: fa3 has a forward only for them)."""
+    "fa2" (head dims past 128, softcap, score_mod / mask_mod: fa3 has a forward only for them)."""
     from variants import fa3_backward
-    kernel = backward_kernel(arrays.describe(q, "q").shape[-1], options.get("softcap"), kernel)
+    kernel = backward_kernel(arrays.describe(q, "q").shape[-1], options.get("softcap"), kernel,
+                             any(options.get(n) is not None for n in ("score_mod", "mask_mod")))
     if kernel == "fa2":
         from variants import fa2_backward
         return fa2_backward.backward(do, q, k, v, o, lse, causal=causal,
@@ -1570,7 +1605,7 @@ def compile_targets():
     softcap), a packed batch (varlen, causal), and the backward's (variants/fa3_backward.py)."""
     argtypes = (TMAP_TYPE, QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE) + (types.int32,) * 7 \
         + (types.float32,) * 3 + (SCALES_TYPE, SCALES_TYPE, SCALES_TYPE, types.int32, types.int32,
-           SEQS_TYPE, SEQS_TYPE) + SCORE_TYPES
+           SEQS_TYPE, SEQS_TYPE) + SCORE_TYPES + MOD_TYPES
     # (head_dim, element, causal, problem fields, options)
     cases = [(d, element, causal, (), {}) for d in REPORTED_HEAD_DIMS
              for element in (BFLOAT16, FLOAT16)

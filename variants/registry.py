@@ -16,7 +16,7 @@ REGISTRY = {
 
 
 # The variants whose kernels take score_mod / mask_mod (common/host/mods.py, docs/score_mods.md)
-MOD_VARIANTS = ("fa2",)
+MOD_VARIANTS = ("fa2", "fa3")   # (fa3: the forward; its backward runs fa2's kernels)
 _MOD_KEYWORDS = ("score_mod", "mask_mod", "score_mod_grad", "aux")
 
 
