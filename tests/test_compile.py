@@ -89,8 +89,9 @@ def report(listing):
 
 def test_every_kernel_is_covered(listing):
     names = [r["kernel"] for r in listing]
-    assert sum(n.startswith("fa2 d=") for n in names) == 9    # 2 head dims x causal, bf16; fp16
-    #                  once; d=96 and 256 non-causal; ALiBi + sinks at d=128 causal; dropout
+    assert sum(n.startswith("fa2 d=") for n in names) == 10   # 2 head dims x causal, bf16; fp16
+    #    once; d=96 and 256 non-causal; ALiBi + sinks at d=128 causal; dropout; a score_mod and
+    #    a mask_mod (variants.score_mods.compile_example)
     assert sum(n.startswith("fa2 backward") for n in names) == 11  # d=64, 128: atomic K/V x 2
     #                         causal + separate (K/V, dQ); d=96, 256 non-causal; dropout (K/V)
     assert sum(n.startswith("fa1 d=") for n in names) == 7    # the same, and two ladder rungs
@@ -98,9 +99,10 @@ def test_every_kernel_is_covered(listing):
     assert sum(n.startswith("standard") for n in names) == 16
     assert sum(n.startswith("backward ") for n in names) == 7   # D = rowsum(dO o O), dQ's casts,
     #                                                                d sinks
-    assert sum(n.startswith("fa3 d=") for n in names) == 14   # d=64, 128, 256; 96 non-causal;
+    assert sum(n.startswith("fa3 d=") for n in names) == 15   # d=64, 128, 256; 96 non-causal;
     #        at d=128 FP8 (e4m3: V^T by the pre-pass or the producer), the cp.async producer, a
-    #        causal window + softcap, a packed batch, ALiBi + sinks (causal)
+    #        causal window + softcap, a packed batch, ALiBi + sinks (causal), a score_mod and a
+    #        mask_mod (causal)
     assert sum(n.startswith("fa3 backward") for n in names) == 4   # d=64, 128 x causal
     assert sum(n.startswith("decode") for n in names) == 5    # split (combine kernel or fused)
     #                                      and not, the combine kernel and its warp-parts form
@@ -118,6 +120,8 @@ def test_every_kernel_is_covered(listing):
                  "dq=separate dq", "fa3 d=64 bf16 causal=False", "fa3 d=128 bf16 causal=False",
                  "fa3 d=128 bf16 causal=True", "e4m3", "transpose_v=producer", "producer=cp_async", "window softcap",
                  "backward sink_grad", "fa2 d=128 bf16 causal=False dropout",
+                 "fa2 d=128 bf16 causal=False score_mod mask_mod",
+                 "fa3 d=128 bf16 causal=True score_mod mask_mod",
                  "fa2 backward d=128 bf16 causal=False dropout kv",
                  "fa3 backward d=64 bf16 causal=False",
                  "fa3 backward d=128 bf16 causal=True", "split=True", "split=False", "decode combine",

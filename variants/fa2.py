@@ -482,4 +482,11 @@ def compile_targets():
     cfg = default_config(128, BFLOAT16, False, (("dropout", True),))
     yield "fa2 d=128 bf16 causal=False dropout", build(cfg), argtypes, \
         cfg.m_tiles * 128 * cfg.block_n // 64
+    # a user's score_mod and mask_mod (ALiBi, a document mask: common/tile/mods.py) at d=128
+    from variants import score_mods
+    example, aux_types = score_mods.compile_example()
+    cfg = default_config(128, BFLOAT16, False, (("mods", example),))
+    yield "fa2 d=128 bf16 causal=False score_mod mask_mod", build(cfg), \
+        argtypes[:-len(BLOCK_MASK_TYPES) - 1] + aux_types + BLOCK_MASK_TYPES, \
+        cfg.m_tiles * 128 * cfg.block_n // 64
     yield from fa2_backward.compile_targets()   # Algorithm 2's kernels

@@ -1618,6 +1618,10 @@ def compile_targets():
               (128, BFLOAT16, True, (("window", True), ("softcap", True)), {}),
               (128, BFLOAT16, True, (("varlen", True), ("bottom_right", True)), {}),
               (128, BFLOAT16, True, (("alibi", True), ("sinks", True)), {})]
+    # a user's score_mod and mask_mod (ALiBi, a document mask; 16-bit, causal)
+    from variants import score_mods
+    example, aux_types = score_mods.compile_example()
+    cases += [(128, BFLOAT16, True, (("mods", example),), {})]
     for head_dim, element, causal, problem, options in cases:
         cfg = default_config(head_dim, element, causal, problem, **options)
         # Q K^T: d/k wgmma, P V: B_c/k a step (k = 16, or 32 for e4m3); with the intra-warpgroup
@@ -1627,9 +1631,13 @@ def compile_targets():
         qk, pv = -(-head_dim // k), cfg.block_n // k
         total = (2 if cfg.intra_overlap or cfg.back_to_back else 1) * (qk + pv)
         tag = "".join(f" {f}" for f, on in problem
-                      if on and f in ("window", "softcap", "varlen", "alibi", "sinks")) + \
+                      if on is True and f in ("window", "softcap", "varlen", "alibi", "sinks")) + \
             "".join(f" {o}={v}" for o, v in options.items())
-        yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}{tag}", build(cfg), argtypes, \
+        args = argtypes
+        if cfg.mods is not None:
+            tag += " score_mod mask_mod"
+            args = argtypes[:-1] + aux_types
+        yield f"fa3 d={head_dim} {cfg.operand.tag} causal={causal}{tag}", build(cfg), args, \
             (total, qk + pv)
     from variants import fa3_backward
     yield from fa3_backward.compile_targets()

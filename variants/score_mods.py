@@ -85,6 +85,21 @@ def tanh_softcap_grad(grad, score, b, h, q_idx, kv_idx, aux):
     return grad * (float32(1) - t * t)
 
 
+def compile_example():
+    """What the compile report compiles into fa2's and fa3's forward to check a kernel with mods
+    (experiments/compile_report.py; registers, spills, serialised wgmmas): ALiBi as a score_mod
+    and a document mask as a mask_mod, their ScoreMods and the Numba type of their aux."""
+    from numba import types
+
+    from common.host.mods import resolve
+    aux = types.Tuple((types.Array(types.float32, 1, "C"), types.Array(types.int32, 1, "C")))
+    return resolve(score_mod=alibi, mask_mod=_documents_in_aux1), (aux,)
+
+
+def _documents_in_aux1(b, h, q_idx, kv_idx, aux):
+    return aux[1][q_idx] == aux[1][kv_idx]
+
+
 # aux factories for the examples above: (rng, batch, heads, n_q, n_k) -> a tuple of host arrays
 # (the Hydra app's `problem.aux`, the tests' inputs)
 
