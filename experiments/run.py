@@ -487,9 +487,11 @@ def call_config(module, prob, dtype, options, fp8_cfg, backward=False):
         kernel = options.pop("kernel", None)
         how = "set"
         if kernel is None:   # fa3.backward's own choice
-            kernel = module.backward_kernel(prob["head_dim"], prob["softcap"])
+            kernel = module.backward_kernel(prob["head_dim"], prob["softcap"], None,
+                                            bool(prob.get("score_mod") or prob.get("mask_mod")))
             own = fa3_backward.HEAD_DIMS
-            how = f"null  (default: wgmma at d={own[0]}..{own[-1]} without softcap; else fa2)"
+            how = (f"null  (default: wgmma at d={own[0]}..{own[-1]} without softcap or "
+                   f"score_mod / mask_mod; else fa2)")
         chosen["kernel"] = (kernel, how)
         target = fa3_backward if kernel == "wgmma" else fa2_backward
         default_config, names = target.default_backward_config, target.BACKWARD_OPTIONS

@@ -279,6 +279,18 @@ def test_backward_needs_score_mod_grad_and_other_variants_refuse(rng):
         variants.backward(o, q, k, v, o, lse, variant="fa3", kernel="wgmma",
                           score_mod=score_mods.tanh_softcap,
                           score_mod_grad=score_mods.tanh_softcap_grad)
+    from variants import context_parallel, fa3
+    assert fa3.backward_kernel(128, 0.0, None, True) == "fa2"      # fa3's backward with mods:
+    assert fa3.backward_kernel(128, 0.0, None, False) == "wgmma"   # FA2's kernels
+    # FP8 inputs take no mods (fa3's e4m3 path), nor does the context-parallel ring (each step
+    # would pass its own part's positions)
+    q8 = inputs.to_device(np.zeros((1, 16, 1, 128), np.uint8), library)
+    ones = inputs.to_device(np.ones((1, 1, 1), np.float32), library)
+    with pytest.raises(ValueError, match="not FP8"):
+        variants.forward(q8, q8, q8, variant="fa3", q_descale=ones, k_descale=ones,
+                         v_descale=ones, mask_mod=score_mods.dilated)
+    with pytest.raises(NotImplementedError, match="mask_mod"):
+        context_parallel.kernels("fa3", forward_options=dict(mask_mod=score_mods.dilated))
     with pytest.raises(ValueError, match="aux without"):
         variants.forward(q, k, v, variant="fa2", aux=(o,))
     assert math.isfinite(float(inputs.to_host(lse).max()))

@@ -208,7 +208,7 @@ def attention(q, k, v, *, variant="fa2", causal=False, softmax_scale=None, windo
     sinks); the mask (causal, window_size, softcap, align) as flash_attn_func's
     (common/tile/masks.py), the score terms alibi_slopes and sinks (fa2, fa3), dropout_p (fa2;
     torch's CUDA generator, or `generator`, gives the seed and offset), score_mod, mask_mod,
-    score_mod_grad and aux (fa2: common/host/mods.py; a gradient into aux is the
+    score_mod_grad and aux (fa2, fa3: common/host/mods.py; a gradient into aux is the
     score_mod_grad's to accumulate, autograd does not see it). Returns o, or
     (o, lse (B, H, N_q) fp32) with return_lse (lse carries no gradient)."""
     _check_torch(q, "attention")

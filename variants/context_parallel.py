@@ -391,9 +391,12 @@ def kernels(variant="fa2", softmax_scale=None, softcap=0.0, forward_options=None
     """(local_forward, local_backward) of a registered variant, as the ring loops call them."""
     from variants import registry
     fwd_opts, bwd_opts = dict(forward_options or {}), dict(backward_options or {})
-    terms = sorted({"alibi_slopes", "sinks"} & (set(fwd_opts) | set(bwd_opts)))
+    terms = sorted({"alibi_slopes", "sinks", "score_mod", "mask_mod", "block_mask"}
+                   & {n for n, x in list(fwd_opts.items()) + list(bwd_opts.items())
+                      if x is not None})
     if terms:   # each ring step sees a part of the keys: a sink would join every step's softmax,
-        # ALiBi's distances would be each part's own (no global offsets yet)
+        # ALiBi's distances, and the positions a score_mod / mask_mod is passed, would be each
+        # part's own (no global offsets yet)
         raise NotImplementedError(f"{', '.join(terms)}: not taken by the context-parallel ring "
                                   "yet (each step would apply it to its own part of the keys)")
     mask = {"softcap": softcap} if softcap else {}
