@@ -12,8 +12,9 @@ causal + window_size); `plain` is fa2 with the mask alone (no score_mod, no mask
 cost is mod / plain; `sdpa` is torch SDPA's flash kernel on the plain mask (the peer of `plain`);
 `blockmask` is fa2 with the mod and its BlockMask (variants.block_mask: the forward and the
 backward visit the kept blocks only). --variant fa3: fa3's forward in every column of ours (its
-backward with a mod runs fa2's kernels; no block mask: that column is left out). Prints one
-table; --csv writes it.
+backward with a mod runs fa2's kernels, its plain and built-in ones fa3's own: fwd_bwd's
+mod / plain then compares two backward kernels; no block mask: that column is left out).
+Prints one table; --csv writes it.
 """
 import argparse
 import csv
@@ -155,7 +156,7 @@ def main(argv=None):
                     row["flex_over_blockmask"] = ms["flex"] / ms["blockmask"]
                 rows.append(row)
                 print(row, flush=True)
-    keys = ["example", "seqlen", "pass_", "sdpa_ms", "plain_ms", "builtin_ms", "mod_ms",
+    keys = ["example", "variant", "seqlen", "pass_", "sdpa_ms", "plain_ms", "builtin_ms", "mod_ms",
             "blockmask_ms", "flex_ms", "mod_over_plain", "mod_over_builtin", "flex_over_mod",
             "flex_over_blockmask"]
     print(" ".join(f"{k:>15s}" for k in keys))
