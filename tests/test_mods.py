@@ -65,7 +65,7 @@ def run(rng, name, heads=2, heads_kv=1, batch=2 if ON_GPU else 1, variant="fa2",
         host_aux = aux_of("alibi", rng, batch, heads, n_k)
         docs = aux_of("document_mask", rng, batch, heads, n_k)[0]
         host_aux = host_aux + (docs,)
-        mask_mod = _documents_in_aux1
+        mask_mod = score_mods.document_mask_beside_slopes
     library = inputs.default_library()
     dev = [inputs.to_device(x, library) for x in (q, k, v, do)]
     aux = tuple(inputs.to_device(x, library) for x in host_aux)
@@ -87,10 +87,6 @@ def run(rng, name, heads=2, heads_kv=1, batch=2 if ON_GPU else 1, variant="fa2",
     assert errors["ok"], f"backward {where}: " + ", ".join(f"{g} {errors[g]:.2e}"
                                                            for g in ("dq", "dk", "dv"))
     return aux, host_aux, ref[-1]
-
-
-def _documents_in_aux1(b, h, q_idx, kv_idx, aux):
-    return aux[1][q_idx] == aux[1][kv_idx]
 
 
 # In the simulator the masks that the block-mask and packed tests run too are left to the GPU
@@ -311,7 +307,7 @@ def test_attention_autograd_takes_the_mods(rng, variant):
                                                                                   n, n)
     dev = [inputs.to_device(x, "torch") for x in (q, k, v, do)]
     aux = tuple(inputs.to_device(x, "torch") for x in host_aux)
-    fns = dict(score_mod=score_mods.alibi, mask_mod=_documents_in_aux1)
+    fns = dict(score_mod=score_mods.alibi, mask_mod=score_mods.document_mask_beside_slopes)
     leaves = [x.clone().requires_grad_() for x in dev[:3]]
     o = variants.attention(*leaves, variant=variant, causal=True, **fns,
                            score_mod_grad=score_mods.unchanged_grad, aux=aux)

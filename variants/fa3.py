@@ -96,8 +96,8 @@ from common.hardware.elements import BFLOAT16, E4M3_FN, FLOAT16, Element
 from common.hardware.stamps import stamper
 from common.hardware.target import MAX_SHARED_BYTES, device_function, kernel_for_one_block_per_sm
 from common.host import arrays, configs, replay, tensormaps
-from common.host.mods import with_mods
 from common.host.launching import launch
+from common.host.mods import with_mods
 from common.host.problem import (
     FP8_DTYPES,
     HALF_DTYPES,

@@ -93,10 +93,12 @@ def compile_example():
 
     from common.host.mods import resolve
     aux = types.Tuple((types.Array(types.float32, 1, "C"), types.Array(types.int32, 1, "C")))
-    return resolve(score_mod=alibi, mask_mod=_documents_in_aux1), (aux,)
+    return resolve(score_mod=alibi, mask_mod=document_mask_beside_slopes), (aux,)
 
 
-def _documents_in_aux1(b, h, q_idx, kv_idx, aux):
+def document_mask_beside_slopes(b, h, q_idx, kv_idx, aux):
+    """document_mask with its ids in aux[1], so that it runs beside `alibi` (slopes in aux[0])
+    on one aux tuple."""
     return aux[1][q_idx] == aux[1][kv_idx]
 
 
