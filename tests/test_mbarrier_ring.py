@@ -80,17 +80,20 @@ def stream_kernel(stages, producer):
             sm90.fence_mbarrier_init()
         cuda.syncthreads()
         if warp == CONSUMERS:                     # the producer warp
-            if TMA and lane == 0:
+            if TMA:   # one thread produces (FA3's): the other lanes, with nothing to do, leave.
+                # (Had they waited on the empty mbarriers too, a lane left behind could find
+                # the stage's barrier two phases on, its parity as before, and wait forever: the
+                # simulator's threads do lag under load; 3% of runs hung so.)
+                if lane != 0:
+                    return
                 sm90.tensormap_acquire(tmaps, 0)
             for it in range(n):
                 stage, parity = slot(it)
                 acquire(smem, it, stage, parity)  # the consumers released its fill before
                 dst = t0 + stage * TILE
                 if TMA:
-                    if lane == 0:
-                        arm(smem, stage, TILE * 2)
-                        sm90.tma_load_4d(smem, dst, tmaps, 0, 0, it * ROWS, 0, 0, smem,
-                                         full(stage))
+                    arm(smem, stage, TILE * 2)
+                    sm90.tma_load_4d(smem, dst, tmaps, 0, 0, it * ROWS, 0, 0, smem, full(stage))
                 elif CP_ASYNC:
                     tiles.load_tile_async(smem[dst:dst + TILE], rows, it * ROWS, n * ROWS, 0,
                                           ROWS, COLS, COLS, True, lane, 32, False)
