@@ -47,27 +47,35 @@ def sequence_keys(cache, table, b, n, page_size):
 
 def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, dtype="bfloat16",
              page_size=16, causal=False, n_new=0, num_splits=0, split_kv=True, options=SMALL,
-             combine="kernel", merge_warps=None):
+             combine="kernel", merge_warps=None, leftpad=None, rows=None, window_size=(-1, -1),
+             softcap=0.0):
     """One decode call on random inputs drawn from rng, checked against float64 sequence by
     sequence; returns its (o, lse) on the host. merge_warps: the option, where it is not the
-    default."""
+    default. leftpad (cache_leftpad), rows (cache_batch_idx: a contiguous cache of max(rows) + 1
+    rows), window_size, softcap: flash_attn_with_kvcache's options; the reference attends to
+    sequence b's keys leftpad[b] .. n_k - 1 of its row."""
     options = dict(options, combine=combine)
     if merge_warps is not None:
         options["merge_warps"] = merge_warps
     capacity = max(lengths) + n_new
     if page_size is not None:
         capacity = -(-capacity // page_size) * page_size + page_size   # a spare page a sequence
-    k_cache, v_cache, table = make_cache(rng, lengths, heads_kv, head_dim, dtype, page_size,
-                                         capacity)
+    cache_rows = list(range(len(lengths))) if rows is None else list(rows)
+    k_cache, v_cache, table = make_cache(rng, [0] * (max(cache_rows) + 1), heads_kv, head_dim,
+                                         dtype, page_size, capacity)
     q = rng.standard_normal((len(lengths), n_q, heads, head_dim),
                             dtype=np.float32).astype(inputs.DTYPES[dtype])
     lens = np.array(lengths, dtype=np.int32)
     lib = inputs.default_library()
     dev = {name: inputs.to_device(x, lib) for name, x in
            dict(q=q, k_cache=k_cache, v_cache=v_cache, lens=lens).items()}
-    kw = {}
+    kw = dict(window_size=window_size, softcap=softcap)
     if table is not None:
         kw["block_table"] = inputs.to_device(table, lib)
+    if leftpad is not None:
+        kw["cache_leftpad"] = inputs.to_device(np.array(leftpad, np.int32), lib)
+    if rows is not None:
+        kw["cache_batch_idx"] = inputs.to_device(np.array(rows, np.int32), lib)
     new = None
     if n_new:
         new = [rng.standard_normal((len(lengths), n_new, heads_kv, head_dim),
@@ -79,21 +87,27 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
     if n_new:   # the append went into the caches: read them back
         k_after, v_after = inputs.to_host(dev["k_cache"]), inputs.to_host(dev["v_cache"])
     for b, n in enumerate(lengths):
-        n_k = n + n_new
+        n_k, row = n + n_new, cache_rows[b]
         if n_new:
-            ks = sequence_keys(k_after, table, b, n_k, page_size)
-            vs = sequence_keys(v_after, table, b, n_k, page_size)
+            ks = sequence_keys(k_after, table, row, n_k, page_size)
+            vs = sequence_keys(v_after, table, row, n_k, page_size)
             assert np.array_equal(ks[0, n:], new[0][b]), f"sequence {b}: appended keys"
             assert np.array_equal(vs[0, n:], new[1][b]), f"sequence {b}: appended values"
-            ks = np.concatenate([sequence_keys(k_cache, table, b, n, page_size), new[0][b:b + 1]], 1)
-            vs = np.concatenate([sequence_keys(v_cache, table, b, n, page_size), new[1][b:b + 1]], 1)
+            ks = np.concatenate([sequence_keys(k_cache, table, row, n, page_size),
+                                 new[0][b:b + 1]], 1)
+            vs = np.concatenate([sequence_keys(v_cache, table, row, n, page_size),
+                                 new[1][b:b + 1]], 1)
         else:
-            ks = sequence_keys(k_cache, table, b, n_k, page_size)
-            vs = sequence_keys(v_cache, table, b, n_k, page_size)
-        ref_o, ref_lse = reference.attention(q[b:b + 1], ks, vs, causal=causal)
+            ks = sequence_keys(k_cache, table, row, n_k, page_size)
+            vs = sequence_keys(v_cache, table, row, n_k, page_size)
+        first = 0 if leftpad is None else leftpad[b]
+        ref_o, ref_lse = reference.attention(q[b:b + 1], ks[:, first:], vs[:, first:],
+                                             causal=causal, window_size=window_size,
+                                             softcap=softcap)
         got = checks.compare(o[b:b + 1], lse[b:b + 1], ref_o, ref_lse, dtype)
         where = f"sequence {b} (N_k={n_k}, N_q={n_q}, causal={causal}, splits={num_splits}, " \
-            f"combine={combine})"
+            f"combine={combine}, leftpad={first}, row={row}, window={window_size}, " \
+            f"softcap={softcap})"
         assert got["ok"], where + ": " + checks.describe_failure(got)
     return o, lse
 
@@ -142,6 +156,49 @@ def test_decode_new_tokens_and_groups(rng, n_q, heads, heads_kv, causal, combine
 def test_decode_appends_new_tokens(rng, split_kv, combine):
     run_case(rng, n_q=2, n_new=2, causal=True, num_splits=2, split_kv=split_kv,
              dtype="float16", combine=combine)
+
+
+# flash_attn_with_kvcache's options (issue 62), each against the reference over the keys it
+# leaves: left padding (the splits start at the tile of the first key; in the simulator the
+# 70-key sequence's padding of 40 skips a whole 32-key tile and cuts the next), a sliding window
+# (causal, and two-sided without causal), Gemma 2's softcap, cache rows picked by
+# cache_batch_idx (with the append going to those rows), and all of them at once
+OPTION_CASES = {
+    "leftpad": dict(leftpad=[0, 5, 40] if not ON_GPU else [0, 16, 4000, 9000, 299], n_q=2,
+                    causal=True),
+    "leftpad_append": dict(leftpad=[1, 0, 33] if not ON_GPU else [1, 0, 33, 8000, 7], n_new=2,
+                           n_q=2, causal=True, page_size=None),
+    "window_causal": dict(window_size=(9, 0), n_q=3, causal=True),
+    "window_two_sided": dict(window_size=(12, 5), n_q=2, causal=False, page_size=None),
+    "softcap": dict(softcap=1.5, n_q=1),
+    "batch_idx_append": dict(rows=[3, 0, 2] if not ON_GPU else [6, 0, 2, 5, 1], n_new=1,
+                             page_size=None),
+    "all": dict(leftpad=[0, 3, 35] if not ON_GPU else [0, 3, 35, 16000, 100],
+                rows=[2, 1, 0] if not ON_GPU else [4, 3, 2, 1, 0], window_size=(20, 0),
+                softcap=2.0, n_q=2, causal=True, page_size=None),
+}
+
+
+@pytest.mark.parametrize("combine", COMBINES)
+@pytest.mark.parametrize("case", sorted(OPTION_CASES))
+def test_decode_kvcache_options(rng, case, combine):
+    kw = dict(OPTION_CASES[case])
+    run_case(rng, num_splits=kw.pop("num_splits", 3), combine=combine, **kw)
+
+
+def test_decode_left_padding_past_the_keys_leaves_zeros(rng):
+    """A sequence whose padding covers every key it has (cache_leftpad = cache_seqlens): no key
+    to attend to, O = 0 and LSE = -inf, as a row with every key masked."""
+    lib = inputs.default_library()
+    k_cache, v_cache, _ = make_cache(rng, [1, 1], 1, 64, "bfloat16", None, 64)
+    q = inputs.to_device(rng.standard_normal((2, 1, 2, 64)).astype(inputs.DTYPES["bfloat16"]), lib)
+    lens = inputs.to_device(np.array([40, 7], np.int32), lib)
+    o, lse = variants.decode(q, inputs.to_device(k_cache, lib), inputs.to_device(v_cache, lib),
+                             lens, cache_leftpad=inputs.to_device(np.array([3, 7], np.int32), lib),
+                             num_splits=2, **SMALL)
+    o, lse = inputs.to_host(o).astype(np.float32), inputs.to_host(lse)
+    assert (o[1] == 0).all() and np.isneginf(lse[1]).all()
+    assert np.isfinite(lse[0]).all() and (o[0] != 0).any()
 
 
 @pytest.mark.parametrize("num_splits, page_size, n_q, causal, lengths",
@@ -362,6 +419,22 @@ def test_decode_errors_name_the_problem(rng):
         call(merge_warps="warp")
     with pytest.raises(ValueError, match=r"out must be \(o: bfloat16 \(2, 1, 2, 64\)"):
         call(out=(kc, inputs.to_device(np.zeros((2, 2, 1), np.float32), lib)))
+
+    def vec(*x):
+        return inputs.to_device(np.array(x, np.int32), lib)
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 10 must be 0 .. cache_seqlens"):
+        call(cache_leftpad=vec(0, 10))
+    with pytest.raises(ValueError, match=r"cache_leftpad must be int32 of shape \(2,\)"):
+        call(cache_leftpad=vec(0, 1, 2))
+    with pytest.raises(ValueError, match="cache_batch_idx picks rows of a contiguous cache"):
+        call(cache_batch_idx=vec(1, 0))
+    contiguous = inputs.to_device(k_cache[:3].copy(), lib)
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[0\] = 3 is not a row of the cache"):
+        variants.decode(q, contiguous, contiguous, vec(5, 9), cache_batch_idx=vec(3, 0))
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        call(window_size=(4,))
+    with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+        call(softcap=-1.0)
     # check=False reads nothing back: a bad entry is clamped into the cache, never read past it
     bad[1, 0] = table.size + 7
     o, lse = call(table=bad, check=False)

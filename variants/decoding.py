@@ -81,6 +81,19 @@ class Config:
     #                        combine kernel. The split kernel is 0.7 us shorter, the combine
     #                        0.5 us longer, a step 0.3-0.8 us slower at B=1 16k, the same at B=4-8
     #                        (decode_warp_parts_h100.txt)
+    # flash_attn_with_kvcache's options, each compiled in only where a call passes it (the
+    # kernel without them is the one measured above, its PTX unchanged):
+    leftpad: bool = False  # cache_leftpad: sequence b's keys start at cache_leftpad[b]
+    windowed: bool = False  # window_size: token i (position p) sees keys p - left .. p + right
+    softcap: bool = False  # softcap: raw scores S <- cap * tanh(S / cap) (Gemma 2)
+    batch_idx: bool = False  # cache_batch_idx: sequence b reads (and appends to) cache row
+    #                          cache_batch_idx[b] of a contiguous cache
+
+    @property
+    def key_floor(self):
+        """Whether a sequence's first key can be past 0 (left padding, a window's left edge): its
+        splits then start at the tile holding it, and tiles below are never read."""
+        return self.leftpad or self.windowed
 
     @property
     def warp_parts(self):
@@ -163,6 +176,9 @@ class Config:
                              "a multiple of 16 keys")
         if self.stages < 2:
             raise ValueError(f"stages must be at least 2, got {self.stages}")
+        if self.batch_idx and self.paged:
+            raise ValueError("cache_batch_idx picks rows of a contiguous cache; a paged cache's "
+                             "block_table already says where each sequence lies")
         if not 1 <= self.m_tiles <= MAX_ROWS // 16:
             raise ValueError(f"kv_group x seqlen_q must be at most {MAX_ROWS} rows")
         tiles.check_tile_copy(self.block_n, self.tile_dim, self.threads)
@@ -181,7 +197,10 @@ class Config:
 OPTIONS = ("block_n", "warps", "stages", "combine", "pdl", "merge_warps")
 
 
-def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **options):
+def make_config(head_dim, element, kv_group, n_q, causal, paged, split, *, leftpad=False,
+                windowed=False, softcap=False, batch_idx=False, **options):
+    """The Config of a call: the problem's shape and options (leftpad ... batch_idx: which of
+    flash_attn_with_kvcache's options it passes), then the tuning `options` (OPTIONS)."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ValueError(f"decode has no option {', '.join(sorted(unknown))}; its options: "
@@ -201,14 +220,16 @@ def make_config(head_dim, element, kv_group, n_q, causal, paged, split, **option
             chosen.pop("pdl")
     if not kernel and chosen.get("merge_warps") in MERGES:
         chosen.pop("merge_warps")   # no combine kernel to merge the warps: the block does
+    terms = tuple(name for name, on in (("leftpad", leftpad), ("windowed", windowed),
+                                        ("softcap", softcap), ("batch_idx", batch_idx)) if on)
     return _config(head_dim, element, kv_group, (rows + 15) // 16, causal, paged, split,
-                   tuple(sorted(chosen.items())))
+                   tuple(sorted(chosen.items())), terms)
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim, element, kv_group, m_tiles, causal, paged, split, chosen):
+def _config(head_dim, element, kv_group, m_tiles, causal, paged, split, chosen, terms=()):
     return Config(head_dim, element, kv_group, m_tiles, causal, paged, split,
-                  **dict(chosen)).validate()
+                  **dict(chosen), **{name: True for name in terms}).validate()
 
 
 def num_splits_heuristic(batch, heads_kv, max_seqlen_k, sm_count, block_n, blocks_per_sm=2):
@@ -446,6 +467,8 @@ def build(cfg, stamps=False):
     M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
     ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
     FUSED, TRIGGER, WARP_PARTS = cfg.fused, cfg.dependent_combine, cfg.warp_parts
+    LEFTPAD, WINDOWED, SOFTCAP, BATCH_IDX = cfg.leftpad, cfg.windowed, cfg.softcap, cfg.batch_idx
+    FLOOR = cfg.key_floor
     merge_row = build_merge(True, D, THREADS, cfg.element)
     MERGE_FLOATS = merge_scratch_floats(D, THREADS)
     # tiles of DT = tile_columns(d) columns, swizzled at 64 and 128 (SWZ), zero past d (VALID: the
@@ -548,9 +571,10 @@ def build(cfg, stamps=False):
         return table_entry(block_table, b, int32(t * BN), page_shift)
 
     @device_function
-    def mask_keys(s, key0, n_k, n_q, lane):
+    def mask_keys(s, key0, n_k, n_q, first_key, window_left, window_right, lane):
         """-inf where key >= n_k or (CAUSAL) key is after row r's token: token i = r / G of N_q
-        sits at key position n_k - N_q + i (bottom-right)."""
+        sits at key position p = n_k - N_q + i (bottom-right); (LEFTPAD) where key < first_key,
+        the sequence's left padding; (WINDOWED) outside p - window_left .. p + window_right."""
         for m in range(M):
             for n in range(KPW // 8):
                 for j in range(4):
@@ -558,7 +582,13 @@ def build(cfg, stamps=False):
                     limit = n_k
                     if CAUSAL:
                         limit = min(n_k, int32(n_k - n_q + 1 + r // G))
-                    if int32(key0 + c) >= limit:
+                    floor = first_key
+                    if WINDOWED:
+                        p = int32(n_k - n_q + r // G)
+                        floor = max(floor, int32(p - window_left))
+                        limit = min(limit, int32(p + window_right + 1))
+                    key = int32(key0 + c)
+                    if key >= limit or (FLOOR and key < floor):
                         s[m, n, j] = float32(-math.inf)
 
     @device_function
@@ -575,10 +605,15 @@ def build(cfg, stamps=False):
         return mx, base, total
 
     @kernel
-    def decode_split(q, k_cache, v_cache, block_table, cache_seqlens, o32, lse, o_part, lse_part,
-                     counters, n_q, n_new, page_shift, softmax_scale, scale_log2):
+    def decode_split(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad,
+                     cache_batch_idx, o32, lse, o_part, lse_part, counters, n_q, n_new,
+                     page_shift, softmax_scale, scale_log2, window_left, window_right,
+                     softcap_raw):
         """q: (B, N_q, H, d) uint16; k_cache, v_cache: (pages, page_size, H_kv, d) uint16;
-        block_table (B, max_blocks) int32 (PAGED); cache_seqlens (B,) int32. Writes o32 (B, N_q,
+        block_table (B, max_blocks) int32 (PAGED); cache_seqlens (B,) int32; cache_leftpad (B,)
+        int32 (LEFTPAD: sequence b's first key); cache_batch_idx (B,) int32 (BATCH_IDX: sequence
+        b's row of the cache); window_left, window_right (WINDOWED; >= 0, 2^30 for none);
+        softcap_raw = softcap / softmax_scale (SOFTCAP). Writes o32 (B, N_q,
         H, d/2) uint32 pairs and lse (B, H, N_q), or (SPLIT) o_part (S, B, H, N_q, d) fp32 and
         lse_part (S, B, H, N_q) for split s = blockIdx.x of the keys, and then (FUSED) the last
         split block of (b, h_kv) to finish merges them into o32, lse; counters (>= B * H_kv,)
@@ -596,9 +631,27 @@ def build(cfg, stamps=False):
         # copy is under way before the length is known.
         n_splits = int32(cuda.gridDim.x)
         ahead = int32((STAGES - 1) * n_splits)    # the loop asks for tile t + ahead at tile t
-        entry0 = tile_entry(block_table, b, split, page_shift)
-        entry_next = tile_entry(block_table, b, int32(split + ahead), page_shift)
-        n_k = int32(cache_seqlens[b] + n_new)
+        # the sequence's row of a contiguous cache (clamped: an unchecked bad index stays inside)
+        cache_row = clamp_page(cache_batch_idx[b], int32(k_cache.shape[0] - 1)) if BATCH_IDX \
+            else b
+        if FLOOR:
+            # the sequence's keys start at first_key (left padding) and no token sees a key below
+            # its window's left edge: the splits share out the tiles from the one holding the
+            # lowest key any token sees (t0), and the table entries wait for the lengths
+            n_k = int32(cache_seqlens[b] + n_new)
+            first_key = int32(cache_leftpad[b]) if LEFTPAD else int32(0)
+            lowest = first_key
+            if WINDOWED:
+                lowest = max(lowest, int32(n_k - n_q - window_left))
+            t0 = int32(split + uint32(max(lowest, int32(0))) // uint32(BN))
+            entry0 = tile_entry(block_table, b, t0, page_shift)
+            entry_next = tile_entry(block_table, b, int32(t0 + ahead), page_shift)
+        else:
+            t0 = split
+            first_key = int32(0)
+            entry0 = tile_entry(block_table, b, split, page_shift)
+            entry_next = tile_entry(block_table, b, int32(split + ahead), page_shift)
+            n_k = int32(cache_seqlens[b] + n_new)
 
         smem = cuda.shared.array(0, uint16)
         stats = cuda.shared.array(0, float32)
@@ -607,14 +660,14 @@ def build(cfg, stamps=False):
         ptx.cp_async_commit()
         n_tiles = int32(uint32(n_k + BN - 1) // uint32(BN))
         for st in range(STAGES - 1):    # the first stages - 1 tiles in flight
-            t = int32(split + st * n_splits)
+            t = int32(t0 + st * n_splits)
             if t < n_tiles:
                 kv = KV0 + st * 2 * KV_TILE
                 entry = entry0 if st == 0 else tile_entry(block_table, b, t, page_shift)
-                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, b, h_kv, int32(t * BN), n_k,
-                        page_shift, entry, tid)
-                load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, b, h_kv,
+                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, cache_row, h_kv,
                         int32(t * BN), n_k, page_shift, entry, tid)
+                load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, cache_row,
+                        h_kv, int32(t * BN), n_k, page_shift, entry, tid)
             ptx.cp_async_commit()
         ptx.cp_async_wait(Q_LANDED)      # Q (the oldest group) has landed
         cuda.syncthreads()
@@ -632,8 +685,16 @@ def build(cfg, stamps=False):
         p = cuda.local.array(P_FRAG, uint32)
         key_w = warp * KPW                     # the warp's first key in a tile
         t_tile = t_start                       # stamps: the first tile landed (none: the start)
-        t = split                              # this split's k-th tile, in buffer k mod stages
+        t = t0                                 # this split's k-th tile, in buffer k mod stages
         k = int32(0)
+        # a tile is masked where it reaches past the lowest row's last key (n_k; causal: token
+        # 0's) or below the highest first key (the left padding; the last token's window edge)
+        mask_above = int32(n_k - n_q + 1) if CAUSAL else n_k
+        if WINDOWED:
+            mask_above = min(mask_above, int32(n_k - n_q + 1 + window_right))
+        mask_below = first_key
+        if WINDOWED:
+            mask_below = max(mask_below, int32(n_k - 1 - window_left))
         while t < n_tiles:
             ptx.cp_async_wait(TILE_LANDED)     # tile t has landed ...
             cuda.syncthreads()                 # ... and every warp is done with the one before
@@ -642,10 +703,10 @@ def build(cfg, stamps=False):
             nxt = int32(t + ahead)             # refill that one's buffers with tile t + ahead,
             if nxt < n_tiles:                  # whose table entry was read an iteration ago
                 kv = KV0 + int32(uint32(k + STAGES - 1) % uint32(STAGES)) * 2 * KV_TILE
-                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, b, h_kv, int32(nxt * BN),
-                        n_k, page_shift, entry_next, tid)
-                load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, b, h_kv,
+                load_kv(smem[kv:kv + KV_TILE], k_cache, block_table, cache_row, h_kv,
                         int32(nxt * BN), n_k, page_shift, entry_next, tid)
+                load_kv(smem[kv + KV_TILE:kv + 2 * KV_TILE], v_cache, block_table, cache_row,
+                        h_kv, int32(nxt * BN), n_k, page_shift, entry_next, tid)
             ptx.cp_async_commit()
             entry_next = tile_entry(block_table, b, int32(nxt + n_splits), page_shift)  # the next
             kv = KV0 + int32(uint32(k) % uint32(STAGES)) * 2 * KV_TILE + key_w * STRIDE
@@ -655,8 +716,10 @@ def build(cfg, stamps=False):
             # l.8: S = Q K^T over the warp's keys; l.9-10: online softmax, O += P~ V.
             tiles.fill(s, float32(0))
             tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, SWZ, ELEM)
-            if int32(t * BN + BN) > (int32(n_k - n_q + 1) if CAUSAL else n_k):
-                mask_keys(s, key0, n_k, n_q, lane)
+            if SOFTCAP:
+                softmax.softcap_scores(s, softcap_raw)
+            if int32(t * BN + BN) > mask_above or (FLOOR and int32(t * BN) < mask_below):
+                mask_keys(s, key0, n_k, n_q, first_key, window_left, window_right, lane)
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0), 0)
             tiles.accumulator_to_a(p, s, ELEM)
             tiles.gemm_ab(o_acc, p, v_w, lane, STRIDE, SWZ, ELEM)
@@ -948,15 +1011,19 @@ def build_combine_parts(head_dim, element, dependent, max_parts):
 
 
 @lru_cache(maxsize=None)
-def build_append(paged):
-    """k, v (B, N_new, H_kv, d) into the caches at positions cache_seqlens[b] .. + N_new - 1:
-    one thread block a (token, sequence), 16 bytes a thread."""
+def build_append(paged, batch_idx=False):
+    """k, v (B, N_new, H_kv, d) into the caches at positions cache_seqlens[b] .. + N_new - 1
+    (batch_idx: of cache row cache_batch_idx[b], clamped into the cache): one thread block a
+    (token, sequence), 16 bytes a thread."""
 
     @kernel
-    def decode_append(k_new, v_new, k_cache, v_cache, block_table, cache_seqlens, page_shift):
+    def decode_append(k_new, v_new, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx,
+                      page_shift):
         t, b = cuda.blockIdx.x, cuda.blockIdx.y
         pos = int32(cache_seqlens[b] + t)
         page, slot = int32(b), pos
+        if batch_idx:
+            page = clamp_page(cache_batch_idx[b], int32(k_cache.shape[0] - 1))
         if paged:
             page = checked_page(block_table, b, pos, page_shift, int32(k_cache.shape[0] - 1))
             slot = pos & int32((1 << page_shift) - 1)
@@ -1018,12 +1085,15 @@ def pdl_by_default():
 
 
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
-           softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None, **options):
+           softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None,
+           cache_leftpad=None, cache_batch_idx=None, window_size=(-1, -1), softcap=0.0,
+           **options):
     """Attention of q's N_q new tokens against each sequence's cache (common/host/kvcache.py has the
     shapes, as flash_attn_with_kvcache). k, v: appended to the cache first. causal: token i sees
-    the keys up to its own position (the last N_q keys are the new tokens'). num_splits: 0 picks
-    by `num_splits_heuristic`; split_kv=False runs one thread block a (sequence, K/V head) over
-    all its keys. check: read the lengths and block table back and refuse bad ones (False: no
+    the keys up to its own position (the last N_q keys are the new tokens'). cache_leftpad,
+    cache_batch_idx, window_size, softcap: flash_attn_with_kvcache's (kvcache.py). num_splits:
+    0 picks by `num_splits_heuristic` (over the keys a window leaves); split_kv=False runs one
+    thread block a (sequence, K/V head) over all its keys. check: read the lengths and block table back and refuse bad ones (False: no
     host read, e.g. inside a CUDA graph; then pass num_splits). Returns (o like q, lse (B, H, N_q)
     float32). options: Config's block_n, warps, stages, combine ("kernel": the splits merged by
     a second kernel; "fused": by the split kernel's last block of a sequence and K/V head, one
@@ -1032,22 +1102,25 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     merge_warps ("block": each split block merges its warps; "combine": the combine kernel)."""
     prob = kvcache.prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v,
                                   block_table=block_table, causal=causal,
-                                  softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check)
+                                  softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check,
+                                  cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                                  window_size=window_size, softcap=softcap)
     if prob.n_new:   # append the new tokens first (same stream: the split kernel sees them)
-        launch(build_append(prob.paged), (prob.n_new, prob.batch), 128, 0, prob.stream,
-               prob.k_new, prob.v_new, prob.k_cache, prob.v_cache, prob.block_table,
-               prob.cache_seqlens, np.int32(prob.page_shift))
+        launch(build_append(prob.paged, prob.batch_idx), (prob.n_new, prob.batch), 128, 0,
+               prob.stream, prob.k_new, prob.v_new, prob.k_cache, prob.v_cache, prob.block_table,
+               prob.cache_seqlens, prob.cache_batch_idx, np.int32(prob.page_shift))
     splits = 1
     if split_kv:
         block_n = options.get("block_n") or Config.block_n
         splits = int(num_splits) if num_splits else num_splits_heuristic(
-            prob.batch, prob.heads_kv, prob.max_seqlen_k, target.multiprocessor_count(), block_n)
+            prob.batch, prob.heads_kv, prob.keys_seen, target.multiprocessor_count(), block_n)
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be 1 .. {MAX_SPLITS}, got {num_splits}")
     if options.get("pdl") is None:
         options["pdl"] = pdl_by_default()
     cfg = make_config(prob.head_dim, prob.element, prob.kv_group, prob.n_q, prob.causal,
-                      prob.paged, splits > 1, **options)
+                      prob.paged, splits > 1, leftpad=prob.leftpad, windowed=prob.windowed,
+                      softcap=bool(prob.softcap), batch_idx=prob.batch_idx, **options)
     lib, like = prob.library, prob.like
     dtype = prob.dtype
     want = (prob.batch, prob.n_q, prob.heads, prob.head_dim)
@@ -1068,9 +1141,11 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     scale = np.float32(prob.softmax_scale)
     scale_log2 = np.float32(prob.softmax_scale * math.log2(math.e))
     grid = (splits, prob.batch, prob.heads_kv)
-    args = (prob.q, prob.k_cache, prob.v_cache, prob.block_table, prob.cache_seqlens)
+    args = (prob.q, prob.k_cache, prob.v_cache, prob.block_table, prob.cache_seqlens,
+            prob.cache_leftpad, prob.cache_batch_idx)
     scalars = (np.int32(prob.n_q), np.int32(prob.n_new), np.int32(prob.page_shift), scale,
-               scale_log2)
+               scale_log2, np.int32(prob.window_left), np.int32(prob.window_right),
+               np.float32(prob.softcap_raw))
     counters = split_counters(lib, like, prob.batch * prob.heads_kv) if cfg.fused \
         else arrays.placeholder(lib, 1, like, "int32")
     if splits == 1:
@@ -1104,14 +1179,21 @@ def compile_targets():
     i32_2, i32_1 = types.Array(types.int32, 2, "A"), types.Array(types.int32, 1, "A")
     o32 = types.Array(types.uint32, 4, "A")
     f32 = {n: types.Array(types.float32, n, "A") for n in (3, 4, 5)}
-    scalars = (types.int32, types.int32, types.int32, types.float32, types.float32)
+    scalars = (types.int32, types.int32, types.int32, types.float32, types.float32, types.int32,
+               types.int32, types.float32)
+    args = (u16_4, u16_4, u16_4, i32_2, i32_1, i32_1, i32_1, o32, f32[3], f32[5], f32[4], i32_1) + \
+        scalars
     for split, combine in ((True, "kernel"), (True, "fused"), (False, "kernel")):
         cfg = make_config(128, BFLOAT16, 4, 1, False, True, split, combine=combine)
         # a warp's S = Q K^T and O += P~ V over its keys of a tile: m_tiles * d * keys / 64
         mma = cfg.m_tiles * 128 * cfg.keys_per_warp // 64
         name = f"decode d=128 bf16 G=4 paged split={split}" + (" combine=fused" if cfg.fused else "")
-        yield name, build(cfg), \
-            (u16_4, u16_4, u16_4, i32_2, i32_1, o32, f32[3], f32[5], f32[4], i32_1) + scalars, mma
+        yield name, build(cfg), args, mma
+    # flash_attn_with_kvcache's options together (a served Gemma 2's left-padded batch, say)
+    cfg = make_config(128, BFLOAT16, 4, 1, True, False, True, leftpad=True, windowed=True,
+                      softcap=True, batch_idx=True)
+    yield "decode d=128 bf16 G=4 split=True leftpad window softcap batch_idx", build(cfg), args, \
+        cfg.m_tiles * 128 * cfg.keys_per_warp // 64
     yield "decode combine d=128 bf16", build_combine(128, BFLOAT16), \
         (f32[5], f32[4], o32, f32[3], types.int32), 0
     yield "decode combine parts d=128 bf16", build_combine_parts(128, BFLOAT16, False, 128), \

@@ -391,21 +391,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys (Flash-Decoding: variants/decoding.py). k_cache, v_cache: (B, N_max, H_kv, d), or paged
     (num_blocks, page_size, H_kv, d) with block_table (B, max_blocks) int32. k, v (B, N_new,
     H_kv, d): written into the caches at cache_seqlens first (in place), then attended to.
-    cache_seqlens: (B,) int32, or an int for every sequence, or None (the whole cache). Returns
-    out like q, or (out, softmax_lse (B, H, N_q) fp32) with return_softmax_lse. Not differentiable
-    (as flash_attn's)."""
-    _refuse(alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
-    if tuple(window_size) != (-1, -1) or softcap:
-        raise NotImplementedError(f"window_size={tuple(window_size)}, softcap={softcap}: the "
-                                  "decode kernels take no window or softcap yet")
+    cache_seqlens: (B,) int32, or an int for every sequence, or None (the whole cache).
+    cache_leftpad (B,) int32: sequence b's keys start there (left padding); cache_batch_idx (B,)
+    int32: sequence b's row of a contiguous cache; window_size, softcap: as flash_attn_func's.
+    Returns out like q, or (out, softmax_lse (B, H, N_q) fp32) with return_softmax_lse. Not
+    differentiable (as flash_attn's)."""
+    _refuse(alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         if cache_seqlens is None and block_table is not None:
             raise ValueError("cache_seqlens is required with a block_table")
         cache_seqlens = _full(q, k_cache.shape[1] if cache_seqlens is None else cache_seqlens)
     from variants.decoding import decode
     o, lse = decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
-                    causal=causal, softmax_scale=softmax_scale, num_splits=num_splits)
+                    causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                    cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                    window_size=window_size, softcap=softcap)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -7,22 +7,32 @@ conventions: the checks that name what is wrong with a call, and the kernel view
     block_table            (B, max_blocks) int32 (paged): page j of sequence b is
                            block_table[b, j], holding its tokens j * page_size .. (j+1) * page_size - 1
     k, v (optional)        (B, N_new, H_kv, d): appended to the cache at cache_seqlens[b] first
+    cache_leftpad          (B,) int32 (optional): sequence b's keys start at cache_leftpad[b]
+                           (a left-padded batch: the positions before it are padding)
+    cache_batch_idx        (B,) int32 (optional): sequence b is row cache_batch_idx[b] of a
+                           contiguous cache (which may hold more rows than the batch)
 
-Sequence b then attends over its first cache_seqlens[b] + N_new keys. A contiguous cache is the
+Sequence b then attends over its keys cache_leftpad[b] .. cache_seqlens[b] + N_new - 1 (from 0
+without cache_leftpad), token i of N_q at position p = cache_seqlens[b] + N_new - N_q + i;
+`window_size=(left, right)` keeps the keys p - left .. p + right (-1: no bound; causal: right = 0),
+`softcap` caps the scores as Gemma 2 does, as flash_attn_with_kvcache. A contiguous cache is the
 paged one with page_size = N_max and page b for sequence b; the kernels take both as 4-D
 (pages, page_size, H_kv, d) arrays, the contiguous one with no block table.
 
-`check=True` reads cache_seqlens and the block table back (one small copy each) and refuses a
-length past the cache's capacity or a page index out of range, naming the sequence; with
-check=False nothing is read back (a CUDA graph can hold the call) and the kernels clamp page
-indices into range, so a bad table gives wrong numbers but never reads outside the cache.
+`check=True` reads cache_seqlens, the block table, cache_leftpad and cache_batch_idx back (one
+small copy each) and refuses a length past the cache's capacity, a page index or cache row out of
+range or a left padding past its sequence's length, naming the sequence; with check=False nothing
+is read back (a CUDA graph can hold the call) and the kernels clamp page indices and cache rows
+into range, so a bad table gives wrong numbers but never reads outside the cache.
 """
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from common.hardware import elements
 from common.host import arrays
+from common.tile import masks
 from common.host.launching import KernelView
 from common.host.problem import HALF_DTYPES, _check_layout, misaligned, remember, torch_call_key
 
@@ -49,6 +59,13 @@ class DecodeProblem:
     v_new: object
     block_table: object    # (B, max_blocks) int32, or a placeholder
     cache_seqlens: object  # (B,) int32
+    cache_leftpad: object  # (B,) int32, or a placeholder (leftpad False)
+    cache_batch_idx: object  # (B,) int32, or a placeholder (batch_idx False)
+    leftpad: bool
+    batch_idx: bool
+    window_left: int       # keys a token sees before its own position (NO_BOUND: all)
+    window_right: int      # ... and after it (0 when causal; NO_BOUND: all)
+    softcap: float         # as the caller gave it (0: none)
     library: str
     stream: object
     like: object
@@ -62,6 +79,23 @@ class DecodeProblem:
         return self.heads // self.heads_kv
 
     @property
+    def windowed(self):
+        return self.window_left < NO_BOUND or (self.window_right < NO_BOUND and not self.causal)
+
+    @property
+    def softcap_raw(self):
+        """softcap / softmax_scale: the cap on raw scores q.k (masks.Band's)."""
+        return self.softcap / self.softmax_scale if self.softcap else 0.0
+
+    @property
+    def keys_seen(self):
+        """The most keys one sequence's tokens see together (the split heuristic's length)."""
+        if self.window_left < NO_BOUND and (self.causal or self.window_right < NO_BOUND):
+            right = 0 if self.causal else self.window_right
+            return min(self.max_seqlen_k, self.window_left + right + self.n_q)
+        return self.max_seqlen_k
+
+    @property
     def page_shift(self):
         """log2(page_size) of a paged cache (0 for a contiguous one: unused)."""
         return self.page_size.bit_length() - 1 if self.paged else 0
@@ -73,9 +107,11 @@ class DecodeProblem:
 # calls with that key read the addresses, check their alignment and read the current stream.
 # torch tensors only; anything else (check=True, other libraries, a misaligned address) takes the
 # checked path, so errors are unchanged.
+NO_BOUND = 1 << 30     # a window side with no bound, as the kernels take it
 _TEMPLATES = {}
 _PER_CALL = ("q", "k_cache", "v_cache", "k_new", "v_new", "block_table", "cache_seqlens",
-             "stream", "like")
+             "cache_leftpad", "cache_batch_idx", "stream", "like")
+_OPTIONAL = {"block_table": "paged", "cache_leftpad": "leftpad", "cache_batch_idx": "batch_idx"}
 
 
 class _DecodeTemplate:
@@ -83,10 +119,14 @@ class _DecodeTemplate:
 
     def __init__(self, prob):
         self.fields = {f: (None if f in _PER_CALL else x) for f, x in vars(prob).items()}
-        if not prob.paged:    # the placeholder table: the same array every call
-            self.fields["block_table"] = prob.block_table
-        self.layouts = {f: getattr(prob, f).layout for f in _PER_CALL[:7]
-                        if getattr(prob, f) is not None and (f != "block_table" or prob.paged)}
+        for f, flag in _OPTIONAL.items():
+            if not getattr(prob, flag):    # a placeholder: the same array every call
+                self.fields[f] = getattr(prob, f)
+        self.layouts = {}
+        for f in _PER_CALL[:9]:
+            x = getattr(prob, f)
+            if x is not None and (f not in _OPTIONAL or getattr(prob, _OPTIONAL[f])):
+                self.layouts[f] = x.layout
         self.device = prob.like.device.index
 
     def problem(self, tensors):
@@ -106,18 +146,23 @@ class _DecodeTemplate:
 
 
 def prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, causal,
-                   softmax_scale, head_dims, check):
-    """The checked DecodeProblem of a call (check: read the lengths and block table back and
-    refuse bad ones); a call with an earlier call's geometry and check=False only reads
-    addresses."""
+                   softmax_scale, head_dims, check, cache_leftpad=None, cache_batch_idx=None,
+                   window_size=(-1, -1), softcap=0.0):
+    """The checked DecodeProblem of a call (check: read the lengths, block table, left padding
+    and cache rows back and refuse bad ones); a call with an earlier call's geometry and
+    check=False only reads addresses."""
     key = None
+    options = dict(cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                   window_size=window_size, softcap=softcap)
     if not check:
         tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens}
-        for f, x in (("block_table", block_table), ("k_new", k), ("v_new", v)):
+        for f, x in (("block_table", block_table), ("k_new", k), ("v_new", v),
+                     ("cache_leftpad", cache_leftpad), ("cache_batch_idx", cache_batch_idx)):
             if x is not None:
                 tensors[f] = x
+        window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
         key = torch_call_key(tuple(tensors.values()), (
-            tuple(tensors), bool(causal), softmax_scale, tuple(head_dims)))
+            tuple(tensors), bool(causal), softmax_scale, tuple(head_dims), window, softcap))
         template = _TEMPLATES.get(key) if key is not None else None
         if template is not None:
             prob = template.problem(tensors)
@@ -125,14 +170,15 @@ def prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, cau
                 return prob
     prob = _prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                            causal=causal, softmax_scale=softmax_scale, head_dims=head_dims,
-                           check=check)
+                           check=check, **options)
     if key is not None:
         remember(_TEMPLATES, key, _DecodeTemplate(prob))
     return prob
 
 
 def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, causal,
-                    softmax_scale, head_dims, check):
+                    softmax_scale, head_dims, check, cache_leftpad, cache_batch_idx, window_size,
+                    softcap):
     """prepare_decode's checked path."""
     dq, dkc, dvc = (arrays.describe(x, name) for x, name in
                     ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -177,10 +223,31 @@ def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, ca
                              f"two, got {page_size}")
         capacity = table.shape[1] * page_size
     else:
-        if pages != b:
+        if pages != b and cache_batch_idx is None:
             raise ValueError(f"a contiguous cache has one row per sequence: k_cache batch {pages} "
-                             f"!= q batch {b} (a paged cache needs block_table)")
+                             f"!= q batch {b} (a paged cache needs block_table; a cache with "
+                             "other rows, cache_batch_idx)")
         capacity = page_size
+    vectors = {}
+    for x, name in ((cache_leftpad, "cache_leftpad"), (cache_batch_idx, "cache_batch_idx")):
+        if x is not None:
+            dx = arrays.describe(x, name)
+            if dx.dtype != "int32" or dx.shape != (b,):
+                raise ValueError(f"{name} must be int32 of shape ({b},), got {dx.dtype} "
+                                 f"{dx.shape}")
+            vectors[name] = dx
+    if cache_batch_idx is not None and paged:
+        raise ValueError("cache_batch_idx picks rows of a contiguous cache; with a block_table "
+                         "each sequence's pages already say where it lies (pass one or the other)")
+    left, right = masks.window_of(window_size)
+    left = NO_BOUND if left < 0 else min(left, NO_BOUND)
+    right = 0 if causal else (NO_BOUND if right < 0 else min(right, NO_BOUND))
+    try:
+        softcap = float(softcap or 0.0)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a number >= 0 (0: none), got {softcap!r}") from None
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {softcap}")
 
     n_new = 0
     if (k is None) != (v is None):
@@ -204,6 +271,10 @@ def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, ca
         if paged:
             _check_table(arrays.to_host(block_table), lens_host + n_new,
                          page_size, pages)
+        if cache_leftpad is not None:
+            _check_leftpad(arrays.to_host(cache_leftpad), lens_host)
+        if cache_batch_idx is not None:
+            _check_rows(arrays.to_host(cache_batch_idx), pages)
 
     u16 = np.uint16
     k_new = v_new = None
@@ -218,8 +289,35 @@ def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, ca
         v_cache=arrays.bits_view(dvc, u16), k_new=k_new, v_new=v_new,
         block_table=arrays.bits_view(table, np.int32) if paged else
         arrays.placeholder(dq.library, 2, q, "int32"),
-        cache_seqlens=arrays.bits_view(lens, np.int32), library=dq.library,
+        cache_seqlens=arrays.bits_view(lens, np.int32),
+        cache_leftpad=_vector_view(vectors.get("cache_leftpad"), dq.library, q),
+        cache_batch_idx=_vector_view(vectors.get("cache_batch_idx"), dq.library, q),
+        leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None,
+        window_left=left, window_right=right, softcap=softcap, library=dq.library,
         stream=arrays.stream_of(dq), like=q)
+
+
+def _vector_view(d, library, like):
+    """An optional (B,) int32 argument's kernel view, or the placeholder."""
+    if d is None:
+        return arrays.placeholder(library, 1, like, "int32")
+    return arrays.bits_view(d, np.int32)
+
+
+def _check_leftpad(leftpad, lens):
+    """Each sequence's first key lies inside it: 0 <= cache_leftpad[b] <= cache_seqlens[b]."""
+    for b, (pad, n) in enumerate(zip(leftpad, lens)):
+        if not 0 <= pad <= n:
+            raise ValueError(f"cache_leftpad[{b}] = {pad} must be 0 .. cache_seqlens[{b}] = {n}")
+
+
+def _check_rows(rows, n_rows):
+    """Every cache_batch_idx entry is a row of the cache."""
+    bad = np.flatnonzero((rows < 0) | (rows >= n_rows))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"cache_batch_idx[{b}] = {int(rows[b])} is not a row of the cache "
+                         f"(0 .. {n_rows - 1})")
 
 
 def _check_lengths(lens, n_new, capacity):
