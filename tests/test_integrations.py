@@ -219,11 +219,20 @@ def test_transformers_attention_dropout_trains(torch):
 @pytest.mark.parametrize("padded", [True, False], ids=["left_padded", "unpadded"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_transformers_generation_teacher_forced(torch, family, cache, padded):
-    """Greedy generation of 12 tokens through our kernels (prefill, then a step at a time: a
-    left-padded batch through the packed kernels, an unpadded one through the decode kernel):
-    each step's logits against SDPA's logits of the same sequence read at once
-    (teacher-forced)."""
+def test_transformers_generation_teacher_forced(torch, family, cache, padded, monkeypatch):
+    """Greedy generation of 12 tokens through our kernels (a left-padded prompt through the
+    packed kernels, then a step at a time through the decode kernel, the padding as its
+    cache_leftpad; Gemma 2's window and softcap in it): each step's logits against SDPA's logits
+    of the same sequence read at once (teacher-forced). With a dynamic cache (not compiled) the
+    steps must have taken the decode kernel, with the left padding and Gemma 2's softcap."""
+    from variants import decoding
+    steps = []
+    plain = decoding.decode
+
+    def spy(*args, **kw):
+        steps.append(kw)
+        return plain(*args, **kw)
+    monkeypatch.setattr(decoding, "decode", spy)
     ours, sdpa = _pair(torch, family)
     ids = torch.randint(0, 512, (2, 40), device="cuda")
     mask = torch.ones_like(ids)
@@ -238,3 +247,35 @@ def test_transformers_generation_teacher_forced(torch, family, cache, padded):
         bf16 = sdpa.to(torch.bfloat16)(out.sequences, attention_mask=full_mask).logits[:, 39:-1]
     got = torch.stack(out.logits, 1)
     assert _rel(got, want) <= 2 * _rel(bf16.float(), want) + 1e-3
+    if cache == "dynamic":
+        assert len(steps) >= 11 * ours.config.num_hidden_layers, len(steps)
+        assert all((kw["cache_leftpad"] is not None) == padded for kw in steps)
+        if family == "gemma2":   # Gemma 2's cap on every step (its sliding layers' caches keep
+            assert all(kw["softcap"] == 50.0 for kw in steps)   # at most the window's keys)
+
+
+def test_declared_cu_seqlens_are_not_read_back(torch, monkeypatch):
+    """cu_seqlens declared with problem.known_seqlens (as the transformers door declares the ones
+    it builds from a mask) are checked from the declared values, with no read-back; once the
+    tensor is written in place (its version moves) they are read back again."""
+    from common.host import problem
+    from variants import flash_attn
+    rng = np.random.default_rng(0)
+    starts = np.array([0, 30, 31, 80], np.int64)
+    q, k, v = (torch.from_numpy(x[0]).cuda() for x in
+               inputs.random_qkv(rng, 1, 80, 4, 64, "float16", heads_kv=2))
+    cu = problem.known_seqlens(torch.as_tensor(starts, dtype=torch.int32, device="cuda"), starts)
+    reads = []
+    real = problem.arrays.to_host
+    monkeypatch.setattr(problem.arrays, "to_host", lambda x: (reads.append(x), real(x))[1])
+    out = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 49, 49, causal=True)
+    assert not any(x is cu for x in reads)
+    cu.add_(0)                      # an in-place write: the declaration no longer holds
+    again = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 49, 49, causal=True)
+    assert any(x is cu for x in reads) and torch.equal(out, again)
+    for b in range(3):
+        lo, hi = starts[b], starts[b + 1]
+        ref, _ = reference.attention(q[None, lo:hi].cpu().numpy(), k[None, lo:hi].cpu().numpy(),
+                                     v[None, lo:hi].cpu().numpy(), causal=True)
+        got = out[lo:hi].float().cpu().numpy()
+        assert np.abs(got - ref[0]).max() < 2e-2, b

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -231,7 +232,8 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     the sequences' first rows (0, then non-decreasing, ending at total); max_seqlen_q/k at least
     the longest sequence. The mask applies within each sequence (the causal diagonal at each
     sequence's bottom-right or top-left corner). o comes back (total_q, heads, d), lse (heads,
-    total_q). cu_seqlens are read back to the host and checked (one small copy a call)."""
+    total_q). cu_seqlens are read back to the host and checked (one small copy a call), unless
+    their values were declared with `known_seqlens`."""
     if type(window_size) is not tuple:
         window_size = masks.window_of(window_size)
     dq, dk, dv = (arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
@@ -349,6 +351,25 @@ def _score_vector(prob, x, name, shapes):
     return dataclasses.replace(d, shape=(n,), strides=(4,))
 
 
+_KNOWN_SEQLENS = {}   # id(tensor) -> (weak reference, version, its values as int64 NumPy)
+
+
+def known_seqlens(cu, values):
+    """Declare what torch tensor `cu` (cu_seqlens a caller made on the device from values it
+    holds on the host) contains, so that prepare_varlen checks `values` instead of reading `cu`
+    back: no host synchronisation a call. Kept while the tensor lives and is not written in
+    place (torch's version counter); for a packed batch that many calls share, e.g. every layer
+    of a model's forward (variants/integrations/transformers.py)."""
+    key = id(cu)
+
+    def forget(ref):
+        if _KNOWN_SEQLENS.get(key, (None,))[0] is ref:
+            del _KNOWN_SEQLENS[key]
+    _KNOWN_SEQLENS[key] = (weakref.ref(cu, forget), cu._version,
+                           np.asarray(values, dtype=np.int64))
+    return cu
+
+
 def one_batch(d):
     """A described array with a leading axis of one (a batch of one)."""
     return dataclasses.replace(d, shape=(1,) + tuple(d.shape),
@@ -364,7 +385,11 @@ def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
     if d.dtype != "int32" or len(d.shape) != 1 or d.shape[0] < 2 or d.strides[0] != 4:
         raise ValueError(f"{name} must be a contiguous int32 array of batch + 1 >= 2 sequence "
                          f"starts, got {d.dtype} of shape {d.shape}")
-    host = arrays.to_host(cu).astype(np.int64)
+    host = _KNOWN_SEQLENS.get(id(cu), (None,))
+    if host[0] is not None and host[0]() is cu and host[1] == cu._version:
+        host = host[2]
+    else:
+        host = arrays.to_host(cu).astype(np.int64)
     lengths = np.diff(host)
     if host[0] != 0 or (lengths < 0).any() or host[-1] != total:
         raise ValueError(f"{name} must start at 0, never decrease and end at the {total} rows of "

@@ -19,17 +19,23 @@ The name holds no "flash": transformers would then look for the flash-attn packa
 - a padding mask (left or right padding) unpads the batch and runs the packed-batch (varlen)
   kernels; a StaticCache's keys are cut to the mask's length first (the positions filled);
   packed sequences (`cu_seq_lens_q` / `cu_seq_lens_k` / `max_length_*` keywords, or position_ids
-  that restart) run varlen too;
-- a few query tokens against a longer cache with no padding (a generation step) run the split-KV
-  decode kernel (variants/decoding.py) with no read-back; everything else (and every call under
+  that restart) run varlen too. What a mask (or position_ids) implies, the gather indices and
+  cu_seqlens, comes from one host copy of it, made by the first layer that sees it and kept on
+  the tensor for the others (`_plan`): one synchronisation a forward, not several a layer;
+- a few query tokens against a longer cache (a generation step) run the split-KV decode kernel
+  (variants/decoding.py) with no read-back, a left-padded batch's padding as its cache_leftpad,
+  windows and softcap in the kernel; everything else (and every call under
   torch.compile, which transformers uses for a StaticCache's decode steps) flash_attn_func's path
   (fa3 on sm_90, fa2 elsewhere, torch custom operators while compiling), differentiable;
 - attention dropout in training (`config.attention_dropout`) is fa2's in-kernel dropout (torch's
   generator gives its seed: common/tile/dropout.py);
-- what the kernels cannot do is refused by name: `output_attentions`, chunked attention (Llama 4's `attention_chunk_size`; its mask
-  function is not transformers' to apply here). Padded batches and packed detection read
-  values back (as transformers' own flash path does), so they break a `fullgraph=True` compile.
+- what the kernels cannot do is refused by name: `output_attentions`, chunked attention (Llama 4's
+  `attention_chunk_size`; its mask function is not transformers' to apply here). Padded batches
+  and packed detection read values back (once a forward, as transformers' own flash path does at
+  least that often), so they break a `fullgraph=True` compile.
 """
+import weakref
+
 NAME = "fa_numba"
 DECODE_MAX_QUERIES = 16   # at most this many new tokens a sequence go to the split-KV kernel
 
@@ -97,14 +103,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def _attend(q, k, v, padding, mask, kwargs):
     from variants import flash_attn
+    plan = None
     if padding is not None:
         n = padding.shape[-1]
         if k.shape[1] > n:             # a StaticCache: only the first n positions are filled
             k, v = k[:, :n], v[:, :n]
-        if bool(padding.all()):
-            padding = None
-    if padding is not None:
-        return _unpadded(q, k, v, padding, mask)
+        plan = _plan(padding, ("padding", q.shape[1]), _padding_plan)
+        if plan.all_kept:
+            plan = None
+    if plan is not None:
+        if plan.left_padded and _decodes(q, k, mask):
+            return _decode(q, k, v, mask, leftpad=plan.leftpad)
+        return _unpadded(q, k, v, plan, mask)
     packed = _packed_lengths(q, kwargs)
     if packed is not None:
         b, n_q = q.shape[:2]
@@ -119,27 +129,28 @@ def _attend(q, k, v, padding, mask, kwargs):
 
 def _decodes(q, k, mask):
     """Whether a call is a generation step the split-KV decode kernel takes: a few new tokens
-    against a longer cache, no window, softcap or sinks, a head dim and query-head group it has tiles
+    against a longer cache, no sinks or dropout, a head dim and query-head group it has tiles
     for, nothing to differentiate, not under torch.compile."""
     from variants import decoding
     n_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     return (n_q <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad
-            and mask["window_size"] == (-1, -1) and not mask["softcap"]
             and mask.get("learnable_sink") is None and not mask.get("dropout_p")
             and head_dim in decoding.HEAD_DIMS
             and (heads // k.shape[2]) * n_q <= decoding.MAX_ROWS and not _compiling())
 
 
-def _decode(q, k, v, mask):
+def _decode(q, k, v, mask, leftpad=None):
     """A generation step: q's few tokens against every key of k, v (the cache as transformers
-    hands it over, all positions filled), by the split-KV kernel. The lengths are k's, made here,
-    so nothing is read back (check=False: no host synchronisation a layer)."""
+    hands it over, all positions filled; leftpad (B,) int32: where each sequence's keys start in
+    a left-padded batch), by the split-KV kernel. The lengths are k's, made here, so nothing is
+    read back (check=False: no host synchronisation a layer)."""
     import torch
 
     from variants.decoding import decode
     lengths = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
     o, _ = decode(q, k, v, lengths, causal=mask["causal"], softmax_scale=mask["softmax_scale"],
-                  check=False)
+                  window_size=mask["window_size"], softcap=mask["softcap"],
+                  cache_leftpad=leftpad, check=False)
     return o
 
 
@@ -148,25 +159,75 @@ def _compiling():
     return torch.compiler.is_compiling()
 
 
-def _unpadded(q, k, v, padding, mask):
+def _unpadded(q, k, v, plan, mask):
     """A padded batch as a packed one: each sequence's kept keys, and its last N_q positions'
     queries (the new tokens of a padded generation step, or the whole prompt)."""
-    import torch
-    import torch.nn.functional as F
-
     from variants import flash_attn
     batch, n_q = q.shape[:2]
-    padding = padding.bool()
-    keys = padding.reshape(-1).nonzero().flatten()
-    rows = padding[:, -n_q:].reshape(-1).nonzero().flatten()
-    cu_k = F.pad(padding.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    cu_q = F.pad(padding[:, -n_q:].sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     out = flash_attn.flash_attn_varlen_func(
-        q.reshape(-1, *q.shape[2:])[rows], k.reshape(-1, *k.shape[2:])[keys],
-        v.reshape(-1, *v.shape[2:])[keys], cu_q, cu_k, n_q, k.shape[1], **mask)
+        q.reshape(-1, *q.shape[2:])[plan.rows], k.reshape(-1, *k.shape[2:])[plan.keys],
+        v.reshape(-1, *v.shape[2:])[plan.keys], plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+        **mask)
     full = out.new_zeros(batch * n_q, *out.shape[1:])
-    full[rows] = out
+    full[plan.rows] = out
     return full.view(batch, n_q, *out.shape[1:])
+
+
+class _PaddingPlan:
+    """What a padding mask (B, n) implies for calls with N_q queries (its last N_q positions):
+    whether it keeps everything, whether every row is left padding (0 ... 0 1 ... 1: the decode
+    kernel's cache_leftpad, `leftpad` (B,) int32), and the packed batch's gather indices (`rows`
+    of the queries, `keys`), cu_seqlens (declared to prepare_varlen: no read-back) and longest
+    sequences."""
+
+    def __init__(self, padding, n_q):
+        import numpy as np
+        import torch
+
+        from common.host.problem import known_seqlens
+        kept = padding.bool().cpu().numpy()          # the one read-back
+        device = padding.device
+        self.all_kept = bool(kept.all())
+        if self.all_kept:
+            return
+        self.left_padded = bool((np.diff(kept.astype(np.int8), axis=1) >= 0).all())
+        lengths, queries = kept.sum(1), kept[:, -n_q:].sum(1)
+
+        def put(x, dtype):
+            return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype).to(device)
+        self.leftpad = put(kept.shape[1] - lengths, torch.int32)
+        self.keys = put(np.flatnonzero(kept.reshape(-1)), torch.int64)
+        self.rows = put(np.flatnonzero(kept[:, -n_q:].reshape(-1)), torch.int64)
+        starts_k = np.concatenate([[0], np.cumsum(lengths)])
+        starts_q = np.concatenate([[0], np.cumsum(queries)])
+        self.cu_k = known_seqlens(put(starts_k, torch.int32), starts_k)
+        self.cu_q = known_seqlens(put(starts_q, torch.int32), starts_q)
+        self.max_q, self.max_k = int(queries.max()), int(lengths.max())
+
+
+def _padding_plan(padding, key):
+    return _PaddingPlan(padding, key[1])
+
+
+_PLANS = {}   # id(tensor) -> (weak reference, version, {key: plan})
+
+
+def _plan(tensor, key, make):
+    """make(tensor, key), computed once for a tensor object (a model's forward hands the same
+    mask and position_ids to every layer) and kept while it lives unchanged in place (torch's
+    version counter)."""
+    entry = _PLANS.get(id(tensor))
+    if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+        ident = id(tensor)
+
+        def forget(ref):
+            if _PLANS.get(ident, (None,))[0] is ref:
+                del _PLANS[ident]
+        entry = _PLANS[ident] = (weakref.ref(tensor, forget), tensor._version, {})
+    plans = entry[2]
+    if key not in plans:
+        plans[key] = make(tensor, key)
+    return plans[key]
 
 
 def _packed_lengths(q, kwargs):
@@ -182,13 +243,22 @@ def _packed_lengths(q, kwargs):
     position_ids = kwargs.get("position_ids")
     if position_ids is None or q.shape[0] != 1 or q.shape[1] < 2:
         return None
-    # transformers' rule (_is_packed_sequence, prepare_fa_kwargs_from_position_ids): one row whose
-    # positions are not one increasing run; every sequence restarts at the smallest position
-    flat = position_ids.reshape(-1)
+    return _plan(position_ids, ("packed",), _packed_plan)
+
+
+def _packed_plan(position_ids, key):
+    """transformers' rule (_is_packed_sequence, prepare_fa_kwargs_from_position_ids): one row
+    whose positions are not one increasing run; every sequence restarts at the smallest
+    position. From one host copy of position_ids; cu_seqlens declared (no read-back a call)."""
+    import numpy as np
+    import torch
+
+    from common.host.problem import known_seqlens
+    flat = position_ids.reshape(-1).cpu().numpy()
     first = flat.min()
-    if not bool(((torch.arange(flat.numel(), device=flat.device) + first) != flat).any()):
+    if (np.arange(flat.size) + first == flat).all():
         return None
-    starts = (flat == first).nonzero().flatten()
-    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    longest = int(cu.diff().max())
+    starts = np.concatenate([np.flatnonzero(flat == first), [flat.size]])
+    cu = known_seqlens(torch.as_tensor(starts, dtype=torch.int32).to(position_ids.device), starts)
+    longest = int(np.diff(starts).max())
     return cu, cu, longest, longest
