@@ -99,3 +99,30 @@ def test_options_travel_as_text():
     assert torch_ops._decode_options(text) == (("dq", "separate"), ("dq_split", (2, 2)))
     assert torch_ops.encode_options(None) == torch_ops.encode_options({}) == ""
     assert torch_ops._decode_options("") == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(), dict(leftpad=True, window_size=(40, 0), softcap=30.0)],
+                         ids=["plain", "leftpad_window_softcap"])
+def test_compiled_decode_step_is_the_decode_kernel(options):
+    """flash_numba::decode (what the transformers door calls for a generation step under
+    torch.compile) compiles with fullgraph=True and gives the eager decode kernel's bits."""
+    torch = pytest.importorskip("torch")
+    from variants import decoding, torch_ops
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(3, 1, 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(3, 300, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in "kv")
+    lengths = torch.full((3,), 300, dtype=torch.int32, device="cuda")
+    leftpad = torch.tensor([0, 17, 250], dtype=torch.int32, device="cuda") \
+        if options.get("leftpad") else None
+    left, right = options.get("window_size", (-1, -1))
+    cap = options.get("softcap", 0.0)
+
+    def step(q, k, v):
+        return torch_ops.decode(q, k, v, lengths, leftpad, True, None, left, right, cap, 0)
+
+    got_o, got_lse = torch.compile(step, fullgraph=True, dynamic=False)(q, k, v)
+    want_o, want_lse = decoding.decode(q, k, v, lengths, cache_leftpad=leftpad, causal=True,
+                                       window_size=(left, right), softcap=cap, check=False)
+    assert torch.equal(got_o, want_o) and torch.equal(got_lse, want_lse)

@@ -3,8 +3,10 @@
     model = torch.compile(model, fullgraph=True)   # model calls variants.attention(q, k, v, ...)
 
 `torch.library.custom_op` registers two operators, `flash_numba::forward` -> (o, lse) and
-`flash_numba::backward` -> (dq, dk, dv, dsinks), each with a fake implementation (the output shapes,
-dtypes and strides, from the input shapes alone: what the compiler traces with) and the first
+`flash_numba::backward` -> (dq, dk, dv, dsinks) (and their packed-batch twins, and
+`flash_numba::decode`, the split-KV decode kernel, not differentiable), each with a fake
+implementation (the output shapes, dtypes and strides, from the input shapes alone: what the
+compiler traces with) and the first
 with its derivative (`register_autograd`: the second, from the saved q, k, v, o, lse). Dynamo
 then keeps each call as one opaque node of the graph: the compiled code calls the variant's
 forward and backward (Numba kernels launched on torch's current stream) between the kernels it
@@ -186,6 +188,30 @@ def _derivative_varlen(ctx, do, dlse):
 
 
 forward_varlen.register_autograd(_derivative_varlen, setup_context=_setup_context_varlen)
+
+
+# --------------------------------------------------------------------------- decoding
+@torch.library.custom_op("flash_numba::decode", mutates_args=())
+def decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+           cache_leftpad: Optional[Tensor], causal: bool, softmax_scale: Optional[float],
+           window_left: int, window_right: int, softcap: float,
+           num_splits: int) -> tuple[Tensor, Tensor]:
+    """(o, lse) of variants.decode over a contiguous cache (no append, no read-back: check=False),
+    so that a compiled generation step (transformers compiles a StaticCache's) keeps the split-KV
+    kernel, and a CUDA graph may hold it. num_splits 0: the heuristic over the cache's
+    capacity, a function of the shapes alone."""
+    from variants.decoding import decode as split_kv
+    return split_kv(q, k_cache, v_cache, cache_seqlens, cache_leftpad=cache_leftpad,
+                    causal=causal, softmax_scale=softmax_scale,
+                    window_size=(window_left, window_right), softcap=softcap,
+                    num_splits=num_splits, check=False)
+
+
+@decode.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, cache_leftpad, causal, softmax_scale, window_left,
+      window_right, softcap, num_splits):
+    b, n_q, h, _ = q.shape    # o contiguous (B, N_q, H, d) in q's dtype, lse (B, H, N_q) fp32
+    return q.new_empty(q.shape), q.new_empty((b, h, n_q), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- variants.attention

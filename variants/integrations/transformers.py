@@ -130,13 +130,13 @@ def _attend(q, k, v, padding, mask, kwargs):
 def _decodes(q, k, mask):
     """Whether a call is a generation step the split-KV decode kernel takes: a few new tokens
     against a longer cache, no sinks or dropout, a head dim and query-head group it has tiles
-    for, nothing to differentiate, not under torch.compile."""
+    for, nothing to differentiate (under torch.compile: its custom operator)."""
     from variants import decoding
     n_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     return (n_q <= DECODE_MAX_QUERIES < k.shape[1] and not q.requires_grad
             and mask.get("learnable_sink") is None and not mask.get("dropout_p")
             and head_dim in decoding.HEAD_DIMS
-            and (heads // k.shape[2]) * n_q <= decoding.MAX_ROWS and not _compiling())
+            and (heads // k.shape[2]) * n_q <= decoding.MAX_ROWS)
 
 
 def _decode(q, k, v, mask, leftpad=None):
@@ -146,8 +146,15 @@ def _decode(q, k, v, mask, leftpad=None):
     read back (check=False: no host synchronisation a layer)."""
     import torch
 
-    from variants.decoding import decode
     lengths = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+    if _compiling():   # the custom operator (a graph node; a CUDA graph may hold it)
+        from variants import torch_ops
+        left, right = mask["window_size"]
+        o, _ = torch_ops.decode(q, k, v, lengths, leftpad, bool(mask["causal"]),
+                                mask["softmax_scale"], int(left), int(right),
+                                float(mask["softcap"] or 0.0), 0)
+        return o
+    from variants.decoding import decode
     o, _ = decode(q, k, v, lengths, causal=mask["causal"], softmax_scale=mask["softmax_scale"],
                   window_size=mask["window_size"], softcap=mask["softcap"],
                   cache_leftpad=leftpad, check=False)
