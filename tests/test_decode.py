@@ -48,12 +48,14 @@ def sequence_keys(cache, table, b, n, page_size):
 def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, dtype="bfloat16",
              page_size=16, causal=False, n_new=0, num_splits=0, split_kv=True, options=SMALL,
              combine="kernel", merge_warps=None, leftpad=None, rows=None, window_size=(-1, -1),
-             softcap=0.0):
+             softcap=0.0, rotary=None):
     """One decode call on random inputs drawn from rng, checked against float64 sequence by
     sequence; returns its (o, lse) on the host. merge_warps: the option, where it is not the
     default. leftpad (cache_leftpad), rows (cache_batch_idx: a contiguous cache of max(rows) + 1
     rows), window_size, softcap: flash_attn_with_kvcache's options; the reference attends to
-    sequence b's keys leftpad[b] .. n_k - 1 of its row."""
+    sequence b's keys leftpad[b] .. n_k - 1 of its row. rotary: (rotary_dim, interleaved): RoPE
+    tables of random angles, q and the appended k rotated by the reference (float64, rounded
+    to the dtype), the appended keys compared within one rounding."""
     options = dict(options, combine=combine)
     if merge_warps is not None:
         options["merge_warps"] = merge_warps
@@ -76,6 +78,11 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
         kw["cache_leftpad"] = inputs.to_device(np.array(leftpad, np.int32), lib)
     if rows is not None:
         kw["cache_batch_idx"] = inputs.to_device(np.array(rows, np.int32), lib)
+    if rotary is not None:
+        rotary_dim, kw["rotary_interleaved"] = rotary
+        angle = rng.uniform(0, 2 * np.pi, (capacity, rotary_dim // 2))
+        cos, sin = (f(angle).astype(inputs.DTYPES[dtype]) for f in (np.cos, np.sin))
+        kw["rotary_cos"], kw["rotary_sin"] = (inputs.to_device(x, lib) for x in (cos, sin))
     new = None
     if n_new:
         new = [rng.standard_normal((len(lengths), n_new, heads_kv, head_dim),
@@ -84,6 +91,14 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
     o, lse = variants.decode(dev["q"], dev["k_cache"], dev["v_cache"], dev["lens"], causal=causal,
                              num_splits=num_splits, split_kv=split_kv, **kw, **options)
     o, lse = inputs.to_host(o), inputs.to_host(lse)
+    if rotary is not None:   # what the call attends with: q and the new keys rotated
+        per_token = causal or tuple(window_size) != (-1, -1)
+        at = lens[:, None] + (np.arange(n_q)[None] if per_token else 0)
+        q = reference.rotary(q, cos, sin, at, kw["rotary_interleaved"]).astype(q.dtype)
+        if n_new:
+            at = lens[:, None] + np.arange(n_new)[None]
+            new[0] = reference.rotary(new[0], cos, sin, at, kw["rotary_interleaved"]) \
+                .astype(new[0].dtype)
     if n_new:   # the append went into the caches: read them back
         k_after, v_after = inputs.to_host(dev["k_cache"]), inputs.to_host(dev["v_cache"])
     for b, n in enumerate(lengths):
@@ -91,7 +106,12 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
         if n_new:
             ks = sequence_keys(k_after, table, row, n_k, page_size)
             vs = sequence_keys(v_after, table, row, n_k, page_size)
-            assert np.array_equal(ks[0, n:], new[0][b]), f"sequence {b}: appended keys"
+            if rotary is None:
+                assert np.array_equal(ks[0, n:], new[0][b]), f"sequence {b}: appended keys"
+            else:   # rotated in fp32 by the kernel, in float64 here: within one rounding
+                np.testing.assert_allclose(ks[0, n:].astype(np.float32),
+                                           new[0][b].astype(np.float32), rtol=2 ** -7, atol=1e-6,
+                                           err_msg=f"sequence {b}: appended (rotated) keys")
             assert np.array_equal(vs[0, n:], new[1][b]), f"sequence {b}: appended values"
             ks = np.concatenate([sequence_keys(k_cache, table, row, n, page_size),
                                  new[0][b:b + 1]], 1)
@@ -173,6 +193,8 @@ OPTION_CASES = {
     "softcap": dict(softcap=1.5, n_q=1),
     "batch_idx_append": dict(rows=[3, 0, 2] if not ON_GPU else [6, 0, 2, 5, 1], n_new=1,
                              page_size=None),
+    "rotary_neox": dict(rotary=(32, False), n_new=2, n_q=2, causal=True, page_size=None),
+    "rotary_interleaved": dict(rotary=(64, True), n_new=1, n_q=1, causal=False),
     "all": dict(leftpad=[0, 3, 35] if not ON_GPU else [0, 3, 35, 16000, 100],
                 rows=[2, 1, 0] if not ON_GPU else [4, 3, 2, 1, 0], window_size=(20, 0),
                 softcap=2.0, n_q=2, causal=True, page_size=None),
@@ -435,6 +457,15 @@ def test_decode_errors_name_the_problem(rng):
         call(window_size=(4,))
     with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
         call(softcap=-1.0)
+    angles = inputs.to_device(np.zeros((16, 16), inputs.DTYPES["bfloat16"]), lib)
+    with pytest.raises(ValueError, match="pass both rotary_cos and rotary_sin"):
+        call(rotary_cos=angles)
+    with pytest.raises(ValueError, match="rotary_cos holds 16 positions; this call rotates up to "
+                                         "position 17"):
+        call(lens=(5, 17), rotary_cos=angles, rotary_sin=angles)
+    odd = inputs.to_device(np.zeros((32, 4), inputs.DTYPES["bfloat16"]), lib)
+    with pytest.raises(ValueError, match="rotary_dim = 2 \\* rotary_cos.shape\\[1\\] = 8 must"):
+        call(rotary_cos=odd, rotary_sin=odd)
     # check=False reads nothing back: a bad entry is clamped into the cache, never read past it
     bad[1, 0] = table.size + 7
     o, lse = call(table=bad, check=False)

@@ -137,28 +137,36 @@ def test_with_kvcache_appends_and_attends(rng):
     check_forward(out, lse, q, keys, values, causal=True)
 
 
-def test_with_kvcache_left_padding_window_softcap_and_rows(rng):
-    """flash_attn_with_kvcache's cache_leftpad, cache_batch_idx, window_size and softcap
-    together, as a served Gemma 2 passes them: k, v appended into each sequence's cache row, then
-    each new token attends to its row's keys from cache_leftpad[b] up to its own position, within
-    its window, capped."""
+def test_with_kvcache_left_padding_window_softcap_rows_and_rotary(rng):
+    """flash_attn_with_kvcache's cache_leftpad, cache_batch_idx, window_size, softcap and rotary
+    tables together, as a served Gemma 2 passes them: q and the new k rotated at their positions
+    (GPT-NeoX pairs over the first 32 columns), k, v appended into each sequence's cache row,
+    then each new token attends to its row's keys from cache_leftpad[b] up to its own position,
+    within its window, capped."""
     rows, n_cache, n_new = [2, 0], 64, 2
     filled, leftpad, window, cap = np.array([40, 25], np.int32), np.array([5, 0], np.int32), \
         (8, 0), 3.0
     kc, vc = (rng.standard_normal((3, n_cache, 2, 64), dtype=np.float32)
               .astype(inputs.DTYPES[DTYPE]) for _ in range(2))
     q, k, v = inputs.random_qkv(rng, 2, n_new, 4, 64, DTYPE, heads_kv=2)
-    dq, dkc, dvc, dk, dv, dlens, dpad, drows = device(q, kc, vc, k, v, filled, leftpad,
-                                                      np.array(rows, np.int32))
-    out, lse = fa.flash_attn_with_kvcache(dq, dkc, dvc, dk, dv, cache_seqlens=dlens,
-                                          cache_leftpad=dpad, cache_batch_idx=drows, causal=True,
-                                          window_size=window, softcap=cap,
+    angle = rng.uniform(0, 2 * np.pi, (n_cache, 16))
+    cos, sin = (f(angle).astype(inputs.DTYPES[DTYPE]) for f in (np.cos, np.sin))
+    dq, dkc, dvc, dk, dv, dlens, dpad, drows, dcos, dsin = device(
+        q, kc, vc, k, v, filled, leftpad, np.array(rows, np.int32), cos, sin)
+    out, lse = fa.flash_attn_with_kvcache(dq, dkc, dvc, dk, dv, rotary_cos=dcos, rotary_sin=dsin,
+                                          cache_seqlens=dlens, cache_leftpad=dpad,
+                                          cache_batch_idx=drows, causal=True, window_size=window,
+                                          softcap=cap, rotary_interleaved=False,
                                           return_softmax_lse=True)
     out, lse = inputs.to_host(out), inputs.to_host(lse)
     after = inputs.to_host(dkc)
+    at = filled[:, None] + np.arange(n_new)[None]   # the new tokens' positions, q's and k's
+    q = reference.rotary(q, cos, sin, at, False).astype(q.dtype)
+    k = reference.rotary(k, cos, sin, at, False).astype(k.dtype)
     for b, row in enumerate(rows):
         n, first = int(filled[b]), int(leftpad[b])
-        assert np.array_equal(after[row, n:n + n_new].view(np.uint16), k[b].view(np.uint16))
+        np.testing.assert_allclose(after[row, n:n + n_new].astype(np.float32),
+                                   k[b].astype(np.float32), rtol=2 ** -7, atol=1e-6)
         keys = np.concatenate([kc[row:row + 1, first:n], k[b:b + 1]], 1)
         values = np.concatenate([vc[row:row + 1, first:n], v[b:b + 1]], 1)
         ref_o, ref_lse = reference.attention(q[b:b + 1], keys, values, causal=True,
@@ -174,12 +182,10 @@ def test_with_kvcache_left_padding_window_softcap_and_rows(rng):
      "alibi_slopes"),
     (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, block_table=a), NotImplementedError,
      "block_table"),
-    (lambda a: fa.flash_attn_with_kvcache(a, a, a, rotary_cos=a, rotary_sin=a),
-     NotImplementedError, "rotary_cos"),
     (lambda a: fa.flash_attn_func(a[:, :, :, :20], a[:, :, :, :20], a[:, :, :, :20]), ValueError,
      "head_dim 20"),
     (lambda a: fa.flash_attn_func(a, a, a, qv=a), NotImplementedError, "qv"),
-], ids=["dropout", "kvcache_alibi", "block_table", "rotary", "unpadded_head_dim", "qv"])
+], ids=["dropout", "kvcache_alibi", "block_table", "unpadded_head_dim", "qv"])
 def test_what_is_refused_is_named(call, error, words):
     """Nothing is launched: the argument is refused before any kernel, by name (a CuPy or Numba
     array whose head_dim the kernels do not take must come padded; torch tensors are padded

@@ -43,6 +43,7 @@ from common.host import arrays, configs, kvcache
 from common.host.launching import launch
 from common.tile import softmax, splitk, tiles
 from common.tile.smem import SharedLayout
+from variants import rotary
 
 # every multiple of 8 from 32 to 128 (tiles of tiles.tile_columns(d) columns, zero past d); past 128 a
 # warp's O accumulator for its 16 rows would not fit: at d=256 the split kernel takes 255 registers and
@@ -452,25 +453,11 @@ def stamp_words(b, h_kv, split):
 
 
 @lru_cache(maxsize=None)
-def build(cfg, stamps=False):
-    """The split kernel of one configuration (steps 1-2; with combine="fused", step 3 too).
-    stamps (combine="fused" only): a probe's %globaltimer_lo stamps compiled in, stored into
-    spare words of the counters past the tickets (`stamp_offsets` says where; the counters must
-    hold that many: split_counters(..., needed)); experiments/probes/decode_stamps.py launches
-    `decode` with build(cfg, stamps=True). Without them the PTX has no trace of them."""
-    if stamps and not cfg.fused:
-        raise ValueError("decoding's stamps go into the fused combine's counters: they need "
-                         "split=True, combine='fused'")
-    now, put = timer_stamper(stamps)
-    STAMPS = stamps
-    D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
-    M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
-    ELEM, CAUSAL, PAGED, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.paged, cfg.split, cfg.stages
-    FUSED, TRIGGER, WARP_PARTS = cfg.fused, cfg.dependent_combine, cfg.warp_parts
-    LEFTPAD, WINDOWED, SOFTCAP, BATCH_IDX = cfg.leftpad, cfg.windowed, cfg.softcap, cfg.batch_idx
-    FLOOR = cfg.key_floor
-    merge_row = build_merge(True, D, THREADS, cfg.element)
-    MERGE_FLOATS = merge_scratch_floats(D, THREADS)
+def _loaders(cfg):
+    """The split kernel's copies into shared memory, for one configuration: (load_q, load_kv,
+    tile_entry)."""
+    D, BN, THREADS, RT, G = cfg.head_dim, cfg.block_n, cfg.threads, cfg.rows, cfg.kv_group
+    PAGED = cfg.paged
     # tiles of DT = tile_columns(d) columns, swizzled at 64 and 128 (SWZ), zero past d (VALID: the
     # valid columns for load_tile_async's zero fill, 0 when every column is d's)
     DT, SWZ = cfg.tile_dim, cfg.swizzle
@@ -479,17 +466,6 @@ def build(cfg, stamps=False):
     # the threads; otherwise (d = 96: 12 chunks, or a zero-filled tail) chunks dealt out in order
     BY_COLUMNS = THREADS % CH == 0 and DT == D
     STRIDE = tiles.tile_row_stride(DT, SWZ)
-    Q_TILE, KV_TILE = RT * STRIDE, BN * STRIDE
-    LAYOUT = cfg.smem_layout()
-    Q0, KV0, STATS0 = LAYOUT.start("q"), LAYOUT.start("kv"), LAYOUT.start("stats")
-    O0, OSTRIDE = LAYOUT.start("kv", 4), cfg.out_stride
-    WARP_BUFFERS, WARP_FLOATS = cfg.warp_buffers, cfg.rows * DT
-    Q_FRAG, S_ACC, P_FRAG, O_ACC = (M, DT // 16, 4), (M, KPW // 8, 4), (M, KPW // 16, 4), (M, DT // 8, 4)
-    ROWS = 2 * M
-    HALF = D // 2
-    # cp.async groups left in flight (literals, as the wait instruction wants): Q's group is the
-    # oldest after the prologue; in the loop, tile t's once `stages - 2` newer ones are pending
-    Q_LANDED, TILE_LANDED = STAGES - 1, STAGES - 2
     # a K/V tile lies in one page when pages hold >= B_n keys (a runtime test on page_shift)
     TILE_IN_PAGE, BN_SHIFT = BN & (BN - 1) == 0, BN.bit_length() - 1
 
@@ -569,6 +545,43 @@ def build(cfg, stamps=False):
         if not PAGED:
             return int32(0)
         return table_entry(block_table, b, int32(t * BN), page_shift)
+
+    return load_q, load_kv, tile_entry
+
+
+def build(cfg, stamps=False):
+    """The split kernel of one configuration (steps 1-2; with combine="fused", step 3 too).
+    stamps (combine="fused" only): a probe's %globaltimer_lo stamps compiled in, stored into
+    spare words of the counters past the tickets (`stamp_offsets` says where; the counters must
+    hold that many: split_counters(..., needed)); experiments/probes/decode_stamps.py launches
+    `decode` with build(cfg, stamps=True). Without them the PTX has no trace of them."""
+    if stamps and not cfg.fused:
+        raise ValueError("decoding's stamps go into the fused combine's counters: they need "
+                         "split=True, combine='fused'")
+    now, put = timer_stamper(stamps)
+    STAMPS = stamps
+    D, BN, THREADS, W = cfg.head_dim, cfg.block_n, cfg.threads, cfg.warps
+    M, RT, G, KPW = cfg.m_tiles, cfg.rows, cfg.kv_group, cfg.keys_per_warp
+    ELEM, CAUSAL, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.split, cfg.stages
+    FUSED, TRIGGER, WARP_PARTS = cfg.fused, cfg.dependent_combine, cfg.warp_parts
+    LEFTPAD, WINDOWED, SOFTCAP, BATCH_IDX = cfg.leftpad, cfg.windowed, cfg.softcap, cfg.batch_idx
+    FLOOR = cfg.key_floor
+    merge_row = build_merge(True, D, THREADS, cfg.element)
+    MERGE_FLOATS = merge_scratch_floats(D, THREADS)
+    DT, SWZ = cfg.tile_dim, cfg.swizzle   # tiles of DT = tile_columns(d) columns (_loaders)
+    STRIDE = tiles.tile_row_stride(DT, SWZ)
+    Q_TILE, KV_TILE = RT * STRIDE, BN * STRIDE
+    LAYOUT = cfg.smem_layout()
+    Q0, KV0, STATS0 = LAYOUT.start("q"), LAYOUT.start("kv"), LAYOUT.start("stats")
+    O0, OSTRIDE = LAYOUT.start("kv", 4), cfg.out_stride
+    WARP_BUFFERS, WARP_FLOATS = cfg.warp_buffers, cfg.rows * DT
+    Q_FRAG, S_ACC, P_FRAG, O_ACC = (M, DT // 16, 4), (M, KPW // 8, 4), (M, KPW // 16, 4), (M, DT // 8, 4)
+    ROWS = 2 * M
+    HALF = D // 2
+    # cp.async groups left in flight (literals, as the wait instruction wants): Q's group is the
+    # oldest after the prologue; in the loop, tile t's once `stages - 2` newer ones are pending
+    Q_LANDED, TILE_LANDED = STAGES - 1, STAGES - 2
+    load_q, load_kv, tile_entry = _loaders(cfg)
 
     @device_function
     def mask_keys(s, key0, n_k, n_q, first_key, window_left, window_right, lane):
@@ -1087,11 +1100,13 @@ def pdl_by_default():
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
            softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None,
            cache_leftpad=None, cache_batch_idx=None, window_size=(-1, -1), softcap=0.0,
-           **options):
+           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, **options):
     """Attention of q's N_q new tokens against each sequence's cache (common/host/kvcache.py has the
     shapes, as flash_attn_with_kvcache). k, v: appended to the cache first. causal: token i sees
     the keys up to its own position (the last N_q keys are the new tokens'). cache_leftpad,
-    cache_batch_idx, window_size, softcap: flash_attn_with_kvcache's (kvcache.py). num_splits:
+    cache_batch_idx, window_size, softcap: flash_attn_with_kvcache's (kvcache.py); rotary_cos,
+    rotary_sin, rotary_interleaved: RoPE applied to q and the appended k first (variants/rotary.py).
+    num_splits:
     0 picks by `num_splits_heuristic` (over the keys a window leaves); split_kv=False runs one
     thread block a (sequence, K/V head) over all its keys. check: read the lengths and block table back and refuse bad ones (False: no
     host read, e.g. inside a CUDA graph; then pass num_splits). Returns (o like q, lse (B, H, N_q)
@@ -1105,6 +1120,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
                                   softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check,
                                   cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
                                   window_size=window_size, softcap=softcap)
+    rotated = _rotate(prob, rotary_cos, rotary_sin, rotary_interleaved, check)  # noqa: F841 (kept
+    #                                                  alive until the kernels are enqueued)
     if prob.n_new:   # append the new tokens first (same stream: the split kernel sees them)
         launch(build_append(prob.paged, prob.batch_idx), (prob.n_new, prob.batch), 128, 0,
                prob.stream, prob.k_new, prob.v_new, prob.k_cache, prob.v_cache, prob.block_table,
@@ -1171,6 +1188,31 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     return o, lse
 
 
+def _rotate(prob, rotary_cos, rotary_sin, interleaved, check):
+    """RoPE on the call's q and appended k, in place of prob's views (variants/rotary.py): the
+    keys at their positions cache_seqlens[b] + t, the queries at cache_seqlens[b] + i when causal
+    or windowed (else all at cache_seqlens[b]), as flash_attn_with_kvcache places them. Returns
+    the new arrays (the caller keeps them alive), or () without rotary tables."""
+    if rotary_cos is None and rotary_sin is None:
+        return ()
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("pass both rotary_cos and rotary_sin, or neither")
+    tables = rotary.check_tables(rotary_cos, rotary_sin, prob.head_dim, prob.dtype)
+    per_token = prob.causal or prob.windowed
+    if check:   # prob.max_seqlen_k was read back: the last position either rotates
+        last = prob.max_seqlen_k - prob.n_new + max(prob.n_new, prob.n_q if per_token else 1)
+        if last > tables[0].shape[0]:
+            raise ValueError(f"rotary_cos holds {tables[0].shape[0]} positions; this call rotates "
+                             f"up to position {last - 1}")
+    q, prob.q = rotary.rotated(prob.q, tables, prob.cache_seqlens, per_token, interleaved,
+                               prob.element, prob)
+    if not prob.n_new:
+        return (q,)
+    k, prob.k_new = rotary.rotated(prob.k_new, tables, prob.cache_seqlens, True, interleaved,
+                                   prob.element, prob)
+    return q, k
+
+
 def compile_targets():
     """(name, kernel, argument types, mma count a K/V tile) of the split kernel as decoding
     Llama-3-8B's shapes runs it (32 query heads on 8 K/V heads, one token, d=128, bf16, paged),
@@ -1194,6 +1236,9 @@ def compile_targets():
                       softcap=True, batch_idx=True)
     yield "decode d=128 bf16 G=4 split=True leftpad window softcap batch_idx", build(cfg), args, \
         cfg.m_tiles * 128 * cfg.keys_per_warp // 64
+    yield "decode rotary bf16 interleaved=False", rotary.build(False, BFLOAT16), \
+        (u16_4, u16_4, types.Array(types.uint16, 2, "A"), types.Array(types.uint16, 2, "A"),
+         i32_1, types.int32), 0
     yield "decode combine d=128 bf16", build_combine(128, BFLOAT16), \
         (f32[5], f32[4], o32, f32[3], types.int32), 0
     yield "decode combine parts d=128 bf16", build_combine_parts(128, BFLOAT16, False, 128), \

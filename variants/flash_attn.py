@@ -393,10 +393,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     H_kv, d): written into the caches at cache_seqlens first (in place), then attended to.
     cache_seqlens: (B,) int32, or an int for every sequence, or None (the whole cache).
     cache_leftpad (B,) int32: sequence b's keys start there (left padding); cache_batch_idx (B,)
-    int32: sequence b's row of a contiguous cache; window_size, softcap: as flash_attn_func's.
+    int32: sequence b's row of a contiguous cache; window_size, softcap: as flash_attn_func's;
+    rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2): RoPE on q and the appended k (pairs
+    (2j, 2j+1) if rotary_interleaved, else (j, j + rotary_dim / 2)), at their positions.
     Returns out like q, or (out, softmax_lse (B, H, N_q) fp32) with return_softmax_lse. Not
     differentiable (as flash_attn's)."""
-    _refuse(alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    _refuse(alibi_slopes=alibi_slopes)
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         if cache_seqlens is None and block_table is not None:
             raise ValueError("cache_seqlens is required with a block_table")
@@ -405,7 +407,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     o, lse = decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                     causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                     cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-                    window_size=window_size, softcap=softcap)
+                    window_size=window_size, softcap=softcap, rotary_cos=rotary_cos,
+                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -223,3 +223,21 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, block_r
     grads = dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)
     grads = grads if sinks is None else grads + (dsinks,)
     return grads + (ds_all,) if return_ds else grads
+
+
+def rotary(x, cos, sin, positions, interleaved):
+    """RoPE in float64 on x (B, N, H, d): token i of sequence b at position positions[b, i],
+    the first 2 * cos.shape[1] columns rotated in pairs ((2j, 2j + 1) if interleaved, else
+    (j, j + rotary_dim / 2)) by cos[p, j], sin[p, j]; returned in float64 (the caller rounds it
+    to the inputs' type, as a kernel does)."""
+    x = np.asarray(x, dtype=np.float64).copy()
+    half = cos.shape[1]
+    c = np.asarray(cos, dtype=np.float64)[positions][:, :, None, :]   # (B, N, 1, half)
+    s = np.asarray(sin, dtype=np.float64)[positions][:, :, None, :]
+    if interleaved:
+        a, b = x[..., 0:2 * half:2].copy(), x[..., 1:2 * half:2].copy()
+        x[..., 0:2 * half:2], x[..., 1:2 * half:2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., :half].copy(), x[..., half:2 * half].copy()
+        x[..., :half], x[..., half:2 * half] = a * c - b * s, b * c + a * s
+    return x
