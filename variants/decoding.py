@@ -233,6 +233,7 @@ def _config(head_dim, element, kv_group, m_tiles, causal, paged, split, chosen, 
                   **dict(chosen), **{name: True for name in terms}).validate()
 
 
+@lru_cache(maxsize=4096)   # a function of ints, asked every decoding step (a loop over up to 128)
 def num_splits_heuristic(batch, heads_kv, max_seqlen_k, sm_count, block_n, blocks_per_sm=2):
     """Splits a sequence's keys are cut into: the fewest whose thread blocks fill the GPU's slots
     (sm_count x blocks_per_sm) in whole waves, >= 95% of the last wave busy, as FA2's heuristic
