@@ -104,9 +104,9 @@ def test_every_kernel_is_covered(listing):
     #        causal window + softcap, a packed batch, ALiBi + sinks (causal), a score_mod and a
     #        mask_mod (causal)
     assert sum(n.startswith("fa3 backward") for n in names) == 4   # d=64, 128 x causal
-    assert sum(n.startswith("decode") for n in names) == 7    # split (combine kernel or fused)
-    #        and not, flash_attn_with_kvcache's options, the rotary kernel, the combine kernel and
-    #        its warp-parts form
+    assert sum(n.startswith("decode") for n in names) == 9    # split (combine kernel or fused)
+    #        and not, d=256, flash_attn_with_kvcache's options, the rotary kernel, the combine
+    #        kernel (d=128, 256) and its warp-parts form
     compiled = {r["kernel"] for r in listing if not r.get("skipped")}
     for r in listing:   # only twins are skipped, each for a target that was compiled
         if r.get("skipped"):
@@ -127,7 +127,7 @@ def test_every_kernel_is_covered(listing):
                  "fa3 backward d=64 bf16 causal=False",
                  "fa3 backward d=128 bf16 causal=True", "split=True", "split=False", "decode combine",
                  "decode combine parts", "combine=fused", "leftpad window softcap batch_idx",
-                 "decode rotary",
+                 "decode rotary", "decode d=256", "decode combine d=256",
                  "standard softmax causal", "standard softmax_backward", "standard scores",
                  "standard output", "standard transposed_output", "backward preprocess",
                  "backward convert_dq d=", "backward convert_dq fragments"):

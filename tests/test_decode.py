@@ -341,19 +341,22 @@ def test_decode_merges_the_warps_either_way(rng, n_q, combine, merge_warps, warp
     (40, 64, 1, False, "fused"),    # 48-column tiles, columns 40-47 zero-filled; whole-page tiles
     (96, None, 1, False, "kernel"),  # 12 chunks a row, dealt out in order; a contiguous cache
     (72, 16, 2, True, "kernel"),    # a key's page looked up per row, 80-column tiles; causal
+    (256, 16, 2, True, "fused"),    # past 128: Q streamed from its tile at every K/V tile
+    (200, None, 1, False, "kernel"),  # 208-column tiles, zero-filled past 200, Q streamed
 ])
 def test_decode_head_dims_other_than_64_and_128(rng, head_dim, page_size, n_q, causal, combine):
-    """Every multiple of 8 from 32 to 128: tiles of tile_columns(d) columns (swizzled only at 64
-    and 128), the copies zero-filling the columns past d, the merge stopping at d."""
+    """Every multiple of 8 from 32 to 256: tiles of tile_columns(d) columns (swizzled only at 64
+    and 128), the copies zero-filling the columns past d, the merge stopping at d; past 128 Q's
+    fragments are read from its tile at every K/V tile (Config.q_held)."""
     run_case(rng, head_dim=head_dim, page_size=page_size, n_q=n_q, causal=causal, num_splits=3,
              combine=combine)
 
 
-def test_decode_refuses_head_dims_past_128(rng):
-    """Past 128 a warp's O accumulator would spill (d=256: 255 registers and 184 bytes of spill
-    stores): refused by name, as are head dims that are not multiples of 8."""
+def test_decode_refuses_head_dims_past_256(rng):
+    """Past 256 (what flash_attn takes) and head dims that are not multiples of 8: refused by
+    name."""
     lib = inputs.default_library()
-    for d in (136, 256, 44):
+    for d in (264, 44):
         q = inputs.to_device(np.zeros((1, 1, 2, d), np.float16), lib)
         cache = inputs.to_device(np.zeros((1, 16, 1, d), np.float16), lib)
         lens = inputs.to_device(np.array([4], np.int32), lib)

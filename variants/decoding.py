@@ -45,10 +45,10 @@ from common.tile import softmax, splitk, tiles
 from common.tile.smem import SharedLayout
 from variants import rotary
 
-# every multiple of 8 from 32 to 128 (tiles of tiles.tile_columns(d) columns, zero past d); past 128 a
-# warp's O accumulator for its 16 rows would not fit: at d=256 the split kernel takes 255 registers and
-# spills 184 bytes (ptxas, sm_90)
-HEAD_DIMS = tuple(range(32, 129, 8))
+# every multiple of 8 from 32 to 256 (tiles of tiles.tile_columns(d) columns, zero past d); past 128
+# Q is streamed from its tile (Config.q_held): with Q held, d=256 took 255 registers and spilled 184
+# bytes; streamed, 255 and no spill (ptxas, sm_90)
+HEAD_DIMS = tuple(range(32, 257, 8))
 MAX_ROWS = 64          # query rows of a tile: kv_group * N_q (4 m16 tiles)
 MAX_SPLITS = 128
 COMBINES = ("kernel", "fused")   # step 3 in a second kernel, or in the split kernel's last block
@@ -89,6 +89,13 @@ class Config:
     softcap: bool = False  # softcap: raw scores S <- cap * tanh(S / cap) (Gemma 2)
     batch_idx: bool = False  # cache_batch_idx: sequence b reads (and appends to) cache row
     #                          cache_batch_idx[b] of a contiguous cache
+
+    @property
+    def q_held(self):
+        """Q's A fragments stay in registers through the loop (d <= 128); past that they are read
+        from Q's tile at every K/V tile (FA2's Q reload: DT / 16 ldmatrix more a tile), which
+        leaves the registers to the O accumulator (d=256: 128 a thread)."""
+        return self.tile_dim <= 128
 
     @property
     def key_floor(self):
@@ -171,7 +178,7 @@ class Config:
                              f"{self.merge_warps!r}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"decode supports head_dim in {HEAD_DIMS} (multiples of 8 from 32 to "
-                             f"128), got {self.head_dim}")
+                             f"256), got {self.head_dim}")
         if self.keys_per_warp % 16 or self.keys_per_warp < 16:
             raise ValueError(f"block_n={self.block_n} must give each of the {self.warps} warps "
                              "a multiple of 16 keys")
@@ -576,7 +583,11 @@ def build(cfg, stamps=False):
     Q0, KV0, STATS0 = LAYOUT.start("q"), LAYOUT.start("kv"), LAYOUT.start("stats")
     O0, OSTRIDE = LAYOUT.start("kv", 4), cfg.out_stride
     WARP_BUFFERS, WARP_FLOATS = cfg.warp_buffers, cfg.rows * DT
-    Q_FRAG, S_ACC, P_FRAG, O_ACC = (M, DT // 16, 4), (M, KPW // 8, 4), (M, KPW // 16, 4), (M, DT // 8, 4)
+    # Q's A fragments held in registers for the whole loop (d <= 128), or streamed from its tile one
+    # k-step at a time (`q_held`: past 128 columns, held Q and the O accumulator would spill)
+    HELD = cfg.q_held
+    Q_FRAG = (M, DT // 16 if HELD else 1, 4)
+    S_ACC, P_FRAG, O_ACC = (M, KPW // 8, 4), (M, KPW // 16, 4), (M, DT // 8, 4)
     ROWS = 2 * M
     HALF = D // 2
     # cp.async groups left in flight (literals, as the wait instruction wants): Q's group is the
@@ -686,8 +697,9 @@ def build(cfg, stamps=False):
         ptx.cp_async_wait(Q_LANDED)      # Q (the oldest group) has landed
         cuda.syncthreads()
         q_frag = cuda.local.array(Q_FRAG, uint32)
-        for m in range(M):
-            tiles.load_a_fragments(q_frag, m, q_s, 16 * m, lane, STRIDE, SWZ)
+        if HELD:
+            for m in range(M):
+                tiles.load_a_fragments(q_frag, m, q_s, 16 * m, lane, STRIDE, SWZ)
 
         # Step 2: FA2's inner loop (Alg.1 l.6-10), each warp over its slice of every tile.
         o_acc = cuda.local.array(O_ACC, float32)
@@ -729,7 +741,8 @@ def build(cfg, stamps=False):
             key0 = int32(t * BN + key_w)
             # l.8: S = Q K^T over the warp's keys; l.9-10: online softmax, O += P~ V.
             tiles.fill(s, float32(0))
-            tiles.gemm_abt(s, q_frag, k_w, lane, STRIDE, SWZ, ELEM)
+            tiles.gemm_abt_held_or_streamed(s, q_frag, HELD, q_s, 0, DT // 16, k_w, lane, STRIDE,
+                                            SWZ, ELEM)
             if SOFTCAP:
                 softmax.softcap_scores(s, softcap_raw)
             if int32(t * BN + BN) > mask_above or (FLOOR and int32(t * BN) < mask_below):
@@ -1232,6 +1245,10 @@ def compile_targets():
         mma = cfg.m_tiles * 128 * cfg.keys_per_warp // 64
         name = f"decode d=128 bf16 G=4 paged split={split}" + (" combine=fused" if cfg.fused else "")
         yield name, build(cfg), args, mma
+    # past 128 columns: Q streamed from its tile (Gemma's d=256)
+    cfg = make_config(256, BFLOAT16, 4, 1, False, True, True)
+    yield "decode d=256 bf16 G=4 paged split=True", build(cfg), args, \
+        cfg.m_tiles * 256 * cfg.keys_per_warp // 64
     # flash_attn_with_kvcache's options together (a served Gemma 2's left-padded batch, say)
     cfg = make_config(128, BFLOAT16, 4, 1, True, False, True, leftpad=True, windowed=True,
                       softcap=True, batch_idx=True)
@@ -1241,6 +1258,8 @@ def compile_targets():
         (u16_4, u16_4, types.Array(types.uint16, 2, "A"), types.Array(types.uint16, 2, "A"),
          i32_1, types.int32), 0
     yield "decode combine d=128 bf16", build_combine(128, BFLOAT16), \
+        (f32[5], f32[4], o32, f32[3], types.int32), 0
+    yield "decode combine d=256 bf16", build_combine(256, BFLOAT16), \
         (f32[5], f32[4], o32, f32[3], types.int32), 0
     yield "decode combine parts d=128 bf16", build_combine_parts(128, BFLOAT16, False, 128), \
         (f32[5], f32[4], o32, f32[3], types.int32), 0
