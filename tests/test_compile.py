@@ -126,7 +126,7 @@ def test_every_kernel_is_covered(listing):
                  "fa2 backward d=128 bf16 causal=False dropout kv",
                  "fa3 backward d=64 bf16 causal=False",
                  "fa3 backward d=128 bf16 causal=True", "split=True", "split=False", "decode combine",
-                 "decode combine parts", "combine=fused", "leftpad window softcap batch_idx",
+                 "decode combine parts", "combine=fused", "leftpad window softcap batch_idx alibi",
                  "decode rotary", "decode d=256", "decode combine d=256",
                  "standard softmax causal", "standard softmax_backward", "standard scores",
                  "standard output", "standard transposed_output", "backward preprocess",

@@ -48,14 +48,15 @@ def sequence_keys(cache, table, b, n, page_size):
 def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, dtype="bfloat16",
              page_size=16, causal=False, n_new=0, num_splits=0, split_kv=True, options=SMALL,
              combine="kernel", merge_warps=None, leftpad=None, rows=None, window_size=(-1, -1),
-             softcap=0.0, rotary=None):
+             softcap=0.0, rotary=None, alibi=None):
     """One decode call on random inputs drawn from rng, checked against float64 sequence by
     sequence; returns its (o, lse) on the host. merge_warps: the option, where it is not the
     default. leftpad (cache_leftpad), rows (cache_batch_idx: a contiguous cache of max(rows) + 1
     rows), window_size, softcap: flash_attn_with_kvcache's options; the reference attends to
     sequence b's keys leftpad[b] .. n_k - 1 of its row. rotary: (rotary_dim, interleaved): RoPE
     tables of random angles, q and the appended k rotated by the reference (float64, rounded
-    to the dtype), the appended keys compared within one rounding."""
+    to the dtype), the appended keys compared within one rounding. alibi: "heads" ((H,) slopes)
+    or "batch" ((B, H) slopes), random in (0, 1)."""
     options = dict(options, combine=combine)
     if merge_warps is not None:
         options["merge_warps"] = merge_warps
@@ -78,6 +79,11 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
         kw["cache_leftpad"] = inputs.to_device(np.array(leftpad, np.int32), lib)
     if rows is not None:
         kw["cache_batch_idx"] = inputs.to_device(np.array(rows, np.int32), lib)
+    slopes = None
+    if alibi is not None:
+        slopes = rng.uniform(0, 1, (heads,) if alibi == "heads" else (len(lengths), heads)) \
+            .astype(np.float32)
+        kw["alibi_slopes"] = inputs.to_device(slopes, lib)
     if rotary is not None:
         rotary_dim, kw["rotary_interleaved"] = rotary
         angle = rng.uniform(0, 2 * np.pi, (capacity, rotary_dim // 2))
@@ -121,9 +127,10 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
             ks = sequence_keys(k_cache, table, row, n_k, page_size)
             vs = sequence_keys(v_cache, table, row, n_k, page_size)
         first = 0 if leftpad is None else leftpad[b]
+        seq_slopes = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
         ref_o, ref_lse = reference.attention(q[b:b + 1], ks[:, first:], vs[:, first:],
                                              causal=causal, window_size=window_size,
-                                             softcap=softcap)
+                                             softcap=softcap, alibi_slopes=seq_slopes)
         got = checks.compare(o[b:b + 1], lse[b:b + 1], ref_o, ref_lse, dtype)
         where = f"sequence {b} (N_k={n_k}, N_q={n_q}, causal={causal}, splits={num_splits}, " \
             f"combine={combine}, leftpad={first}, row={row}, window={window_size}, " \
@@ -194,10 +201,12 @@ OPTION_CASES = {
     "batch_idx_append": dict(rows=[3, 0, 2] if not ON_GPU else [6, 0, 2, 5, 1], n_new=1,
                              page_size=None),
     "rotary_neox": dict(rotary=(32, False), n_new=2, n_q=2, causal=True, page_size=None),
+    "alibi_causal": dict(alibi="heads", n_q=3, causal=True),
+    "alibi_batch": dict(alibi="batch", n_q=1, causal=False, page_size=None),
     "rotary_interleaved": dict(rotary=(64, True), n_new=1, n_q=1, causal=False),
     "all": dict(leftpad=[0, 3, 35] if not ON_GPU else [0, 3, 35, 16000, 100],
                 rows=[2, 1, 0] if not ON_GPU else [4, 3, 2, 1, 0], window_size=(20, 0),
-                softcap=2.0, n_q=2, causal=True, page_size=None),
+                softcap=2.0, alibi="heads", n_q=2, causal=True, page_size=None),
 }
 
 

@@ -178,14 +178,12 @@ def test_with_kvcache_left_padding_window_softcap_rows_and_rotary(rng):
 @pytest.mark.parametrize("call, error, words", [
     (lambda a: fa.flash_attn_func(a, a, a, dropout_p=0.1), NotImplementedError,
      "dropout_p=0.1 with"),
-    (lambda a: fa.flash_attn_with_kvcache(a, a, a, alibi_slopes=a), NotImplementedError,
-     "alibi_slopes"),
     (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, block_table=a), NotImplementedError,
      "block_table"),
     (lambda a: fa.flash_attn_func(a[:, :, :, :20], a[:, :, :, :20], a[:, :, :, :20]), ValueError,
      "head_dim 20"),
     (lambda a: fa.flash_attn_func(a, a, a, qv=a), NotImplementedError, "qv"),
-], ids=["dropout", "kvcache_alibi", "block_table", "unpadded_head_dim", "qv"])
+], ids=["dropout", "block_table", "unpadded_head_dim", "qv"])
 def test_what_is_refused_is_named(call, error, words):
     """Nothing is launched: the argument is refused before any kernel, by name (a CuPy or Numba
     array whose head_dim the kernels do not take must come padded; torch tensors are padded

@@ -89,6 +89,7 @@ class Config:
     softcap: bool = False  # softcap: raw scores S <- cap * tanh(S / cap) (Gemma 2)
     batch_idx: bool = False  # cache_batch_idx: sequence b reads (and appends to) cache row
     #                          cache_batch_idx[b] of a contiguous cache
+    alibi: bool = False    # alibi_slopes: S -= slope_h |p - key| (raw: slope / softmax_scale)
 
     @property
     def q_held(self):
@@ -206,7 +207,7 @@ OPTIONS = ("block_n", "warps", "stages", "combine", "pdl", "merge_warps")
 
 
 def make_config(head_dim, element, kv_group, n_q, causal, paged, split, *, leftpad=False,
-                windowed=False, softcap=False, batch_idx=False, **options):
+                windowed=False, softcap=False, batch_idx=False, alibi=False, **options):
     """The Config of a call: the problem's shape and options (leftpad ... batch_idx: which of
     flash_attn_with_kvcache's options it passes), then the tuning `options` (OPTIONS)."""
     unknown = set(options) - set(OPTIONS)
@@ -229,7 +230,8 @@ def make_config(head_dim, element, kv_group, n_q, causal, paged, split, *, leftp
     if not kernel and chosen.get("merge_warps") in MERGES:
         chosen.pop("merge_warps")   # no combine kernel to merge the warps: the block does
     terms = tuple(name for name, on in (("leftpad", leftpad), ("windowed", windowed),
-                                        ("softcap", softcap), ("batch_idx", batch_idx)) if on)
+                                        ("softcap", softcap), ("batch_idx", batch_idx),
+                                        ("alibi", alibi)) if on)
     return _config(head_dim, element, kv_group, (rows + 15) // 16, causal, paged, split,
                    tuple(sorted(chosen.items())), terms)
 
@@ -573,7 +575,7 @@ def build(cfg, stamps=False):
     ELEM, CAUSAL, SPLIT, STAGES = cfg.element.code, cfg.causal, cfg.split, cfg.stages
     FUSED, TRIGGER, WARP_PARTS = cfg.fused, cfg.dependent_combine, cfg.warp_parts
     LEFTPAD, WINDOWED, SOFTCAP, BATCH_IDX = cfg.leftpad, cfg.windowed, cfg.softcap, cfg.batch_idx
-    FLOOR = cfg.key_floor
+    FLOOR, ALIBI = cfg.key_floor, cfg.alibi
     merge_row = build_merge(True, D, THREADS, cfg.element)
     MERGE_FLOATS = merge_scratch_floats(D, THREADS)
     DT, SWZ = cfg.tile_dim, cfg.swizzle   # tiles of DT = tile_columns(d) columns (_loaders)
@@ -617,6 +619,28 @@ def build(cfg, stamps=False):
                         s[m, n, j] = float32(-math.inf)
 
     @device_function
+    def add_alibi(s, key0, n_k, n_q, slopes, lane):
+        """S -= slope_r |p - key| on raw scores (slopes[2m + h]: row r's slope over the softmax
+        scale, for the thread's rows r = 16m + lane / 4 + 8h); token i = r / G at position
+        p = n_k - N_q + i."""
+        for m in range(M):
+            for n in range(KPW // 8):
+                for j in range(4):
+                    r, c = tiles.accumulator_position(m, n, j, lane)
+                    far = float32(int32(n_k - n_q + r // G - key0 - c))
+                    s[m, n, j] -= slopes[2 * m + (j >> 1)] * abs(far)
+
+    @device_function
+    def row_slopes(slopes, alibi, alibi_stride, b, h_kv, n_q, inv_scale, lane):
+        """slopes[2m + h] <- the slope of the thread's row r = 16m + lane / 4 + 8h (head
+        h_kv G + r mod G of sequence b) over the softmax scale; 0 for rows past G N_q."""
+        for m in range(M):
+            for hh in range(2):
+                r = int32(16 * m + (lane >> 2) + 8 * hh)
+                slopes[2 * m + hh] = alibi[b * alibi_stride + h_kv * G + r % G] * inv_scale \
+                    if r < G * n_q else float32(0)
+
+    @device_function
     def row_totals(stats, row, scale_log2):
         """The merged (max, sum of e^(s - max)) of a row over the warps' statistics."""
         mx = float32(-math.inf)
@@ -631,14 +655,15 @@ def build(cfg, stamps=False):
 
     @kernel
     def decode_split(q, k_cache, v_cache, block_table, cache_seqlens, cache_leftpad,
-                     cache_batch_idx, o32, lse, o_part, lse_part, counters, n_q, n_new,
+                     cache_batch_idx, alibi, o32, lse, o_part, lse_part, counters, n_q, n_new,
                      page_shift, softmax_scale, scale_log2, window_left, window_right,
-                     softcap_raw):
+                     softcap_raw, alibi_stride):
         """q: (B, N_q, H, d) uint16; k_cache, v_cache: (pages, page_size, H_kv, d) uint16;
         block_table (B, max_blocks) int32 (PAGED); cache_seqlens (B,) int32; cache_leftpad (B,)
         int32 (LEFTPAD: sequence b's first key); cache_batch_idx (B,) int32 (BATCH_IDX: sequence
         b's row of the cache); window_left, window_right (WINDOWED; >= 0, 2^30 for none);
-        softcap_raw = softcap / softmax_scale (SOFTCAP). Writes o32 (B, N_q,
+        softcap_raw = softcap / softmax_scale (SOFTCAP); alibi (ALIBI) fp32 slopes, sequence b's
+        from b * alibi_stride. Writes o32 (B, N_q,
         H, d/2) uint32 pairs and lse (B, H, N_q), or (SPLIT) o_part (S, B, H, N_q, d) fp32 and
         lse_part (S, B, H, N_q) for split s = blockIdx.x of the keys, and then (FUSED) the last
         split block of (b, h_kv) to finish merges them into o32, lse; counters (>= B * H_kv,)
@@ -709,6 +734,10 @@ def build(cfg, stamps=False):
         softmax.init_rows(m_i, l_i)
         s = cuda.local.array(S_ACC, float32)
         p = cuda.local.array(P_FRAG, uint32)
+        slopes = cuda.local.array(ROWS, float32)
+        if ALIBI:
+            row_slopes(slopes, alibi, alibi_stride, b, h_kv, n_q, float32(1) / softmax_scale,
+                       lane)
         key_w = warp * KPW                     # the warp's first key in a tile
         t_tile = t_start                       # stamps: the first tile landed (none: the start)
         t = t0                                 # this split's k-th tile, in buffer k mod stages
@@ -745,6 +774,8 @@ def build(cfg, stamps=False):
                                             SWZ, ELEM)
             if SOFTCAP:
                 softmax.softcap_scores(s, softcap_raw)
+            if ALIBI:
+                add_alibi(s, key0, n_k, n_q, slopes, lane)
             if int32(t * BN + BN) > mask_above or (FLOOR and int32(t * BN) < mask_below):
                 mask_keys(s, key0, n_k, n_q, first_key, window_left, window_right, lane)
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0), 0)
@@ -1114,7 +1145,8 @@ def pdl_by_default():
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
            softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None,
            cache_leftpad=None, cache_batch_idx=None, window_size=(-1, -1), softcap=0.0,
-           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, **options):
+           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, alibi_slopes=None,
+           **options):
     """Attention of q's N_q new tokens against each sequence's cache (common/host/kvcache.py has the
     shapes, as flash_attn_with_kvcache). k, v: appended to the cache first. causal: token i sees
     the keys up to its own position (the last N_q keys are the new tokens'). cache_leftpad,
@@ -1133,7 +1165,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
                                   block_table=block_table, causal=causal,
                                   softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check,
                                   cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-                                  window_size=window_size, softcap=softcap)
+                                  window_size=window_size, softcap=softcap,
+                                  alibi_slopes=alibi_slopes)
     rotated = _rotate(prob, rotary_cos, rotary_sin, rotary_interleaved, check)  # noqa: F841 (kept
     #                                                  alive until the kernels are enqueued)
     if prob.n_new:   # append the new tokens first (same stream: the split kernel sees them)
@@ -1151,7 +1184,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
         options["pdl"] = pdl_by_default()
     cfg = make_config(prob.head_dim, prob.element, prob.kv_group, prob.n_q, prob.causal,
                       prob.paged, splits > 1, leftpad=prob.leftpad, windowed=prob.windowed,
-                      softcap=bool(prob.softcap), batch_idx=prob.batch_idx, **options)
+                      softcap=bool(prob.softcap), batch_idx=prob.batch_idx,
+                      alibi=prob.has_alibi, **options)
     lib, like = prob.library, prob.like
     dtype = prob.dtype
     want = (prob.batch, prob.n_q, prob.heads, prob.head_dim)
@@ -1173,10 +1207,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     scale_log2 = np.float32(prob.softmax_scale * math.log2(math.e))
     grid = (splits, prob.batch, prob.heads_kv)
     args = (prob.q, prob.k_cache, prob.v_cache, prob.block_table, prob.cache_seqlens,
-            prob.cache_leftpad, prob.cache_batch_idx)
+            prob.cache_leftpad, prob.cache_batch_idx, prob.alibi)
     scalars = (np.int32(prob.n_q), np.int32(prob.n_new), np.int32(prob.page_shift), scale,
                scale_log2, np.int32(prob.window_left), np.int32(prob.window_right),
-               np.float32(prob.softcap_raw))
+               np.float32(prob.softcap_raw), np.int32(prob.alibi_stride))
     counters = split_counters(lib, like, prob.batch * prob.heads_kv) if cfg.fused \
         else arrays.placeholder(lib, 1, like, "int32")
     if splits == 1:
@@ -1236,9 +1270,10 @@ def compile_targets():
     o32 = types.Array(types.uint32, 4, "A")
     f32 = {n: types.Array(types.float32, n, "A") for n in (3, 4, 5)}
     scalars = (types.int32, types.int32, types.int32, types.float32, types.float32, types.int32,
-               types.int32, types.float32)
-    args = (u16_4, u16_4, u16_4, i32_2, i32_1, i32_1, i32_1, o32, f32[3], f32[5], f32[4], i32_1) + \
-        scalars
+               types.int32, types.float32, types.int32)
+    f32_1 = types.Array(types.float32, 1, "A")
+    args = (u16_4, u16_4, u16_4, i32_2, i32_1, i32_1, i32_1, f32_1, o32, f32[3], f32[5], f32[4],
+            i32_1) + scalars
     for split, combine in ((True, "kernel"), (True, "fused"), (False, "kernel")):
         cfg = make_config(128, BFLOAT16, 4, 1, False, True, split, combine=combine)
         # a warp's S = Q K^T and O += P~ V over its keys of a tile: m_tiles * d * keys / 64
@@ -1251,9 +1286,9 @@ def compile_targets():
         cfg.m_tiles * 256 * cfg.keys_per_warp // 64
     # flash_attn_with_kvcache's options together (a served Gemma 2's left-padded batch, say)
     cfg = make_config(128, BFLOAT16, 4, 1, True, False, True, leftpad=True, windowed=True,
-                      softcap=True, batch_idx=True)
-    yield "decode d=128 bf16 G=4 split=True leftpad window softcap batch_idx", build(cfg), args, \
-        cfg.m_tiles * 128 * cfg.keys_per_warp // 64
+                      softcap=True, batch_idx=True, alibi=True)
+    yield "decode d=128 bf16 G=4 split=True leftpad window softcap batch_idx alibi", build(cfg), \
+        args, cfg.m_tiles * 128 * cfg.keys_per_warp // 64
     yield "decode rotary bf16 interleaved=False", rotary.build(False, BFLOAT16), \
         (u16_4, u16_4, types.Array(types.uint16, 2, "A"), types.Array(types.uint16, 2, "A"),
          i32_1, types.int32), 0

@@ -395,10 +395,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_leftpad (B,) int32: sequence b's keys start there (left padding); cache_batch_idx (B,)
     int32: sequence b's row of a contiguous cache; window_size, softcap: as flash_attn_func's;
     rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2): RoPE on q and the appended k (pairs
-    (2j, 2j+1) if rotary_interleaved, else (j, j + rotary_dim / 2)), at their positions.
-    Returns out like q, or (out, softmax_lse (B, H, N_q) fp32) with return_softmax_lse. Not
-    differentiable (as flash_attn's)."""
-    _refuse(alibi_slopes=alibi_slopes)
+    (2j, 2j+1) if rotary_interleaved, else (j, j + rotary_dim / 2)), at their positions;
+    alibi_slopes (H,) or (B, H) fp32. Returns out like q, or (out, softmax_lse (B, H, N_q) fp32)
+    with return_softmax_lse. Not differentiable (as flash_attn's)."""
     if cache_seqlens is None or isinstance(cache_seqlens, int):
         if cache_seqlens is None and block_table is not None:
             raise ValueError("cache_seqlens is required with a block_table")
@@ -408,7 +407,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                     cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
                     window_size=window_size, softcap=softcap, rotary_cos=rotary_cos,
-                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                    alibi_slopes=alibi_slopes)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -15,7 +15,8 @@ conventions: the checks that name what is wrong with a call, and the kernel view
 Sequence b then attends over its keys cache_leftpad[b] .. cache_seqlens[b] + N_new - 1 (from 0
 without cache_leftpad), token i of N_q at position p = cache_seqlens[b] + N_new - N_q + i;
 `window_size=(left, right)` keeps the keys p - left .. p + right (-1: no bound; causal: right = 0),
-`softcap` caps the scores as Gemma 2 does, as flash_attn_with_kvcache. A contiguous cache is the
+`softcap` caps the scores as Gemma 2 does, `alibi_slopes` ((H,) or (B, H) fp32) subtracts
+slope·|p - key| from each score, as flash_attn_with_kvcache. A contiguous cache is the
 paged one with page_size = N_max and page b for sequence b; the kernels take both as 4-D
 (pages, page_size, H_kv, d) arrays, the contiguous one with no block table.
 
@@ -34,7 +35,8 @@ from common.hardware import elements
 from common.host import arrays
 from common.tile import masks
 from common.host.launching import KernelView
-from common.host.problem import HALF_DTYPES, _check_layout, misaligned, remember, torch_call_key
+from common.host.problem import (HALF_DTYPES, _check_layout, _score_vector, misaligned, remember,
+                                 torch_call_key)
 
 
 @dataclass
@@ -61,8 +63,11 @@ class DecodeProblem:
     cache_seqlens: object  # (B,) int32
     cache_leftpad: object  # (B,) int32, or a placeholder (leftpad False)
     cache_batch_idx: object  # (B,) int32, or a placeholder (batch_idx False)
+    alibi: object          # ALiBi slopes, fp32 flat ((H,) or (B, H)), or a placeholder
     leftpad: bool
     batch_idx: bool
+    has_alibi: bool
+    alibi_stride: int      # slopes a sequence: H for (B, H) slopes, 0 for one (H,) for all
     window_left: int       # keys a token sees before its own position (NO_BOUND: all)
     window_right: int      # ... and after it (0 when causal; NO_BOUND: all)
     softcap: float         # as the caller gave it (0: none)
@@ -110,8 +115,9 @@ class DecodeProblem:
 NO_BOUND = 1 << 30     # a window side with no bound, as the kernels take it
 _TEMPLATES = {}
 _PER_CALL = ("q", "k_cache", "v_cache", "k_new", "v_new", "block_table", "cache_seqlens",
-             "cache_leftpad", "cache_batch_idx", "stream", "like")
-_OPTIONAL = {"block_table": "paged", "cache_leftpad": "leftpad", "cache_batch_idx": "batch_idx"}
+             "cache_leftpad", "cache_batch_idx", "alibi", "stream", "like")
+_OPTIONAL = {"block_table": "paged", "cache_leftpad": "leftpad", "cache_batch_idx": "batch_idx",
+             "alibi": "has_alibi"}
 
 
 class _DecodeTemplate:
@@ -123,7 +129,7 @@ class _DecodeTemplate:
             if not getattr(prob, flag):    # a placeholder: the same array every call
                 self.fields[f] = getattr(prob, f)
         self.layouts = {}
-        for f in _PER_CALL[:9]:
+        for f in _PER_CALL[:10]:
             x = getattr(prob, f)
             if x is not None and (f not in _OPTIONAL or getattr(prob, _OPTIONAL[f])):
                 self.layouts[f] = x.layout
@@ -147,17 +153,18 @@ class _DecodeTemplate:
 
 def prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, causal,
                    softmax_scale, head_dims, check, cache_leftpad=None, cache_batch_idx=None,
-                   window_size=(-1, -1), softcap=0.0):
+                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """The checked DecodeProblem of a call (check: read the lengths, block table, left padding
     and cache rows back and refuse bad ones); a call with an earlier call's geometry and
     check=False only reads addresses."""
     key = None
     options = dict(cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
-                   window_size=window_size, softcap=softcap)
+                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     if not check:
         tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": cache_seqlens}
         for f, x in (("block_table", block_table), ("k_new", k), ("v_new", v),
-                     ("cache_leftpad", cache_leftpad), ("cache_batch_idx", cache_batch_idx)):
+                     ("cache_leftpad", cache_leftpad), ("cache_batch_idx", cache_batch_idx),
+                     ("alibi", alibi_slopes)):
             if x is not None:
                 tensors[f] = x
         window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
@@ -178,7 +185,7 @@ def prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, cau
 
 def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, causal,
                     softmax_scale, head_dims, check, cache_leftpad, cache_batch_idx, window_size,
-                    softcap):
+                    softcap, alibi_slopes):
     """prepare_decode's checked path."""
     dq, dkc, dvc = (arrays.describe(x, name) for x, name in
                     ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -248,6 +255,12 @@ def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, ca
         raise ValueError(f"softcap must be a number >= 0 (0: none), got {softcap!r}") from None
     if not (softcap >= 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {softcap}")
+    alibi, alibi_stride = arrays.placeholder(dq.library, 1, q, "float32"), 0
+    if alibi_slopes is not None:
+        slopes = _score_vector(_Shape(dq.library, b, h), alibi_slopes, "alibi_slopes",
+                               ((h,), (b, h)))
+        alibi, alibi_stride = arrays.bits_view(slopes, np.float32), (h if slopes.shape[0] > h
+                                                                      else 0)
 
     n_new = 0
     if (k is None) != (v is None):
@@ -292,9 +305,18 @@ def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, ca
         cache_seqlens=arrays.bits_view(lens, np.int32),
         cache_leftpad=_vector_view(vectors.get("cache_leftpad"), dq.library, q),
         cache_batch_idx=_vector_view(vectors.get("cache_batch_idx"), dq.library, q),
+        alibi=alibi, has_alibi=alibi_slopes is not None, alibi_stride=alibi_stride,
         leftpad=cache_leftpad is not None, batch_idx=cache_batch_idx is not None,
         window_left=left, window_right=right, softcap=softcap, library=dq.library,
         stream=arrays.stream_of(dq), like=q)
+
+
+@dataclass
+class _Shape:
+    """What problem._score_vector reads of a problem."""
+    library: str
+    batch: int
+    heads: int
 
 
 def _vector_view(d, library, like):
