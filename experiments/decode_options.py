@@ -7,8 +7,8 @@ One new token a sequence (q (B, 1, 32, d), bf16) against contiguous caches of L 
 (8 K/V heads), causal. Each row is variants.decode with one option on, replayed from a CUDA graph
 (the kernels without the host's time), timed with CUDA events (median), beside the plain call in
 the same run; every option is set so that it reads the same keys as the plain call (left padding
-0, a window as long as the cache) and so measures its arithmetic alone:
-- plain; leftpad (cache_leftpad = 0); window (window_size = (L, 0)); softcap (30); alibi ((H,)
+0, a window over every key) and so measures its arithmetic alone:
+- plain; leftpad (cache_leftpad = 0); window (window_size = (L - 1, 0)); softcap (30); alibi ((H,)
   slopes); batch_idx (rows reversed); rotary (RoPE tables of rotary_dim = d, the call rotating q);
 - window_half: window_size = (L / 2, 0), half the keys: what skipping the keys left of the window
   buys (the bar: about 2x);
@@ -30,8 +30,8 @@ def case_options(torch, case, batch, length, heads, head_dim, like):
     """The decode keywords of one case."""
     if case == "leftpad":
         return dict(cache_leftpad=torch.zeros(batch, dtype=torch.int32, device="cuda"))
-    if case == "window":
-        return dict(window_size=(length, 0))
+    if case == "window":   # every key (a side as long as the cache would be no window at all)
+        return dict(window_size=(length - 1, 0))
     if case == "window_half":
         return dict(window_size=(length // 2, 0))
     if case == "softcap":

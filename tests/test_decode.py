@@ -86,7 +86,7 @@ def run_case(rng, *, lengths=LENGTHS, n_q=1, heads=4, heads_kv=2, head_dim=64, d
         kw["alibi_slopes"] = inputs.to_device(slopes, lib)
     if rotary is not None:
         rotary_dim, kw["rotary_interleaved"] = rotary
-        angle = rng.uniform(0, 2 * np.pi, (capacity, rotary_dim // 2))
+        angle = rng.uniform(0, 2 * np.pi, (capacity + n_q, rotary_dim // 2))   # to the last q
         cos, sin = (f(angle).astype(inputs.DTYPES[dtype]) for f in (np.cos, np.sin))
         kw["rotary_cos"], kw["rotary_sin"] = (inputs.to_device(x, lib) for x in (cos, sin))
     new = None
@@ -204,6 +204,10 @@ OPTION_CASES = {
     "alibi_causal": dict(alibi="heads", n_q=3, causal=True),
     "alibi_batch": dict(alibi="batch", n_q=1, causal=False, page_size=None),
     "rotary_interleaved": dict(rotary=(64, True), n_new=1, n_q=1, causal=False),
+    # not causal, no window: every query rotated at cache_seqlens[b] (flash_attn's rule)
+    "rotary_one_position": dict(rotary=(32, True), n_q=3, causal=False, page_size=None),
+    "leftpad_window_no_split": dict(leftpad=[0, 2, 30] if not ON_GPU else [0, 2, 30, 9000, 99],
+                                    window_size=(9, 0), n_q=2, causal=True, split_kv=False),
     "all": dict(leftpad=[0, 3, 35] if not ON_GPU else [0, 3, 35, 16000, 100],
                 rows=[2, 1, 0] if not ON_GPU else [4, 3, 2, 1, 0], window_size=(20, 0),
                 softcap=2.0, alibi="heads", n_q=2, causal=True, page_size=None),
@@ -215,6 +219,16 @@ OPTION_CASES = {
 def test_decode_kvcache_options(rng, case, combine):
     kw = dict(OPTION_CASES[case])
     run_case(rng, num_splits=kw.pop("num_splits", 3), combine=combine, **kw)
+
+
+def test_decode_kernels_are_built_once_per_configuration():
+    """build and the combine builders are cached: a decoding step reuses the compiled kernels
+    (a new dispatcher a call would miss the launcher's cache and load or compile again)."""
+    from common.hardware.elements import BFLOAT16
+    from variants import decoding
+    cfg = decoding.make_config(64, BFLOAT16, 2, 1, True, False, True, leftpad=True, alibi=True)
+    assert decoding.build(cfg) is decoding.build(cfg)
+    assert decoding.build_combine(64, BFLOAT16) is decoding.build_combine(64, BFLOAT16)
 
 
 def test_decode_left_padding_past_the_keys_leaves_zeros(rng):

@@ -126,3 +126,13 @@ def test_compiled_decode_step_is_the_decode_kernel(options):
     want_o, want_lse = decoding.decode(q, k, v, lengths, cache_leftpad=leftpad, causal=True,
                                        window_size=(left, right), softcap=cap, check=False)
     assert torch.equal(got_o, want_o) and torch.equal(got_lse, want_lse)
+    from experiments.measure import checks, reference
+    host = [x.float().cpu().numpy() for x in (q, k, v)]
+    for b in range(3):   # and both right: sequence b's keys from its padding on, float64
+        first = 0 if leftpad is None else int(leftpad[b])
+        ref_o, ref_lse = reference.attention(host[0][b:b + 1], host[1][b:b + 1, first:],
+                                             host[2][b:b + 1, first:], causal=True,
+                                             window_size=(left, right), softcap=cap)
+        got = checks.compare(got_o[b:b + 1].float().cpu().numpy(),
+                             got_lse[b:b + 1].cpu().numpy(), ref_o, ref_lse, "bfloat16")
+        assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)

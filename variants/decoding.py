@@ -462,7 +462,6 @@ def stamp_words(b, h_kv, split):
         last + STAMP_LAST_WORDS * groups + block
 
 
-@lru_cache(maxsize=None)
 def _loaders(cfg):
     """The split kernel's copies into shared memory, for one configuration: (load_q, load_kv,
     tile_entry)."""
@@ -559,6 +558,7 @@ def _loaders(cfg):
     return load_q, load_kv, tile_entry
 
 
+@lru_cache(maxsize=None)
 def build(cfg, stamps=False):
     """The split kernel of one configuration (steps 1-2; with combine="fused", step 3 too).
     stamps (combine="fused" only): a probe's %globaltimer_lo stamps compiled in, stored into
@@ -689,7 +689,9 @@ def build(cfg, stamps=False):
             # its window's left edge: the splits share out the tiles from the one holding the
             # lowest key any token sees (t0), and the table entries wait for the lengths
             n_k = int32(cache_seqlens[b] + n_new)
-            first_key = int32(cache_leftpad[b]) if LEFTPAD else int32(0)
+            # clamped into 0 .. n_k: an unchecked bad padding leaves no key, never a far tile
+            first_key = min(max(int32(cache_leftpad[b]), int32(0)), n_k) if LEFTPAD \
+                else int32(0)
             lowest = first_key
             if WINDOWED:
                 lowest = max(lowest, int32(n_k - n_q - window_left))

@@ -246,9 +246,11 @@ def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, ca
     if cache_batch_idx is not None and paged:
         raise ValueError("cache_batch_idx picks rows of a contiguous cache; with a block_table "
                          "each sequence's pages already say where it lies (pass one or the other)")
+    # a side as long as the cache bounds nothing (flash_attn makes it -1: the call is then not
+    # "local", which decides where RoPE places the queries)
     left, right = masks.window_of(window_size)
-    left = NO_BOUND if left < 0 else min(left, NO_BOUND)
-    right = 0 if causal else (NO_BOUND if right < 0 else min(right, NO_BOUND))
+    left = NO_BOUND if left < 0 or left >= capacity else left
+    right = 0 if causal else (NO_BOUND if right < 0 or right >= capacity else right)
     try:
         softcap = float(softcap or 0.0)
     except (TypeError, ValueError):

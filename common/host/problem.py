@@ -354,18 +354,30 @@ def _score_vector(prob, x, name, shapes):
 _KNOWN_SEQLENS = {}   # id(tensor) -> (weak reference, version, its values as int64 NumPy)
 
 
+def version_of(tensor):
+    """A torch tensor's version counter (it moves at every in-place write), or None for one that
+    keeps none (an inference tensor)."""
+    try:
+        return tensor._version
+    except RuntimeError:   # "Inference tensors do not track version counter"
+        return None
+
+
 def known_seqlens(cu, values):
     """Declare what torch tensor `cu` (cu_seqlens a caller made on the device from values it
     holds on the host) contains, so that prepare_varlen checks `values` instead of reading `cu`
     back: no host synchronisation a call. Kept while the tensor lives and is not written in
     place (torch's version counter); for a packed batch that many calls share, e.g. every layer
-    of a model's forward (variants/integrations/transformers.py)."""
+    of a model's forward (variants/integrations/transformers.py). An inference tensor (made
+    under torch.inference_mode) keeps no version counter: nothing is declared, it is read back."""
     key = id(cu)
+    if version_of(cu) is None:
+        return cu
 
     def forget(ref):
         if _KNOWN_SEQLENS.get(key, (None,))[0] is ref:
             del _KNOWN_SEQLENS[key]
-    _KNOWN_SEQLENS[key] = (weakref.ref(cu, forget), cu._version,
+    _KNOWN_SEQLENS[key] = (weakref.ref(cu, forget), version_of(cu),
                            np.asarray(values, dtype=np.int64))
     return cu
 
@@ -386,7 +398,7 @@ def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
         raise ValueError(f"{name} must be a contiguous int32 array of batch + 1 >= 2 sequence "
                          f"starts, got {d.dtype} of shape {d.shape}")
     host = _KNOWN_SEQLENS.get(id(cu), (None,))
-    if host[0] is not None and host[0]() is cu and host[1] == cu._version:
+    if host[0] is not None and host[0]() is cu and host[1] == version_of(cu):
         host = host[2]
     else:
         host = arrays.to_host(cu).astype(np.int64)

@@ -209,7 +209,7 @@ class _PaddingPlan:
         starts_q = np.concatenate([[0], np.cumsum(queries)])
         self.cu_k = known_seqlens(put(starts_k, torch.int32), starts_k)
         self.cu_q = known_seqlens(put(starts_q, torch.int32), starts_q)
-        self.max_q, self.max_k = int(queries.max()), int(lengths.max())
+        self.max_q, self.max_k = max(int(queries.max()), 1), max(int(lengths.max()), 1)
 
 
 def _padding_plan(padding, key):
@@ -222,15 +222,20 @@ _PLANS = {}   # id(tensor) -> (weak reference, version, {key: plan})
 def _plan(tensor, key, make):
     """make(tensor, key), computed once for a tensor object (a model's forward hands the same
     mask and position_ids to every layer) and kept while it lives unchanged in place (torch's
-    version counter)."""
+    version counter); an inference tensor (torch.inference_mode) keeps no counter, so its plan is
+    made every call."""
+    from common.host.problem import version_of
+    version = version_of(tensor)
+    if version is None:
+        return make(tensor, key)
     entry = _PLANS.get(id(tensor))
-    if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+    if entry is None or entry[0]() is not tensor or entry[1] != version:
         ident = id(tensor)
 
         def forget(ref):
             if _PLANS.get(ident, (None,))[0] is ref:
                 del _PLANS[ident]
-        entry = _PLANS[ident] = (weakref.ref(tensor, forget), tensor._version, {})
+        entry = _PLANS[ident] = (weakref.ref(tensor, forget), version, {})
     plans = entry[2]
     if key not in plans:
         plans[key] = make(tensor, key)
