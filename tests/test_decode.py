@@ -629,3 +629,20 @@ def test_decode_step_replays_from_a_cuda_graph(rng, combine):
         got = checks.compare(inputs.to_host(o)[b:b + 1], inputs.to_host(lse)[b:b + 1], ref_o,
                              ref_lse, "bfloat16")
         assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
+
+
+@pytest.mark.gpu
+def test_decode_takes_other_integer_widths(rng):
+    """int64 lengths, block table and left padding (torch's default integer type) are converted
+    to the int32 the kernels read: the same bits as the int32 call."""
+    torch = pytest.importorskip("torch")
+    k_cache, v_cache, table = make_cache(rng, [5, 40], 2, 64, "bfloat16", 16, 64)
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16)
+              for x in (k_cache, v_cache))
+    lens, pad = torch.tensor([5, 40], device="cuda"), torch.tensor([1, 3], device="cuda")
+    table = torch.from_numpy(table).cuda()
+    wide = variants.decode(q, kc, vc, lens, block_table=table.long(), cache_leftpad=pad)
+    narrow = variants.decode(q, kc, vc, lens.int(), block_table=table.int(),
+                             cache_leftpad=pad.int())
+    assert all(torch.equal(a, b) for a, b in zip(wide, narrow))

@@ -1163,6 +1163,8 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     launch; `split_counters` says what that keeps between calls), pdl (True: the combine kernel
     launched as a programmatic dependent of the split kernel; None or absent: `pdl_by_default`),
     merge_warps ("block": each split block merges its warps; "combine": the combine kernel)."""
+    cache_seqlens, block_table, cache_leftpad, cache_batch_idx = (
+        kvcache.as_int32(x) for x in (cache_seqlens, block_table, cache_leftpad, cache_batch_idx))
     prob = kvcache.prepare_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v,
                                   block_table=block_table, causal=causal,
                                   softmax_scale=softmax_scale, head_dims=HEAD_DIMS, check=check,

@@ -3,7 +3,9 @@ conventions: the checks that name what is wrong with a call, and the kernel view
 
     q                      (B, N_q, H, d): the new tokens' queries (N_q small: 1 when decoding)
     k_cache, v_cache       (B, N_max, H_kv, d), or paged: (num_pages, page_size, H_kv, d)
-    cache_seqlens          (B,) int32: tokens already in sequence b's cache
+    cache_seqlens          (B,) int32: tokens already in sequence b's cache (this and the other
+                           index arrays may be torch or CuPy integers of another width:
+                           converted to int32 on the device, `as_int32`)
     block_table            (B, max_blocks) int32 (paged): page j of sequence b is
                            block_table[b, j], holding its tokens j * page_size .. (j+1) * page_size - 1
     k, v (optional)        (B, N_new, H_kv, d): appended to the cache at cache_seqlens[b] first
@@ -319,6 +321,25 @@ class _Shape:
     library: str
     batch: int
     heads: int
+
+
+def as_int32(x):
+    """An integer index array (lengths, a block table, left padding, cache rows) as the int32 one
+    the kernels read: torch and CuPy integer arrays of another width converted (a copy, on the
+    device), contiguous; anything else as it is (its checks name what is wrong)."""
+    if x is None:
+        return x
+    mod = type(x).__module__
+    if mod.startswith("torch"):
+        import torch
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() \
+                and x.dtype != torch.bool and (x.dtype != torch.int32 or not x.is_contiguous()):
+            return x.to(torch.int32).contiguous()
+    elif mod.startswith("cupy"):
+        if x.dtype.kind in "iu" and (x.dtype != np.int32 or not x.flags.c_contiguous):
+            import cupy
+            return cupy.ascontiguousarray(x, dtype=np.int32)
+    return x
 
 
 def _vector_view(d, library, like):
