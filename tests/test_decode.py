@@ -646,3 +646,26 @@ def test_decode_takes_other_integer_widths(rng):
     narrow = variants.decode(q, kc, vc, lens.int(), block_table=table.int(),
                              cache_leftpad=pad.int())
     assert all(torch.equal(a, b) for a, b in zip(wide, narrow))
+
+
+@pytest.mark.gpu
+def test_decode_generation_step_is_replayed():
+    """A decoding call with plain keywords and check=False (what a generation step makes, a layer
+    after another) is recorded at its second call and replayed from its third (common/host/
+    replay.py): the same bits each time; a call with an array keyword (cache_leftpad) never is."""
+    torch = pytest.importorskip("torch")
+    from common.host import replay
+    from variants import decoding
+    replay.warm_up()
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    lens = torch.full((2,), 300, dtype=torch.int32, device="cuda")
+    plans = [p for p in decoding.decode.plans.values() if type(p) is replay.Plan]
+    outs = [variants.decode(q, k, v, lens, causal=True, check=False) for _ in range(4)]
+    made = [p for p in decoding.decode.plans.values() if type(p) is replay.Plan]
+    assert len(made) == len(plans) + 1
+    assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs)
+    pad = torch.tensor([0, 7], dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        variants.decode(q, k, v, lens, causal=True, check=False, cache_leftpad=pad)
+    assert len([p for p in decoding.decode.plans.values() if type(p) is replay.Plan]) == len(made)

@@ -49,7 +49,10 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     """Attention of a few new tokens (q: (B, N_q, H, d)) against each sequence's KV cache, as
     flash_attn_with_kvcache: caches (B, N_max, H_kv, d), or paged (num_pages, page_size, H_kv, d)
     with block_table (B, max_blocks) int32; cache_seqlens (B,) int32; k, v (B, N_new, H_kv, d)
-    appended first. Split-KV (Flash-Decoding; variants/decoding.py). Returns (o like q, lse)."""
+    appended first. Split-KV (Flash-Decoding; variants/decoding.py). options: flash_attn's
+    cache_leftpad, cache_batch_idx, window_size, softcap, alibi_slopes, rotary_cos / rotary_sin /
+    rotary_interleaved, and decoding.decode's own (check, out, the Config's). Returns (o like q,
+    lse)."""
     from variants.decoding import decode as split_kv_decode
     return split_kv_decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                            causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,

@@ -41,6 +41,7 @@ from common.hardware.stamps import timer_stamper
 from common.hardware.target import device_function, kernel
 from common.host import arrays, configs, kvcache
 from common.host.launching import launch
+from common.host.replay import replayed
 from common.tile import softmax, splitk, tiles
 from common.tile.smem import SharedLayout
 from variants import rotary
@@ -1144,6 +1145,7 @@ def pdl_by_default():
     return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
 
 
+@replayed(4)   # a call with plain keywords and check=False (a generation step) replays its launches
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
            softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None,
            cache_leftpad=None, cache_batch_idx=None, window_size=(-1, -1), softcap=0.0,
