@@ -54,10 +54,11 @@ CAUSAL_TWINS = r"^(fa1|fa2) d=128 bf16 causal=True|^fa2 backward d=128 bf16 caus
 SEPARATE_KV_TWIN = r"^fa2 backward d=128 bf16 causal=False dq=separate kv"
 VARLEN_TWIN = r"^fa3 d=128 bf16 causal=True varlen"
 TERMS_TWIN = r" alibi sinks$"
+PAGED_TWIN = r"^fa2 d=128 bf16 causal=True varlen paged$"   # the tile copies from pages
 HEAD_DIM_TWINS = r"^standard (scores|output|transposed_output) d=64 |^backward .*d=64 " \
     r"|^fa3 d=64 bf16 causal=True|^fa3 backward d=64 bf16 causal=True"
 SKIP = f"{TWINS}|{OTHER_HEAD_DIMS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}" \
-    f"|{TERMS_TWIN}"
+    f"|{TERMS_TWIN}|{PAGED_TWIN}"
 
 
 def twin(name):
@@ -65,7 +66,7 @@ def twin(name):
     name = name.replace(" fp16", " bf16").replace("d=64 ", "d=128 ").replace(" alibi sinks", "")
     if re.search(CAUSAL_TWINS, name):
         name = name.replace("causal=True", "causal=False")
-    return name.replace(" dq=separate kv", " kv").replace(" varlen", "")
+    return name.replace(" dq=separate kv", " kv").replace(" varlen", "").replace(" paged", "")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def report(listing):
 
 def test_every_kernel_is_covered(listing):
     names = [r["kernel"] for r in listing]
-    assert sum(n.startswith("fa2 d=") for n in names) == 10   # 2 head dims x causal, bf16; fp16
+    assert sum(n.startswith("fa2 d=") for n in names) == 11   # 2 head dims x causal, bf16; fp16
     #    once; d=96 and 256 non-causal; ALiBi + sinks at d=128 causal; dropout; a score_mod and
     #    a mask_mod (variants.score_mods.compile_example)
     assert sum(n.startswith("fa2 backward") for n in names) == 11  # d=64, 128: atomic K/V x 2
@@ -112,7 +113,7 @@ def test_every_kernel_is_covered(listing):
         if r.get("skipped"):
             assert re.search(OTHER_HEAD_DIMS, r["kernel"]) or \
                 (re.search(f"{TWINS}|{CAUSAL_TWINS}|{HEAD_DIM_TWINS}|{SEPARATE_KV_TWIN}|{VARLEN_TWIN}"
-                           f"|{TERMS_TWIN}", r["kernel"])
+                           f"|{TERMS_TWIN}|{PAGED_TWIN}", r["kernel"])
                  and twin(r["kernel"]) in compiled), r
     # each structurally distinct builder or configuration compiled once in CI (the twins'
     # counterparts above, and what no twin stands for)

@@ -89,6 +89,58 @@ def test_varlen_forms_are_exact_per_sequence(rng):
         assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
 
 
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_varlen_prefill_against_a_paged_cache(rng, page_size):
+    """flash_attn_varlen_func with a block_table: each sequence's keys and values in the pages of
+    a cache (shuffled, some unused; the keys of a sequence end mid-page, one sequence has more
+    pages than keys need), causal at each sequence's bottom-right (a chunked prefill: the new
+    queries are the last of the sequence's keys), GQA; each sequence against float64 over its
+    keys gathered from its pages."""
+    lengths = [(3, 70), (17, 17), (40, 200)] if not ON_GPU else [(3, 700), (17, 17),
+                                                                 (400, 2000), (129, 4097)]
+    max_pages = max(-(-n // page_size) for _, n in lengths) + 1
+    n_pages = len(lengths) * max_pages + 2
+    table = rng.permutation(n_pages)[:len(lengths) * max_pages].reshape(len(lengths), max_pages)
+    cu_q = np.concatenate([[0], np.cumsum([n for n, _ in lengths])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([n for _, n in lengths])]).astype(np.int32)
+    q = inputs.random_qkv(rng, 1, int(cu_q[-1]), 4, 64, DTYPE)[0][0]
+    kc, vc = (rng.standard_normal((n_pages, page_size, 2, 64), dtype=np.float32)
+              .astype(inputs.DTYPES[DTYPE]) for _ in "kv")
+    dq, dkc, dvc, dcu_q, dcu_k, dtable = device(q, kc, vc, cu_q, cu_k, table.astype(np.int32))
+    out, lse, _ = fa.flash_attn_varlen_func(
+        dq, dkc, dvc, dcu_q, dcu_k, max(n for n, _ in lengths), max(n for _, n in lengths),
+        causal=True, block_table=dtable, return_attn_probs=True)
+    out, lse = inputs.to_host(out), inputs.to_host(lse)
+    for b, (n_q, n_k) in enumerate(lengths):
+        keys = np.concatenate([kc[table[b, j]] for j in range(max_pages)])[:n_k]
+        values = np.concatenate([vc[table[b, j]] for j in range(max_pages)])[:n_k]
+        rows = slice(cu_q[b], cu_q[b + 1])
+        ref_o, ref_lse = reference.attention(q[None, rows], keys[None], values[None], causal=True)
+        got = checks.compare(out[None, rows], lse[None, :, rows], ref_o, ref_lse, DTYPE)
+        assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
+
+
+def test_paged_cache_errors_name_the_problem(rng):
+    cu = device(np.array([0, 5], np.int32))[0]
+    q = device(np.zeros((5, 2, 64), inputs.DTYPES[DTYPE]))[0]
+    cache = device(np.zeros((4, 64, 2, 64), inputs.DTYPES[DTYPE]))[0]
+    odd = device(np.zeros((4, 48, 2, 64), inputs.DTYPES[DTYPE]))[0]
+    small = device(np.zeros((4, 16, 2, 64), inputs.DTYPES[DTYPE]))[0]
+
+    def call(k=cache, table=(0, 1), n_k=100):
+        cu_k = device(np.array([0, n_k], np.int32))[0]
+        return fa.flash_attn_varlen_func(q, k, k, cu, cu_k, 5, n_k, causal=True,
+                                         block_table=device(np.array([table], np.int32))[0])
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9 is not a page of the cache"):
+        call(table=(0, 9))
+    with pytest.raises(ValueError, match="sequence 0 has 200 keys but its block_table row holds 2"):
+        call(n_k=200)
+    with pytest.raises(ValueError, match="page_size .* must be a power of two, got 48"):
+        call(k=odd)
+    with pytest.raises(ValueError, match="pages must hold a multiple of block_n keys"):
+        call(k=small, n_k=20)
+
+
 @pytest.mark.parametrize("seqused, chunk", [(True, 0), (False, 16), (True, 8)],
                          ids=["seqused", "attention_chunk", "both"])
 def test_varlen_seqused_and_attention_chunk(rng, seqused, chunk):
@@ -178,8 +230,8 @@ def test_with_kvcache_left_padding_window_softcap_rows_and_rotary(rng):
 @pytest.mark.parametrize("call, error, words", [
     (lambda a: fa.flash_attn_func(a, a, a, dropout_p=0.1), NotImplementedError,
      "dropout_p=0.1 with"),
-    (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, block_table=a), NotImplementedError,
-     "block_table"),
+    (lambda a: fa.flash_attn_varlen_func(a, a, a, a, a, 1, 1, block_table=a, dropout_p=0.1),
+     NotImplementedError, "dropout_p=0.1 with block_table"),
     (lambda a: fa.flash_attn_func(a[:, :, :, :20], a[:, :, :, :20], a[:, :, :, :20]), ValueError,
      "head_dim 20"),
     (lambda a: fa.flash_attn_func(a, a, a, qv=a), NotImplementedError, "qv"),

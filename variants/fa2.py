@@ -37,6 +37,7 @@ from common.host.launching import launch
 from common.host.mods import no_block_mask, with_mods
 from common.host.problem import (
     BLOCK_MASK_TYPES,
+    PAGE_TYPES,
     LSE_TYPE,
     MASK_TYPES,
     MOD_TYPES,
@@ -90,6 +91,8 @@ class Config:
                                   # and schedules to use them); 0: none
     varlen: bool = False          # a packed batch of sequences (forward_varlen): bounds per block
     bottom_right: bool = True     # varlen: the band's diagonal at each sequence's bottom-right
+    paged: bool = False           # varlen: K and V in the pages of a cache (block_table), pages of
+    #                               a multiple of block_n keys: a K/V tile within one page
 
     @property
     def threads(self):
@@ -179,6 +182,7 @@ def build(cfg):
     ELEM, BANDED, PIPELINE, SWIZZLE = cfg.element.code, cfg.causal, cfg.pipeline, cfg.swizzle
     SKIP, SOFTCAP, WINDOW = cfg.causal and cfg.causal_skip, cfg.softcap, cfg.window
     VARLEN, SHIFT = cfg.varlen, cfg.varlen and cfg.bottom_right
+    PAGED = cfg.paged
     ALIBI, SINKS, DROPOUT = cfg.alibi, cfg.sinks, cfg.dropout
     MODS, APPLY_MODS, _, _ = mods.for_kernel(cfg.mods, False, (1, 1, 1))   # (no grad here)
     LISTED = cfg.block_mask
@@ -201,18 +205,30 @@ def build(cfg):
     ROWS = 2 * M
 
     @device_function
-    def load_kv_tile(tile, src, row0, n_rows, tid):
-        """Start the cp.async copy of rows row0..row0+B_c of K or V into a shared tile."""
-        tiles.load_tile_async(tile, src, row0, n_rows, 0, BC, D, STRIDE, SWIZZLE,
-                              tid, THREADS, ADDRESS_ONCE, DV)
+    def load_kv_tile(tile, src, pages, row0, n_rows, tid):
+        """Start the cp.async copy of rows row0..row0+B_c of K or V into a shared tile (zeros
+        from n_rows on). PAGED: src is the head's (pages, page_size, d) and pages = (the
+        sequence's block-table row, log2 page_size, the last page): key row0 lies at slot
+        row0 mod page_size of page table[row0 / page_size] (clamped into the cache), and so does
+        the whole tile (pages hold a multiple of B_c keys)."""
+        if PAGED:
+            table_row, page_shift, last_page = pages
+            page = min(max(table_row[row0 >> page_shift], int32(0)), last_page)
+            slot0 = row0 & int32((int32(1) << page_shift) - int32(1))
+            tiles.load_tile_async(tile, src[page], slot0, int32(slot0 + n_rows - row0), 0, BC,
+                                  D, STRIDE, SWIZZLE, tid, THREADS, ADDRESS_ONCE, DV)
+        else:
+            tiles.load_tile_async(tile, src, row0, n_rows, 0, BC, D, STRIDE, SWIZZLE,
+                                  tid, THREADS, ADDRESS_ONCE, DV)
 
     @device_function
-    def refill_after_use(tile, src, t, t_end, listed, n_rows, tid):
+    def refill_after_use(tile, src, pages, t, t_end, listed, n_rows, tid):
         """One K/V buffer (FA2's schedule): once every warp has passed the barrier, step t's block
         is no longer needed; start copying step t+1's (if before t_end) into the same tile."""
         pipeline.release()
         if t + 1 < t_end:
-            load_kv_tile(tile, src, mods.step_block(listed, t + 1, LISTED)[0] * BC, n_rows, tid)
+            load_kv_tile(tile, src, pages, mods.step_block(listed, t + 1, LISTED)[0] * BC, n_rows,
+                         tid)
         pipeline.commit()
         if not PIPELINE:
             pipeline.wait(0)
@@ -221,7 +237,7 @@ def build(cfg):
     def fa2_forward(q, k, v, o, lse, n_q, n_k, kv_group, lo, hi, softcap, softmax_scale,
                     scale_log2, cu_q, cu_k, alibi, alibi_stride, alibi_shift, sinks, seed_lo,
                     seed_hi, offset_lo, offset_hi, keep_below, drop_scale, drop_cg, aux,
-                    bm_blocks, bm_counts, bm_per_b, bm_per_h):
+                    bm_blocks, bm_counts, bm_per_b, bm_per_h, block_table, page_shift):
         """q, k, v: (B, H, N, d) uint16 views; o: (B, H, N_q, d/2) uint32 view; lse: (B, H, N_q).
         lo, hi: the band of keys a query sees (lo <= key - query <= hi, when BANDED); softcap: the
         cap on raw scores (when SOFTCAP). VARLEN: B = 1 and batch b of the grid is the sequence of
@@ -232,7 +248,9 @@ def build(cfg):
         seed and offset, keep threshold, 1 / (1 - p) and column groups (when DROPOUT;
         problem.dropout_args); aux: the arrays score_mod and mask_mod read (when MODS;
         common/tile/mods.py); bm_blocks, bm_counts: a BlockMask's lists (when LISTED), of batch
-        b * bm_per_b and head h * bm_per_h (0: one list for all)."""
+        b * bm_per_b and head h * bm_per_h (0: one list for all). PAGED (VARLEN): k, v are
+        (pages, H_kv, page_size, d) views of a paged cache, sequence b's key t in page
+        block_table[b, t >> page_shift]."""
         tid = int32(cuda.threadIdx.x)
         warp, lane = tid >> 5, tid & 31
         # Alg.1 l.3: "for 1 <= i <= T_r" is the grid; with causal masking the blocks with the most
@@ -249,10 +267,14 @@ def build(cfg):
                 lo, hi = int32(lo + (n_k - n_q)), int32(hi + (n_k - n_q))
                 alibi_shift = int32(n_k - n_q)
             q_i = q[0, h, first_q:first_q + n_q]
-            k_h = k[0, h // kv_group, first_k:first_k + n_k]
-            v_h = v[0, h // kv_group, first_k:first_k + n_k]
+            if PAGED:   # the head's pages; each tile's page from the table (load_kv_tile)
+                k_h, v_h = k[:, h // kv_group], v[:, h // kv_group]
+            else:
+                k_h = k[0, h // kv_group, first_k:first_k + n_k]
+                v_h = v[0, h // kv_group, first_k:first_k + n_k]
         else:
             q_i, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
+        pages = (block_table[b if PAGED else 0], page_shift, int32(k.shape[0] - 1))
         warp_row = warp * 16 * M            # first row of this warp's part of Q_i (split-Q)
         slope = alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0)
         rng = (seed_lo, seed_hi, offset_lo, offset_hi, keep_below)   # dropout's Philox stream
@@ -280,9 +302,10 @@ def build(cfg):
         # Alg.1 l.4: load Q_i (and, ahead of the loop, the first K_j and V_j) from HBM to SRAM.
         tiles.load_tile_async(q_s, q_i, row0, n_q, 0, BR, D, STRIDE, SWIZZLE,
                               tid, THREADS, ADDRESS_ONCE, DV)
-        load_kv_tile(smem[KV_START:KV_START + KV_TILE], k_h, first_col, n_k, tid)
+        load_kv_tile(smem[KV_START:KV_START + KV_TILE], k_h, pages, first_col, n_k, tid)
         pipeline.commit()
-        load_kv_tile(smem[KV_START + KV_TILE:KV_START + 2 * KV_TILE], v_h, first_col, n_k, tid)
+        load_kv_tile(smem[KV_START + KV_TILE:KV_START + 2 * KV_TILE], v_h, pages, first_col, n_k,
+                     tid)
         pipeline.commit()
         pipeline.wait_and_release(1)   # Q_i and K_j0 landed (V_j0 may still be in flight)
         q_frag = cuda.local.array(Q_FRAG, uint32)
@@ -316,8 +339,9 @@ def build(cfg):
                 if t + 1 < t1:
                     nxt = pipeline.slot_start(KV_START, t + 1 - t0, STAGES, 2 * KV_TILE)
                     col1 = mods.step_block(listed, t + 1, LISTED)[0] * BC
-                    load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, col1, n_k, tid)
-                    load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, col1, n_k, tid)
+                    load_kv_tile(smem[nxt:nxt + KV_TILE], k_h, pages, col1, n_k, tid)
+                    load_kv_tile(smem[nxt + KV_TILE:nxt + 2 * KV_TILE], v_h, pages, col1, n_k,
+                                 tid)
                 pipeline.commit()
                 if not PIPELINE:
                     pipeline.wait(0)
@@ -337,7 +361,7 @@ def build(cfg):
             if masks.block_is_partial(row0, BR, col0, BC, n_k, BANDED, lo, hi, WINDOW):
                 tiles.mask_scores(s, row0 + warp_row, col0, n_k, BANDED, lo, hi, lane, WINDOW)
             if STAGES == 1:  # every warp is done with K_j: refill the tile with K_{j+1}
-                refill_after_use(k_s, k_h, t, t1, listed, n_k, tid)
+                refill_after_use(k_s, k_h, pages, t, t1, listed, n_k, tid)
             # l.9: m_ij = max(m_i, rowmax(S_ij)), P~_ij = exp(S_ij - m_ij), l_ij = e^(m_i - m_ij) l_i
             # + rowsum(P~_ij); and the first half of l.10, O_i <- diag(e^(m_i - m_ij)) O_i.
             softmax.online_softmax(s, m_i, l_i, o_acc, scale_log2, float32(0), 0)
@@ -355,7 +379,7 @@ def build(cfg):
                 pipeline.wait_and_release(1)   # V_j landed (K_{j+1} may still be in flight)
             tiles.gemm_ab(o_acc, p, v_s, lane, STRIDE, SWIZZLE, ELEM)
             if STAGES == 1:  # every warp is done with V_j: refill the tile with V_{j+1}
-                refill_after_use(v_s, v_h, t, t1, listed, n_k, tid)
+                refill_after_use(v_s, v_h, pages, t, t1, listed, n_k, tid)
 
         # l.12-13: O_i = diag(l_i)^-1 O_i and L_i = m_i + log(l_i), once.
         inv_l = cuda.local.array(ROWS, float32)
@@ -412,16 +436,20 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                    align=masks.BOTTOM_RIGHT, alibi_slopes=None, sinks=None, dropout_p=0.0,
                    dropout_seed=0, dropout_offset=0, score_mod=None, mask_mod=None,
-                   score_mod_grad=None, aux=None, block_mask=None, out=None, **options):
+                   score_mod_grad=None, aux=None, block_mask=None, block_table=None, out=None,
+                   **options):
     """FA2 forward over a packed batch of sequences, as flash_attn_varlen_func: q (total_q, H, d),
     k, v (total_k, H_kv, d), sequence b being rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 (int32
     device arrays, batch + 1 entries). Returns o (total_q, H, d) and lse (H, total_q) fp32. The
     grid covers max_seqlen_q rows of every sequence; a block past its sequence's end returns at
-    once, so a short sequence costs its own blocks only."""
+    once, so a short sequence costs its own blocks only. block_table (batch, max_pages) int32: k, v
+    are a paged cache (num_pages, page_size, H_kv, d), sequence b's cu_seqlens_k[b+1] -
+    cu_seqlens_k[b] keys in its pages (a prefill against the cache a decode writes; forward only),
+    page_size a power of two and a multiple of block_n."""
     prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal=causal, softmax_scale=softmax_scale, out=out,
                           head_dims=HEAD_DIMS, variant="fa2", window_size=window_size,
-                          softcap=softcap, align=align)
+                          softcap=softcap, align=align, block_table=block_table)
     with_dropout(prob, dropout_p, dropout_seed, dropout_offset)
     with_mods(prob, score_mod, mask_mod, score_mod_grad, aux, block_mask=block_mask)
     return _run(with_score_terms(prob, alibi_slopes, sinks, align), options)
@@ -439,8 +467,20 @@ def _run(prob, options):
            prob.q, prob.k, prob.v, prob.o32, prob.lse, np.int32(prob.n_q), np.int32(prob.n_k),
            np.int32(prob.kv_group), *prob.mask_args(), np.float32(prob.softmax_scale),
            np.float32(prob.softmax_scale * math.log2(math.e)), cu_q, cu_k, *prob.score_args(),
-           *prob.dropout_args(), prob.aux, *_block_mask_args(prob, cfg))
+           *prob.dropout_args(), prob.aux, *_block_mask_args(prob, cfg), *_page_args(prob, cfg))
     return prob.result()
+
+
+def _page_args(prob, cfg):
+    """The kernel's paged-cache arguments: the block table and log2 page_size (a placeholder and
+    0 without pages), after checking that a K/V tile of cfg lies within a page."""
+    pages = prob.pages
+    if pages is None:
+        return arrays.placeholder(prob.library, 2, prob.like, "int32"), np.int32(0)
+    if pages.page_size % cfg.block_n:
+        raise ValueError(f"block_table: pages of {pages.page_size} keys, but fa2's K/V tiles hold "
+                         f"block_n={cfg.block_n}: pages must hold a multiple of block_n keys")
+    return pages.table, np.int32(pages.page_size.bit_length() - 1)
 
 
 def _block_mask_args(prob, cfg):
@@ -461,7 +501,7 @@ def compile_targets():
     launches by default in bf16 (fp16: d=64 non-causal; the GPU tests compile and run them all)."""
     argtypes = (QKV_TYPE, QKV_TYPE, QKV_TYPE, OUT_TYPE, LSE_TYPE, types.int32, types.int32,
                 types.int32) + MASK_TYPES + (types.float32, types.float32, SEQS_TYPE, SEQS_TYPE) + \
-        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES + BLOCK_MASK_TYPES
+        SCORE_TYPES + DROPOUT_TYPES + MOD_TYPES + BLOCK_MASK_TYPES + PAGE_TYPES
     for head_dim in REPORTED_HEAD_DIMS:
         for element in (BFLOAT16, FLOAT16):
             for causal in (False, True):
@@ -482,11 +522,17 @@ def compile_targets():
     cfg = default_config(128, BFLOAT16, False, (("dropout", True),))
     yield "fa2 d=128 bf16 causal=False dropout", build(cfg), argtypes, \
         cfg.m_tiles * 128 * cfg.block_n // 64
+    # a packed batch's prefill against a paged cache (block_table), causal at d=128
+    cfg = default_config(128, BFLOAT16, True, (("varlen", True), ("bottom_right", True),
+                                               ("paged", True)))
+    yield "fa2 d=128 bf16 causal=True varlen paged", build(cfg), argtypes, \
+        cfg.m_tiles * 128 * cfg.block_n // 64
     # a user's score_mod and mask_mod (ALiBi, a document mask: common/tile/mods.py) at d=128
     from variants import score_mods
     example, aux_types = score_mods.compile_example()
     cfg = default_config(128, BFLOAT16, False, (("mods", example),))
+    before_aux = argtypes[:-len(BLOCK_MASK_TYPES) - len(PAGE_TYPES) - 1]
     yield "fa2 d=128 bf16 causal=False score_mod mask_mod", build(cfg), \
-        argtypes[:-len(BLOCK_MASK_TYPES) - 1] + aux_types + BLOCK_MASK_TYPES, \
+        before_aux + aux_types + BLOCK_MASK_TYPES + PAGE_TYPES, \
         cfg.m_tiles * 128 * cfg.block_n // 64
     yield from fa2_backward.compile_targets()   # Algorithm 2's kernels

@@ -27,10 +27,9 @@ tests: `return_attn_probs` gives no S_dmask).
 FA3's `attention_chunk` (Llama 4's chunked local attention) and, in the varlen functions,
 `seqused_q` / `seqused_k`: a packed batch of other sequences over the same rows (the chunks; the
 used rows, the unused queries with no key, the unused keys with no query), exact.
-What they refuse, naming the argument: a `block_table` in the
-varlen forward, FA3's `qv` and `num_splits` > 1,
-and flash_attn_with_kvcache's rotary, window, softcap, alibi, `cache_batch_idx` and
-`cache_leftpad` (variants.decode does not take them yet).
+flash_attn_varlen_func's `block_table`: the keys and values in the pages of a cache (fa2's forward,
+no backward, as flash_attn's). flash_attn_with_kvcache takes every argument of flash_attn 2's
+(variants/decoding.py). What they refuse, naming the argument: FA3's `qv` and `num_splits` > 1.
 """
 from functools import lru_cache
 
@@ -341,16 +340,57 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     / `seqused_k` ((batch,) int32: only the first seqused[b] rows of sequence b take part; the
     other query rows get 0) and `attention_chunk` re-cut the packed batch (`_recut_varlen`);
     `qv` is refused by name."""
-    _refuse(block_table=block_table, qv=qv)
+    _refuse(qv=qv)
     _refuse_fa3(num_splits)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     run = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                softcap=softcap, deterministic=deterministic, return_lse=return_attn_probs,
                variant=variant, alibi_slopes=alibi_slopes, sinks=learnable_sink,
                dropout_p=dropout_p)
+    if block_table is not None:
+        if seqused_q is not None or seqused_k is not None or attention_chunk:
+            raise NotImplementedError("block_table with seqused_q / seqused_k / attention_chunk: "
+                                      "not supported together yet")
+        return _paged_varlen(q, k, v, varlen, block_table, **run)
     if seqused_q is not None or seqused_k is not None or attention_chunk:
         return _recut_varlen(q, k, v, varlen, seqused_q, seqused_k, int(attention_chunk), run)
     return _attention(q, k, v, varlen, **run)
+
+
+def _paged_varlen(q, k, v, varlen, block_table, *, softmax_scale, causal, window_size, softcap,
+                  deterministic, return_lse, variant, alibi_slopes, sinks, dropout_p):
+    """flash_attn_varlen_func over a paged cache (k, v (num_pages, page_size, H_kv, d), sequence
+    b's keys in the pages block_table[b]): a prefill against the cache a decode writes. fa2's
+    forward (fa3 has no paged copy yet); no backward and no dropout (flash_attn's neither); the
+    head dim as the kernels take it (the cache is not copied to pad it)."""
+    if dropout_p:
+        raise NotImplementedError(f"dropout_p={dropout_p} with block_table: the paged forward is "
+                                  "for inference (no backward)")
+    if variant not in (None, "fa2"):
+        raise NotImplementedError(f"block_table with variant={variant!r}: the paged forward is "
+                                  "fa2's")
+    if _is_torch(q) and torch_grad_needed(q, k, v, alibi_slopes, sinks):
+        raise NotImplementedError("block_table: the paged forward has no backward (as "
+                                  "flash_attn's); call it under torch.no_grad()")
+    d = tuple(q.shape)[-1]
+    if _padded(d) != d or tuple(v.shape)[-1] != d:
+        raise ValueError(f"block_table with head_dim {d} (v: {tuple(v.shape)[-1]}): the paged "
+                         "cache must hold one head dim the kernels take (a multiple of 8 from 32 "
+                         "to 256); it is not copied to pad it")
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    terms = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
+             if x is not None}
+    o, lse = registry.forward_varlen(q, k, v, *varlen, variant="fa2", causal=causal,
+                                     softmax_scale=scale, window_size=tuple(window_size),
+                                     softcap=max(softcap or 0.0, 0.0), block_table=block_table,
+                                     **terms)
+    return (o, lse, None) if return_lse else o
+
+
+def torch_grad_needed(*tensors):
+    """Whether autograd would record a call on these torch tensors (None among them ignored)."""
+    import torch
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

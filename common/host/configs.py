@@ -15,7 +15,8 @@ from common.tile import tiles
 # inputs; softcap): set from the problem, never options. `causal` is the band mask of
 # common/tile/masks.py (causal or a sliding window): its bounds are kernel arguments.
 PROBLEM_FIELDS = ("head_dim", "element", "causal", "fp8", "k_block_scales", "softcap", "window",
-                  "varlen", "bottom_right", "alibi", "sinks", "dropout", "mods", "block_mask")
+                  "varlen", "bottom_right", "alibi", "sinks", "dropout", "mods", "block_mask",
+                  "paged")
 
 
 def once_per_config(method):
@@ -125,6 +126,8 @@ def mask_fields(prob, backward=False):
         fields += (("block_mask", True),)
     if prob.varlen is not None:   # a packed batch (prepare_varlen): where its diagonal sits
         fields += (("varlen", True), ("bottom_right", prob.varlen.bottom_right))
+    if getattr(prob, "pages", None) is not None:   # its keys in a paged cache (fa2's forward)
+        fields += (("paged", True),)
     return fields
 
 

@@ -42,6 +42,8 @@ MOD_TYPES = (types.Tuple(()),)
 # fa2's block-mask lists (common/host/mods.py BlockMask.lists) and whether they vary by batch, head
 BLOCK_MASK_TYPES = (types.Array(types.int32, 4, "C"), types.Array(types.int32, 3, "C"),
                     types.int32, types.int32)
+# fa2's paged K/V (a packed batch's block_table: Pages) and log2 of the page size
+PAGE_TYPES = (types.Array(types.int32, 2, "A"), types.int32)
 
 
 @dataclass
@@ -56,6 +58,15 @@ class Varlen:
     bottom_right: bool    # the band's diagonal at each sequence's bottom-right corner
     starts_q: tuple = ()  # cu_q and cu_k as read back to the host (checked), batch + 1 ints
     starts_k: tuple = ()
+
+
+@dataclass
+class Pages:
+    """A packed batch's keys and values in the pages of a cache (flash_attn_varlen_func's
+    block_table): k, v (num_pages, page_size, H_kv, d), sequence b's key t at slot t mod
+    page_size of page table[b, t / page_size]."""
+    table: object         # int32 kernel view (batch, max_pages)
+    page_size: int        # a power of two
 
 
 @dataclass
@@ -96,6 +107,7 @@ class AttentionProblem:
     mods: object = None
     aux: tuple = ()
     block_mask: object = None   # a BlockMask of mods.mask_mod (fa2's forward)
+    pages: Pages = None         # a packed batch's paged K/V (prepare_varlen's block_table)
 
     @property
     def element(self):
@@ -226,32 +238,45 @@ def prepare(q, k, v, *, causal, softmax_scale, out, head_dims, variant, dtypes=H
 
 def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
                    softmax_scale, out, head_dims, variant, window_size=(-1, -1), softcap=0.0,
-                   align=masks.BOTTOM_RIGHT):
+                   align=masks.BOTTOM_RIGHT, block_table=None):
     """prepare for a packed batch of sequences, as flash_attn_varlen_func takes it: q (total_q,
     heads, d), k and v (total_k, heads_kv, d); cu_seqlens_q/k int32 (batch + 1,) device arrays of
     the sequences' first rows (0, then non-decreasing, ending at total); max_seqlen_q/k at least
     the longest sequence. The mask applies within each sequence (the causal diagonal at each
     sequence's bottom-right or top-left corner). o comes back (total_q, heads, d), lse (heads,
     total_q). cu_seqlens are read back to the host and checked (one small copy a call), unless
-    their values were declared with `known_seqlens`."""
+    their values were declared with `known_seqlens`. block_table (batch, max_pages) int32: k and v
+    are a paged cache (num_pages, page_size, H_kv, d) instead, sequence b's keys (as many as
+    cu_seqlens_k says) in its pages (`Pages`)."""
     if type(window_size) is not tuple:
         window_size = masks.window_of(window_size)
     dq, dk, dv = (arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    paged = block_table is not None
     for d, name in ((dq, "q"), (dk, "k"), (dv, "v")):
-        if len(d.shape) != 3:
+        if paged and name != "q":
+            if len(d.shape) != 4:
+                raise ValueError(f"{name} must be a paged cache (num_pages, page_size, heads_kv, "
+                                 f"head_dim) with a block_table, got shape {d.shape}")
+        elif len(d.shape) != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) as in "
                              f"flash_attn_varlen_func, got shape {d.shape}")
     cu_q, batch, max_q, starts_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", dq.shape[0],
                                                      max_seqlen_q, "max_seqlen_q")
-    cu_k, batch_k, max_k, starts_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", dk.shape[0],
+    cu_k, batch_k, max_k, starts_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k",
+                                                       None if paged else dk.shape[0],
                                                        max_seqlen_k, "max_seqlen_k")
     if batch != batch_k:
         raise ValueError(f"cu_seqlens_q holds {batch} sequences but cu_seqlens_k {batch_k}")
     if batch > 65535:
         raise ValueError(f"at most 65535 sequences a call, got {batch}")
+    pages, gk, gv = None, dk, dv
+    if paged:   # checked as one page (a sequence of page_size rows): prepare's checks
+        pages = _paged(block_table, dk, dv, batch, starts_k)
+        gk, gv = (dataclasses.replace(x, shape=x.shape[1:], strides=x.strides[1:])
+                  for x in (dk, dv))
     # q, k, v as one sequence of a batch of one: every check of prepare's
     _, total_q, h, total_k, h_kv, d = _check_geometry(
-        *(_geometry(one_batch(x)) for x in (dq, dk, dv)), tuple(head_dims), variant)
+        *(_geometry(one_batch(x)) for x in (dq, gk, gv)), tuple(head_dims), variant)
     for x, name in ((dq, "q"), (dk, "k"), (dv, "v")):
         _check_address(x, name)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
@@ -280,12 +305,43 @@ def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         dtype=dq.dtype, out_dtype=dq.dtype, causal=bool(causal), softmax_scale=softmax_scale,
         band=band,
         q=arrays.bits_view(one_batch(dq), np.uint16, _BSHD_TO_BHSD),
-        k=arrays.bits_view(one_batch(dk), np.uint16, _BSHD_TO_BHSD),
-        v=arrays.bits_view(one_batch(dv), np.uint16, _BSHD_TO_BHSD),
+        k=arrays.bits_view(dk if paged else one_batch(dk), np.uint16, _BSHD_TO_BHSD),
+        v=arrays.bits_view(dv if paged else one_batch(dv), np.uint16, _BSHD_TO_BHSD),
         o32=arrays.bits_view(one_batch(do), np.uint32, _BSHD_TO_BHSD, last_dim_divisor=2),
         lse=arrays.bits_view(one_batch(dl), np.float32),
         o_out=o_out, lse_out=lse_out, library=dq.library, stream=arrays.stream_of(dq), like=q,
-        varlen=Varlen(cu_q, cu_k, max_q, max_k, align == masks.BOTTOM_RIGHT, starts_q, starts_k))
+        varlen=Varlen(cu_q, cu_k, max_q, max_k, align == masks.BOTTOM_RIGHT, starts_q, starts_k),
+        pages=pages)
+
+
+def _paged(block_table, dk, dv, batch, starts_k):
+    """The Pages of a packed batch over a paged cache, after checking the table (int32, a row a
+    sequence, read back: every page a sequence reads is one of the cache's) and the caches (one
+    shape, pages of a power of two keys, enough of them for each sequence)."""
+    if dk.shape != dv.shape:
+        raise ValueError(f"k and v (the paged cache) must have one shape, got {dk.shape} and "
+                         f"{dv.shape}")
+    n_pages, page_size = dk.shape[0], dk.shape[1]
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"a paged cache's page_size (k.shape[1]) must be a power of two, got "
+                         f"{page_size}")
+    dt = arrays.describe(block_table, "block_table")
+    if dt.dtype != "int32" or len(dt.shape) != 2 or dt.shape[0] != batch:
+        raise ValueError(f"block_table must be int32 of shape ({batch}, max_pages), got "
+                         f"{dt.dtype} {dt.shape}")
+    table = arrays.to_host(block_table)
+    for b in range(batch):
+        n = starts_k[b + 1] - starts_k[b]
+        used = -(-n // page_size)
+        if used > dt.shape[1]:
+            raise ValueError(f"sequence {b} has {n} keys but its block_table row holds "
+                             f"{dt.shape[1]} pages of {page_size}")
+        bad = np.flatnonzero((table[b, :used] < 0) | (table[b, :used] >= n_pages))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the "
+                             f"cache (0 .. {n_pages - 1})")
+    return Pages(arrays.bits_view(dt, np.int32), page_size)
 
 
 def with_score_terms(prob, alibi_slopes=None, sinks=None, align=masks.BOTTOM_RIGHT):
@@ -403,9 +459,10 @@ def _check_cu_seqlens(cu, name, total, max_seqlen, max_name):
     else:
         host = arrays.to_host(cu).astype(np.int64)
     lengths = np.diff(host)
-    if host[0] != 0 or (lengths < 0).any() or host[-1] != total:
-        raise ValueError(f"{name} must start at 0, never decrease and end at the {total} rows of "
-                         f"its tensor, got {host.tolist() if host.size <= 16 else host}")
+    if host[0] != 0 or (lengths < 0).any() or (total is not None and host[-1] != total):
+        ends = "" if total is None else f" and end at the {total} rows of its tensor"
+        raise ValueError(f"{name} must start at 0{',' if ends else ' and'} never decrease{ends}, "
+                         f"got {host.tolist() if host.size <= 16 else host}")
     longest = int(lengths.max())
     if int(max_seqlen) < longest:
         raise ValueError(f"{max_name}={max_seqlen} is below the longest sequence, {longest}")
