@@ -15,6 +15,11 @@ the same run; every option is set so that it reads the same keys as the plain ca
 - and a device-to-device copy of 2 GiB, whose rate (read + written) is the bandwidth ceiling.
 GB/s = K and V bytes the call reads / time; `vs plain` is the option's time over plain's (the bar:
 <= 1.05 at batch 8, 16k; d=256 >= 85% of the copy rate at batch 8, 32k).
+
+--prefill: a chunked prefill against a paged cache (flash_attn_varlen_func's block_table: fa2's
+forward, pages of 64, 128 and 256 keys, a shuffled table) beside the same packed batch with its
+keys contiguous (8 sequences, a chunk of 1024 new queries each against 8k keys, causal, GQA
+32/8, d=128, bf16); the bar: paged within 10% of contiguous at pages >= 64.
 """
 import argparse
 import csv
@@ -79,12 +84,46 @@ def measure(batch, length, head_dim, copy_gbs, heads=32, heads_kv=8):
     return rows
 
 
+def prefill_rows(pages=(64, 128, 256), batch=8, chunk=1024, keys=8192, heads=32, heads_kv=8,
+                 head_dim=128):
+    """Paged against contiguous varlen forwards (CUDA events, median, eager calls)."""
+    import torch
+
+    from experiments.measure import timing
+    from variants import flash_attn
+    q = torch.randn(batch * chunk, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch * keys, heads_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in "kv")
+    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * chunk
+    cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * keys
+    run = dict(causal=True, variant="fa2")
+    with torch.no_grad():
+        ms = timing.benchmark(lambda i: flash_attn.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, chunk, keys, **run), min_reps=10, max_reps=100).median_ms
+        rows = [dict(case="contiguous", page_size=0, ms=round(ms, 4), vs_contiguous=1.0)]
+        for size in pages:
+            per_seq = keys // size
+            perm = torch.randperm(batch * per_seq, device="cuda")
+            table = perm.reshape(batch, per_seq).to(torch.int32)
+            kc, vc = (torch.empty(batch * per_seq, size, heads_kv, head_dim, device="cuda",
+                                  dtype=torch.bfloat16) for _ in "kv")
+            kc[perm.long()] = k.view(batch * per_seq, size, heads_kv, head_dim)
+            vc[perm.long()] = v.view(batch * per_seq, size, heads_kv, head_dim)
+            paged = timing.benchmark(lambda i: flash_attn.flash_attn_varlen_func(
+                q, kc, vc, cu_q, cu_k, chunk, keys, block_table=table, **run),
+                min_reps=10, max_reps=100).median_ms
+            rows.append(dict(case="paged", page_size=size, ms=round(paged, 4),
+                             vs_contiguous=round(paged / ms, 3)))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lengths", default="16384,32768")
     ap.add_argument("--head-dims", default="128,256")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--prefill", action="store_true", help="paged prefill against contiguous")
     args = ap.parse_args(argv)
     import torch
 
@@ -99,6 +138,10 @@ def main(argv=None):
     print(" ".join(f"{k:>10}" for k in keys))
     for r in rows:
         print(" ".join(f"{r[k]!s:>10}" for k in keys))
+    if args.prefill:
+        print("== chunked prefill (fa2 varlen forward): paged against contiguous")
+        for r in prefill_rows():
+            print(" ".join(f"{k}={v}" for k, v in r.items()))
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)

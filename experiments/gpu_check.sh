@@ -43,6 +43,11 @@
 #            FlexAttention (experiments/mods.py)
 #   first_call  a new process's import, first call and the calls after it, cold and warm cache
 #            (experiments/first_call.py)
+#   kvcache  flash_attn_with_kvcache's options and the paged prefill (issue 62): tests/test_decode.py,
+#            the flash_attn door's kvcache and paged tests, the compiled decode operator and the
+#            transformers generation tests on the GPU, then experiments/decode_options.py --prefill
+#            (each option's cost beside plain decode, d=256 against the copy rate, paged against
+#            contiguous prefill)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -227,6 +232,19 @@ for step in $steps; do
       timeout "${MODS_TIMEOUT:-540}" python3 experiments/mods.py --csv "$OUT/mods.csv" ${MODS_ARGS:-} \
         > "$OUT/mods.txt" 2>&1 || status=1
       tail -20 "$OUT/mods.txt" ;;
+    kvcache)
+      timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -v -p no:cacheprovider -p no:benchmark \
+        -n "${KVCACHE_WORKERS:-12}" -rfE --tb=short tests/test_decode.py \
+        tests/test_flash_attn_api.py -k "not dropout" \
+        "tests/test_torch_compile.py::test_compiled_decode_step_is_the_decode_kernel" \
+        "tests/test_integrations.py::test_declared_cu_seqlens_are_not_read_back" \
+        "tests/test_integrations.py::test_transformers_generation_teacher_forced" \
+        > "$OUT/kvcache_tests.log" 2>&1 || status=1
+      echo "$(grep -c ' PASSED' "$OUT/kvcache_tests.log") passed"
+      grep -E " (FAILED|ERROR)" "$OUT/kvcache_tests.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | head -20
+      timeout "${KVCACHE_TIMEOUT:-240}" python3 experiments/decode_options.py --prefill \
+        --csv "$OUT/decode_options.csv" > "$OUT/decode_options.txt" 2>&1 || status=1
+      tail -30 "$OUT/decode_options.txt" ;;
     first_call)
       timeout "${FIRST_CALL_TIMEOUT:-600}" python3 experiments/first_call.py ${FIRST_CALL_ARGS:-} \
         > "$OUT/first_call.txt" 2>&1 || status=1
