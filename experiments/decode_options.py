@@ -129,24 +129,25 @@ def main(argv=None):
 
     from experiments.decode import copy_bandwidth
     copy_gbs = copy_bandwidth(torch)
-    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + written)")
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s (read + written)", flush=True)
+    if args.prefill:   # first: two kernels to compile, where the options' table has sixteen
+        print("== chunked prefill (fa2 varlen forward): paged against contiguous", flush=True)
+        for r in prefill_rows():
+            print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)
     rows = []
     for d in map(int, args.head_dims.split(",")):
         for length in map(int, args.lengths.split(",")):
-            rows += measure(args.batch, length, d, copy_gbs)
-    keys = list(rows[0])
-    print(" ".join(f"{k:>10}" for k in keys))
-    for r in rows:
-        print(" ".join(f"{r[k]!s:>10}" for k in keys))
-    if args.prefill:
-        print("== chunked prefill (fa2 varlen forward): paged against contiguous")
-        for r in prefill_rows():
-            print(" ".join(f"{k}={v}" for k, v in r.items()))
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
+            got = measure(args.batch, length, d, copy_gbs)
+            if not rows:
+                print(" ".join(f"{k:>10}" for k in got[0]), flush=True)
+            for r in got:   # each (head dim, length) as it is measured: a time limit keeps them
+                print(" ".join(f"{r[k]!s:>10}" for k in r), flush=True)
+            rows += got
+            if args.csv:
+                with open(args.csv, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    w.writeheader()
+                    w.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ for step in $steps; do
         > "$OUT/kvcache_tests.log" 2>&1 || status=1
       echo "$(grep -c ' PASSED' "$OUT/kvcache_tests.log") passed"
       grep -E " (FAILED|ERROR)" "$OUT/kvcache_tests.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | head -20
-      timeout "${KVCACHE_TIMEOUT:-240}" python3 experiments/decode_options.py --prefill \
+      timeout "${KVCACHE_TIMEOUT:-240}" python3 experiments/decode_options.py --prefill --lengths 16384 \
         --csv "$OUT/decode_options.csv" > "$OUT/decode_options.txt" 2>&1 || status=1
       tail -30 "$OUT/decode_options.txt" ;;
     first_call)

@@ -661,6 +661,7 @@ def test_decode_generation_step_is_replayed():
     k, v = (torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     lens = torch.full((2,), 300, dtype=torch.int32, device="cuda")
     plans = [p for p in decoding.decode.plans.values() if type(p) is replay.Plan]
+    keys = len(decoding.decode.plans)
     outs = [variants.decode(q, k, v, lens, causal=True, check=False) for _ in range(4)]
     made = [p for p in decoding.decode.plans.values() if type(p) is replay.Plan]
     assert len(made) == len(plans) + 1
@@ -668,4 +669,6 @@ def test_decode_generation_step_is_replayed():
     pad = torch.tensor([0, 7], dtype=torch.int32, device="cuda")
     for _ in range(3):
         variants.decode(q, k, v, lens, causal=True, check=False, cache_leftpad=pad)
+        variants.decode(q, k, v, lens, causal=False)   # check=True: never recorded
     assert len([p for p in decoding.decode.plans.values() if type(p) is replay.Plan]) == len(made)
+    assert len(decoding.decode.plans) == keys + 1   # no key kept for the other calls

@@ -89,13 +89,16 @@ def test_varlen_forms_are_exact_per_sequence(rng):
         assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
 
 
-@pytest.mark.parametrize("page_size", [64, 128])
-def test_varlen_prefill_against_a_paged_cache(rng, page_size):
+@pytest.mark.parametrize("page_size, head_dim, mask", [
+    (64, 64, dict(causal=True)), (128, 64, dict(causal=True))] + ([
+        (256, 128, dict(causal=True)), (64, 128, dict(window_size=(100, 20)))] if ON_GPU else []))
+def test_varlen_prefill_against_a_paged_cache(rng, page_size, head_dim, mask):
     """flash_attn_varlen_func with a block_table: each sequence's keys and values in the pages of
-    a cache (shuffled, some unused; the keys of a sequence end mid-page, one sequence has more
-    pages than keys need), causal at each sequence's bottom-right (a chunked prefill: the new
-    queries are the last of the sequence's keys), GQA; each sequence against float64 over its
-    keys gathered from its pages."""
+    a cache (shuffled, some unused and NaN, as are the slots past each sequence's keys, the table
+    entries past them -1: a read past a sequence's keys would show), causal at each sequence's
+    bottom-right (a chunked prefill: the new queries are the last of the sequence's keys), or a
+    two-sided window without causal (d=128: the K/V copies refilled after use); GQA; each
+    sequence against float64 over its keys gathered from its pages."""
     lengths = [(3, 70), (17, 17), (40, 200)] if not ON_GPU else [(3, 700), (17, 17),
                                                                  (400, 2000), (129, 4097)]
     max_pages = max(-(-n // page_size) for _, n in lengths) + 1
@@ -103,19 +106,27 @@ def test_varlen_prefill_against_a_paged_cache(rng, page_size):
     table = rng.permutation(n_pages)[:len(lengths) * max_pages].reshape(len(lengths), max_pages)
     cu_q = np.concatenate([[0], np.cumsum([n for n, _ in lengths])]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum([n for _, n in lengths])]).astype(np.int32)
-    q = inputs.random_qkv(rng, 1, int(cu_q[-1]), 4, 64, DTYPE)[0][0]
-    kc, vc = (rng.standard_normal((n_pages, page_size, 2, 64), dtype=np.float32)
+    q = inputs.random_qkv(rng, 1, int(cu_q[-1]), 4, head_dim, DTYPE)[0][0]
+    kc, vc = (np.full((n_pages, page_size, 2, head_dim), np.nan, np.float32)
               .astype(inputs.DTYPES[DTYPE]) for _ in "kv")
+    for b, (_, n_k) in enumerate(lengths):   # each sequence's keys; NaN elsewhere
+        for t in range(0, n_k, page_size):
+            rows = min(page_size, n_k - t)
+            for x in (kc, vc):
+                x[table[b, t // page_size], :rows] = rng.standard_normal(
+                    (rows, 2, head_dim), dtype=np.float32).astype(x.dtype)
+        table[b, -(-n_k // page_size):] = -1
     dq, dkc, dvc, dcu_q, dcu_k, dtable = device(q, kc, vc, cu_q, cu_k, table.astype(np.int32))
     out, lse, _ = fa.flash_attn_varlen_func(
         dq, dkc, dvc, dcu_q, dcu_k, max(n for n, _ in lengths), max(n for _, n in lengths),
-        causal=True, block_table=dtable, return_attn_probs=True)
+        block_table=dtable, return_attn_probs=True, **mask)
     out, lse = inputs.to_host(out), inputs.to_host(lse)
     for b, (n_q, n_k) in enumerate(lengths):
-        keys = np.concatenate([kc[table[b, j]] for j in range(max_pages)])[:n_k]
-        values = np.concatenate([vc[table[b, j]] for j in range(max_pages)])[:n_k]
+        used = range(-(-n_k // page_size))
+        keys = np.concatenate([kc[table[b, j]] for j in used])[:n_k]
+        values = np.concatenate([vc[table[b, j]] for j in used])[:n_k]
         rows = slice(cu_q[b], cu_q[b + 1])
-        ref_o, ref_lse = reference.attention(q[None, rows], keys[None], values[None], causal=True)
+        ref_o, ref_lse = reference.attention(q[None, rows], keys[None], values[None], **mask)
         got = checks.compare(out[None, rows], lse[None, :, rows], ref_o, ref_lse, DTYPE)
         assert got["ok"], f"sequence {b}: " + checks.describe_failure(got)
 
@@ -139,6 +150,8 @@ def test_paged_cache_errors_name_the_problem(rng):
         call(k=odd)
     with pytest.raises(ValueError, match="pages must hold a multiple of block_n keys"):
         call(k=small, n_k=20)
+    with pytest.raises(ValueError, match=r"k must be a paged cache \(num_pages, page_size"):
+        call(k=q)
 
 
 @pytest.mark.parametrize("seqused, chunk", [(True, 0), (False, 16), (True, 8)],

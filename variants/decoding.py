@@ -1145,7 +1145,9 @@ def pdl_by_default():
     return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
 
 
-@replayed(4)   # a call with plain keywords and check=False (a generation step) replays its launches
+# a call with plain keywords and check=False (a generation step) replays its launches; check=True
+# reads the lengths back: never recorded
+@replayed(4, when=lambda options: options.get("check", True) is False)
 def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, causal=False,
            softmax_scale=None, num_splits=0, split_kv=True, check=True, out=None,
            cache_leftpad=None, cache_batch_idx=None, window_size=(-1, -1), softcap=0.0,

@@ -213,7 +213,8 @@ def build(cfg):
         the whole tile (pages hold a multiple of B_c keys)."""
         if PAGED:
             table_row, page_shift, last_page = pages
-            page = min(max(table_row[row0 >> page_shift], int32(0)), last_page)
+            entry = min(row0 >> page_shift, int32(table_row.shape[0] - 1))   # a tile past the
+            page = min(max(table_row[entry], int32(0)), last_page)   # keys reads no past table
             slot0 = row0 & int32((int32(1) << page_shift) - int32(1))
             tiles.load_tile_async(tile, src[page], slot0, int32(slot0 + n_rows - row0), 0, BC,
                                   D, STRIDE, SWIZZLE, tid, THREADS, ADDRESS_ONCE, DV)
@@ -446,6 +447,9 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     are a paged cache (num_pages, page_size, H_kv, d), sequence b's cu_seqlens_k[b+1] -
     cu_seqlens_k[b] keys in its pages (a prefill against the cache a decode writes; forward only),
     page_size a power of two and a multiple of block_n."""
+    if block_table is not None and (score_mod or mask_mod or block_mask is not None):
+        raise ValueError("block_table with score_mod / mask_mod / block_mask: not supported "
+                         "together (their positions are a packed batch's, not a paged cache's)")
     prob = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal=causal, softmax_scale=softmax_scale, out=out,
                           head_dims=HEAD_DIMS, variant="fa2", window_size=window_size,
@@ -525,7 +529,7 @@ def compile_targets():
     # a packed batch's prefill against a paged cache (block_table), causal at d=128
     cfg = default_config(128, BFLOAT16, True, (("varlen", True), ("bottom_right", True),
                                                ("paged", True)))
-    yield "fa2 d=128 bf16 causal=True varlen paged", build(cfg), argtypes, \
+    yield "fa2 paged varlen d=128 bf16 causal=True", build(cfg), argtypes, \
         cfg.m_tiles * 128 * cfg.block_n // 64
     # a user's score_mod and mask_mod (ALiBi, a document mask: common/tile/mods.py) at d=128
     from variants import score_mods

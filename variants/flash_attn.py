@@ -380,6 +380,8 @@ def _paged_varlen(q, k, v, varlen, block_table, *, softmax_scale, causal, window
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     terms = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
              if x is not None}
+    from common.host.kvcache import as_int32
+    block_table = as_int32(block_table)   # torch's int64, say: int32 on the device
     o, lse = registry.forward_varlen(q, k, v, *varlen, variant="fa2", causal=causal,
                                      softmax_scale=scale, window_size=tuple(window_size),
                                      softcap=max(softcap or 0.0, 0.0), block_table=block_table,

@@ -43,7 +43,7 @@ MOD_TYPES = (types.Tuple(()),)
 BLOCK_MASK_TYPES = (types.Array(types.int32, 4, "C"), types.Array(types.int32, 3, "C"),
                     types.int32, types.int32)
 # fa2's paged K/V (a packed batch's block_table: Pages) and log2 of the page size
-PAGE_TYPES = (types.Array(types.int32, 2, "A"), types.int32)
+PAGE_TYPES = (types.Array(types.int32, 2, "C"), types.int32)
 
 
 @dataclass
@@ -322,6 +322,10 @@ def _paged(block_table, dk, dv, batch, starts_k):
         raise ValueError(f"k and v (the paged cache) must have one shape, got {dk.shape} and "
                          f"{dv.shape}")
     n_pages, page_size = dk.shape[0], dk.shape[1]
+    for x, name in ((dk, "k"), (dv, "v")):
+        if n_pages > 1 and x.strides[0] % 16:
+            raise ValueError(f"{name}: pages must start 16 bytes apart (its page stride is "
+                             f"{x.strides[0]} bytes)")
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"a paged cache's page_size (k.shape[1]) must be a power of two, got "
                          f"{page_size}")

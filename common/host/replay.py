@@ -35,7 +35,8 @@ switch for measuring what it saves.
 What the record cannot see: device work that bypasses both `launching.launch` and torch (a Numba
 kernel launched directly, a Numba or CuPy copy or fill, a host read through them). A wrapped body
 must do its device work through `launching.launch` and torch; a body that does not must not be
-wrapped (the variable-length and decoding paths, which read lengths back, are not).
+wrapped (the variable-length paths, which read lengths back, are not; decoding is, for its calls
+with check=False only: `replayed(..., when=)`).
 """
 import atexit
 import functools
@@ -52,16 +53,20 @@ _TRY, _NONE = "try", "none"   # a key's state before it has a Plan: record the n
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def replayed(n_inputs):
+def replayed(n_inputs, when=None):
     """Decorator for fn(*inputs, **options) -> tuple of new torch tensors, `n_inputs` arrays taken
-    positionally (forward: q, k, v; backward: do, q, k, v, o, lse): see the module's docstring."""
+    positionally (forward: q, k, v; backward: do, q, k, v, o, lse): see the module's docstring.
+    when(options): whether a call may be recorded at all (None: every call), for a body whose
+    other calls read data back (decoding's check=True), which never give a plan: they take the
+    ordinary path at once instead of paying a record (and its first one's torch imports)."""
     def wrap(fn):
         plans = {}
         _ALL_PLANS.append(plans)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            if target.SIMULATOR or not ENABLED or len(args) != n_inputs or _recording():
+            if target.SIMULATOR or not ENABLED or len(args) != n_inputs or _recording() or \
+                    (when is not None and not when(kwargs)):
                 return fn(*args, **kwargs)   # within a recorded call: its launches are recorded
             try:
                 key = torch_call_key(args, tuple(kwargs.items()))
