@@ -43,6 +43,7 @@ from common.host import arrays, configs, kvcache
 from common.host.launching import launch
 from common.host.replay import replayed
 from common.tile import softmax, splitk, tiles
+from common.tile.paging import checked_page, clamp_page, table_entry
 from common.tile.smem import SharedLayout
 from variants import rotary
 
@@ -276,30 +277,6 @@ def fragment_offset(row, col, n_tiles):
     k = (row >> uint32(4)) * uint32(n_tiles) + (col >> uint32(3))
     return (((k << uint32(5)) + lane) << uint32(2)) + (((row >> uint32(3)) & uint32(1)) << uint32(1)) \
         + (col & uint32(1))
-
-
-@device_function
-def table_entry(block_table, b, key, page_shift):
-    """Sequence b's block-table entry for key `key`, unchecked (the index clamped into the row:
-    a key past the table reads its last entry; a table of no columns, whose lengths can only be
-    0, reads nothing and gives page 0)."""
-    last = int32(block_table.shape[1] - 1)
-    if last < 0:
-        return int32(0)
-    return block_table[b, min(int32(key >> page_shift), last)]
-
-
-@device_function
-def clamp_page(entry, last_page):
-    """A table entry clamped into the cache: with check=False a bad table gives wrong numbers,
-    never an access outside the cache."""
-    return min(max(entry, int32(0)), last_page)
-
-
-@device_function
-def checked_page(block_table, b, key, page_shift, last_page):
-    """The page holding key `key` of sequence b: its table entry clamped into range."""
-    return clamp_page(table_entry(block_table, b, key, page_shift), last_page)
 
 
 if target.SIMULATOR:   # the simulator has one coherent memory and no ld.global.cg
@@ -1157,11 +1134,11 @@ def decode(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=No
     shapes, as flash_attn_with_kvcache). k, v: appended to the cache first. causal: token i sees
     the keys up to its own position (the last N_q keys are the new tokens'). cache_leftpad,
     cache_batch_idx, window_size, softcap: flash_attn_with_kvcache's (kvcache.py); rotary_cos,
-    rotary_sin, rotary_interleaved: RoPE applied to q and the appended k first (variants/rotary.py).
-    num_splits:
-    0 picks by `num_splits_heuristic` (over the keys a window leaves); split_kv=False runs one
-    thread block a (sequence, K/V head) over all its keys. check: read the lengths and block table back and refuse bad ones (False: no
-    host read, e.g. inside a CUDA graph; then pass num_splits). Returns (o like q, lse (B, H, N_q)
+    rotary_sin, rotary_interleaved: RoPE applied to q and the appended k first (variants/rotary.py);
+    alibi_slopes (H,) or (B, H) fp32. num_splits: 0 picks by `num_splits_heuristic` (over the keys
+    a window leaves); split_kv=False runs one thread block a (sequence, K/V head) over all its
+    keys. check: read the lengths, block table, left padding and cache rows back and refuse bad
+    ones (False: no host read, e.g. inside a CUDA graph; then pass num_splits). Returns (o like q, lse (B, H, N_q)
     float32). options: Config's block_n, warps, stages, combine ("kernel": the splits merged by
     a second kernel; "fused": by the split kernel's last block of a sequence and K/V head, one
     launch; `split_counters` says what that keeps between calls), pdl (True: the combine kernel

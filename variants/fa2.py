@@ -52,7 +52,7 @@ from common.host.problem import (
     with_score_terms,
 )
 from common.host.replay import replayed
-from common.tile import dropout, masks, mods, pipeline, softmax, tiles
+from common.tile import dropout, masks, mods, paging, pipeline, softmax, tiles
 from common.tile.smem import SharedLayout
 from variants import fa2_backward
 
@@ -207,14 +207,13 @@ def build(cfg):
     @device_function
     def load_kv_tile(tile, src, pages, row0, n_rows, tid):
         """Start the cp.async copy of rows row0..row0+B_c of K or V into a shared tile (zeros
-        from n_rows on). PAGED: src is the head's (pages, page_size, d) and pages = (the
-        sequence's block-table row, log2 page_size, the last page): key row0 lies at slot
-        row0 mod page_size of page table[row0 / page_size] (clamped into the cache), and so does
-        the whole tile (pages hold a multiple of B_c keys)."""
+        from n_rows on). PAGED: src is the head's (pages, page_size, d) and pages = (the block
+        table, the sequence, log2 page_size, the last page): key row0 lies at slot row0 mod
+        page_size of its page (common/tile/paging.py, both indices clamped), and so does the
+        whole tile (pages hold a multiple of B_c keys)."""
         if PAGED:
-            table_row, page_shift, last_page = pages
-            entry = min(row0 >> page_shift, int32(table_row.shape[0] - 1))   # a tile past the
-            page = min(max(table_row[entry], int32(0)), last_page)   # keys reads no past table
+            table, seq, page_shift, last_page = pages
+            page = paging.checked_page(table, seq, row0, page_shift, last_page)
             slot0 = row0 & int32((int32(1) << page_shift) - int32(1))
             tiles.load_tile_async(tile, src[page], slot0, int32(slot0 + n_rows - row0), 0, BC,
                                   D, STRIDE, SWIZZLE, tid, THREADS, ADDRESS_ONCE, DV)
@@ -275,7 +274,7 @@ def build(cfg):
                 v_h = v[0, h // kv_group, first_k:first_k + n_k]
         else:
             q_i, k_h, v_h = q[b, h], k[b, h // kv_group], v[b, h // kv_group]
-        pages = (block_table[b if PAGED else 0], page_shift, int32(k.shape[0] - 1))
+        pages = (block_table, b, page_shift, int32(k.shape[0] - 1))   # (PAGED: the table's)
         warp_row = warp * 16 * M            # first row of this warp's part of Q_i (split-Q)
         slope = alibi[b * alibi_stride + h] / softmax_scale if ALIBI else float32(0)
         rng = (seed_lo, seed_hi, offset_lo, offset_hi, keep_below)   # dropout's Philox stream

@@ -369,7 +369,7 @@ def _paged_varlen(q, k, v, varlen, block_table, *, softmax_scale, causal, window
     if variant not in (None, "fa2"):
         raise NotImplementedError(f"block_table with variant={variant!r}: the paged forward is "
                                   "fa2's")
-    if _is_torch(q) and torch_grad_needed(q, k, v, alibi_slopes, sinks):
+    if _is_torch(q) and _grad_needed(q, k, v, alibi_slopes, sinks):
         raise NotImplementedError("block_table: the paged forward has no backward (as "
                                   "flash_attn's); call it under torch.no_grad()")
     d = tuple(q.shape)[-1]
@@ -389,7 +389,7 @@ def _paged_varlen(q, k, v, varlen, block_table, *, softmax_scale, causal, window
     return (o, lse, None) if return_lse else o
 
 
-def torch_grad_needed(*tensors):
+def _grad_needed(*tensors):
     """Whether autograd would record a call on these torch tensors (None among them ignored)."""
     import torch
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)

@@ -37,8 +37,8 @@ from common.hardware import elements
 from common.host import arrays
 from common.tile import masks
 from common.host.launching import KernelView
-from common.host.problem import (HALF_DTYPES, _check_layout, _score_vector, misaligned, remember,
-                                 torch_call_key)
+from common.host.problem import (HALF_DTYPES, _check_layout, _score_vector, check_block_table,
+                                 misaligned, remember, torch_call_key)
 
 
 @dataclass
@@ -286,8 +286,7 @@ def _prepare_decode(q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, ca
         lens_host = arrays.to_host(cache_seqlens)   # one read back, for both checks
         max_k = _check_lengths(lens_host, n_new, capacity)
         if paged:
-            _check_table(arrays.to_host(block_table), lens_host + n_new,
-                         page_size, pages)
+            check_block_table(arrays.to_host(block_table), lens_host + n_new, page_size, pages)
         if cache_leftpad is not None:
             _check_leftpad(arrays.to_host(cache_leftpad), lens_host)
         if cache_batch_idx is not None:
@@ -374,15 +373,3 @@ def _check_lengths(lens, n_new, capacity):
             raise ValueError(f"sequence {b}: cache_seqlens[{b}] = {n} plus {n_new} new tokens "
                              f"exceeds the cache's capacity of {capacity} tokens")
     return int(lens.max()) + n_new if len(lens) else 0
-
-
-def _check_table(table, lengths, page_size, pages):
-    """Every page a sequence reads (its first ceil(length / page_size) entries) is a page of the
-    cache."""
-    for b, n in enumerate(lengths):
-        used = table[b, :(int(n) + page_size - 1) // page_size]
-        bad = np.flatnonzero((used < 0) | (used >= pages))
-        if bad.size:
-            j = int(bad[0])
-            raise ValueError(f"block_table[{b}, {j}] = {int(used[j])} is not a page of the cache "
-                             f"(0 .. {pages - 1}); sequence {b} reads {len(used)} pages")

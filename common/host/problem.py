@@ -333,19 +333,26 @@ def _paged(block_table, dk, dv, batch, starts_k):
     if dt.dtype != "int32" or len(dt.shape) != 2 or dt.shape[0] != batch:
         raise ValueError(f"block_table must be int32 of shape ({batch}, max_pages), got "
                          f"{dt.dtype} {dt.shape}")
-    table = arrays.to_host(block_table)
-    for b in range(batch):
-        n = starts_k[b + 1] - starts_k[b]
-        used = -(-n // page_size)
-        if used > dt.shape[1]:
+    lengths = np.diff(np.asarray(starts_k, dtype=np.int64))
+    for b, n in enumerate(lengths):
+        if -(-n // page_size) > dt.shape[1]:
             raise ValueError(f"sequence {b} has {n} keys but its block_table row holds "
                              f"{dt.shape[1]} pages of {page_size}")
-        bad = np.flatnonzero((table[b, :used] < 0) | (table[b, :used] >= n_pages))
+    check_block_table(arrays.to_host(block_table), lengths, page_size, n_pages)
+    return Pages(arrays.bits_view(dt, np.int32), page_size)
+
+
+def check_block_table(table, lengths, page_size, pages):
+    """Every page a sequence reads (its first ceil(length / page_size) entries of the host copy
+    `table`) is a page of the cache, or the error naming the first that is not (the decode call's
+    and the paged prefill's check)."""
+    for b, n in enumerate(lengths):
+        used = table[b, :(int(n) + page_size - 1) // page_size]
+        bad = np.flatnonzero((used < 0) | (used >= pages))
         if bad.size:
             j = int(bad[0])
-            raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is not a page of the "
-                             f"cache (0 .. {n_pages - 1})")
-    return Pages(arrays.bits_view(dt, np.int32), page_size)
+            raise ValueError(f"block_table[{b}, {j}] = {int(used[j])} is not a page of the cache "
+                             f"(0 .. {pages - 1}); sequence {b} reads {len(used)} pages")
 
 
 def with_score_terms(prob, alibi_slopes=None, sinks=None, align=masks.BOTTOM_RIGHT):
